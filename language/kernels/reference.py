@@ -1,0 +1,124 @@
+"""Plain-torch references for every kernel: the definition of what each Triton kernel computes, and the path the
+engine takes when there is no GPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [N, H], weight: [H] -> [N, H]. Same rounding as HF Llama: normalise in fp32, cast, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, 2I] = [gate | up] -> silu(gate) * up: [N, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [N] -> cos, sin: [N, D/2] in fp32."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def mrope_cos_sin_ref(
+    positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [3, N] (temporal, height, width) -> cos, sin: [N, D/2]. Frequency band i of the half head dim takes
+    its angle from axis j for the j-th chunk of `mrope_section` (Qwen2-VL's M-RoPE)."""
+    freqs = positions.float()[:, :, None] * inv_freq.float()[None, None, :]  # [3, N, D/2]
+    axis = torch.repeat_interleave(
+        torch.arange(len(mrope_section), device=positions.device), torch.tensor(mrope_section, device=positions.device)
+    )  # [D/2]: which axis each band follows
+    freqs = freqs.gather(0, axis[None, None, :].expand(1, freqs.shape[1], -1)).squeeze(0)  # [N, D/2]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, H, D], cos/sin: [N, D/2] -> rotated x (neox / rotate-half style), same dtype as x.
+    Computed as HF does: x * cos + rotate_half(x) * sin with cos/sin cast to x's dtype first."""
+    cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(x.dtype)
+    sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+def store_kv_ref(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k_cache/v_cache: [S, Hk, D]; k/v: [N, Hk, D]; slots: [N] -> k_cache[slots] = k (in place)."""
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor,
+    b_q_start: torch.Tensor,
+    b_q_len: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for packed ("nopad") sequences whose K/V are already stored in the cache.
+
+    q: [N, Hq, D] packed queries; sequence b owns rows b_q_start[b] : b_q_start[b] + b_q_len[b], which are its last
+    b_q_len[b] tokens out of b_seq_len[b] (the rest is an already-cached prefix). Its keys/values are the slots
+    req_to_token[b_req_idx[b], :b_seq_len[b]]. Query j of sequence b sits at absolute position
+    b_seq_len[b] - b_q_len[b] + j and sees keys 0..that position. GQA: query head h reads KV head h // (Hq // Hk).
+    Returns [N, Hq, D] in q's dtype; softmax in fp32.
+    """
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[1]
+    for b in range(b_req_idx.shape[0]):
+        start, q_len, seq_len = int(b_q_start[b]), int(b_q_len[b]), int(b_seq_len[b])
+        if q_len == 0:
+            continue
+        slots = req_to_token[int(b_req_idx[b]), :seq_len].long()
+        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        qb = q[start : start + q_len].float()  # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [Hq, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # [q_len, L]
+        scores.masked_fill_(mask[None], float("-inf"))
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence. q: [B, Hq, D]; sequence b attends to all its b_seq_len[b] cached tokens, read through
+    req_to_token[b_req_idx[b]]. Returns [B, Hq, D]."""
+    n = q.shape[0]
+    return prefill_attention_ref(
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        b_req_idx,
+        torch.arange(n, device=q.device, dtype=torch.int32),
+        torch.ones(n, device=q.device, dtype=torch.int32),
+        b_seq_len,
+        scale,
+    )
+
+
+def splice_embeddings_ref(inputs_embeds: torch.Tensor, mm_embeds: torch.Tensor, mm_positions: torch.Tensor) -> None:
+    """inputs_embeds: [N, H]; mm_embeds: [M, H]; mm_positions: [M] -> inputs_embeds[mm_positions] = mm_embeds."""
+    inputs_embeds[mm_positions] = mm_embeds.to(inputs_embeds.dtype)
