@@ -23,6 +23,7 @@ class MultimodalItem:
     offset: int  # index of the first placeholder token in prompt_ids
     embeds: torch.Tensor  # [num_tokens, hidden], usually a view on the shared-memory cache
     key: str = ""  # the embedding cache key, so the owner can release it
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid, for M-RoPE positions
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,61 @@
+"""The interface every vision family implements, and the registry that maps HF `architectures[0]` to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from PIL import Image
+
+
+@dataclass
+class ImageInput:
+    """One preprocessed image, ready for the vision tower (made on CPU in a worker pool)."""
+
+    pixel_values: torch.Tensor  # family-specific layout, e.g. [3, 336, 336] or [num_patches, C*T*P*P]
+    num_tokens: int  # embeddings this image becomes in the LLM prompt
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: patch grid (t, h, w) before the 2x2 merge
+    extra: dict = field(default_factory=dict)
+
+
+class VisionModel(Protocol):
+    """Vision tower + projector of one family. `preprocess` runs on CPU in worker processes; `encode` on the
+    visual process's device."""
+
+    # Everything that changes the embedding besides the image bytes (model identity, preprocessing settings);
+    # part of the embedding cache key.
+    cache_salt: str
+    hidden_size: int  # the LLM's hidden size: width of each embedding row
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> VisionModel: ...
+
+    def preprocess(self, image: Image.Image) -> ImageInput: ...
+
+    def num_tokens(self, width: int, height: int) -> int:
+        """Embedding count for an image of this size, without preprocessing it (for prompt expansion)."""
+        ...
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """A batch of images -> one [num_tokens, hidden_size] tensor per image, on the model's device."""
+        ...
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register_vision_model(*architectures: str):
+    def wrap(cls: type) -> type:
+        for arch in architectures:
+            _REGISTRY[arch] = cls
+        return cls
+
+    return wrap
+
+
+def vision_model_class(architecture: str) -> type:
+    if architecture not in _REGISTRY:
+        raise ValueError(f"no vision model for architecture {architecture!r}; known: {sorted(_REGISTRY)}")
+    return _REGISTRY[architecture]
