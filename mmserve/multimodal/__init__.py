@@ -1,0 +1,1 @@
+"""The HTTP side of multimodal requests: image input checks and fetching, and per-family prompt expansion."""
