@@ -1,0 +1,88 @@
+"""The embedding cache as the HTTP server's event loop uses it: acquire a request's images (sending each image that
+is new to the visual process exactly once, and waiting for ones that are already encoding), release them when the
+request ends.
+
+    coord = CacheCoordinator(capacity, shm_prefix, send_job=visual_queue.send_nowait)
+    entries = await coord.acquire([(key, image_bytes), ...])   # CacheCapacityError -> 400, ImageEncodeError
+    ...                                                        # the router reads the embeddings by key
+    coord.release(entries)                                     # when the request finished or was aborted
+    coord.on_result(msg)                                       # each EncodeDone/EncodeFailed of the visual process
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from cache.index import CacheBusy, CacheEntry, EmbedCacheIndex, EntryState
+from cache.shm_store import segment_name, unlink_segment
+from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualResult
+
+
+class ImageEncodeError(Exception):
+    def __init__(self, key: str, error: str, bad_image: bool):
+        super().__init__(f"image could not be encoded: {error}")
+        self.key, self.error, self.bad_image = key, error, bad_image
+
+
+class CacheCoordinator:
+    def __init__(self, capacity: int, shm_prefix: str, send_job: Callable[[EncodeJob], None]):
+        self.shm_prefix = shm_prefix
+        self.index = EmbedCacheIndex(capacity, on_evict=lambda key: unlink_segment(segment_name(shm_prefix, key)))
+        self._send_job = send_job
+        self._pending: dict[str, asyncio.Future] = {}  # key -> resolves when the visual process answers
+        self._room = asyncio.Event()  # replaced (after being set) whenever entries may have become free
+        self.images_encoded = 0
+
+    async def acquire(self, images: list[tuple[str, bytes]]) -> list[CacheEntry]:
+        """Hold the cache entries of one request's images (key, bytes), in order, once all are READY. Waits while
+        the cache has no free room. Raises CacheCapacityError (too many images for the cache) or ImageEncodeError;
+        on any error, or if cancelled, nothing stays held."""
+        keys = [key for key, _ in images]
+        while True:
+            try:
+                entries, new = self.index.acquire(keys)
+                break
+            except CacheBusy:
+                await self._room.wait()
+        data = dict(images)
+        for key in new:
+            self._pending[key] = asyncio.get_running_loop().create_future()
+            self._send_job(EncodeJob(key, data[key]))
+        try:
+            for entry in entries:
+                if entry.state is EntryState.PENDING:
+                    result = await asyncio.shield(self._pending[entry.key])
+                    if isinstance(result, EncodeFailed):
+                        raise ImageEncodeError(result.key, result.error, result.bad_image)
+        except BaseException:
+            self.release(entries)
+            raise
+        return entries
+
+    def release(self, entries: list[CacheEntry]) -> None:
+        self.index.release(entries)
+        self._room_changed()
+
+    def on_result(self, msg: VisualResult) -> None:
+        """Apply one answer of the visual process (call it from the task that reads the visual results queue)."""
+        if isinstance(msg, EncodeDone):
+            self.images_encoded += 1
+            self.index.mark_ready(msg.key, msg.num_tokens)
+        else:
+            self.index.mark_failed(msg.key)
+        fut = self._pending.pop(msg.key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+        self._room_changed()
+
+    def metrics(self) -> dict[str, int]:
+        return {
+            "mmserve_images_encoded_total": self.images_encoded,
+            "mmserve_embed_cache_hits_total": self.index.stats.hits,
+            "mmserve_embed_cache_items": len(self.index),
+        }
+
+    def _room_changed(self) -> None:
+        self._room.set()
+        self._room = asyncio.Event()
