@@ -16,8 +16,13 @@ IMAGE, START, END = 151655, 151652, 151653
 def hf_model() -> Qwen2VLModel:
     cfg = Qwen2VLConfig(
         text_config=dict(
-            hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
-            vocab_size=200, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=32,
+            vocab_size=200,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
         ),
         vision_config=dict(depth=1, embed_dim=16, num_heads=2, hidden_size=16),
     )

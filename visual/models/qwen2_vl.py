@@ -1,0 +1,114 @@
+"""Qwen2-VL's vision tower + 2x2 patch merger: transformers' own module, the checkpoint's vision weights, and its
+dynamic-resolution image processor (smart_resize to multiples of 28 within min/max pixels)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+from transformers import AutoConfig, Qwen2VLImageProcessor
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+from visual.models.base import ImageInput, register_vision_model
+
+# Published checkpoints name the tower `visual.*`; transformers >= 4.52 saves it as `model.visual.*`.
+VISION_PREFIXES = ("visual.", "model.visual.")
+
+
+def load_prefixed_tensors(model_dir: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose name starts with one of `prefixes` (prefix stripped), from the folder's safetensors shards
+    (or torch .bin shards when there are none); only the matching tensors are read."""
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str, get) -> None:
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                out[name[len(prefix) :]] = get(name)
+                return
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                take(name, f.get_tensor)
+    if not files:
+        for path in sorted(glob.glob(os.path.join(model_dir, "*.bin"))):
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            for name in list(state):
+                take(name, state.__getitem__)
+    if not out:
+        raise FileNotFoundError(f"no tensors named {prefixes}* in {model_dir}")
+    return out
+
+
+@register_vision_model("Qwen2VLForConditionalGeneration")
+class Qwen2VLVisionModel:
+    def __init__(
+        self,
+        tower: Qwen2VisionTransformerPretrainedModel,
+        processor: Qwen2VLImageProcessor,
+        cache_salt: str,
+    ) -> None:
+        self.tower = tower.eval()
+        self.processor = processor
+        self.cache_salt = cache_salt
+        self.hidden_size: int = tower.config.hidden_size
+        self.merge_size: int = tower.config.spatial_merge_size
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> Qwen2VLVisionModel:
+        config = AutoConfig.from_pretrained(model_dir)  # flat (published) or nested (transformers 5) config.json
+        # Reads preprocessor_config.json, or processor_config.json's nested "image_processor".
+        processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
+        # Built on the target device so that the (overwritten) random init is fast for 7B-sized towers.
+        with torch.device(device):
+            tower = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config, dtype=dtype)
+        state = load_prefixed_tensors(model_dir, VISION_PREFIXES)
+        missing, unexpected = tower.load_state_dict(state, strict=False)
+        missing = [k for k in missing if "inv_freq" not in k]  # the rotary table is computed, not stored
+        if missing or unexpected:
+            raise ValueError(
+                f"Qwen2-VL vision weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        size = processor.size
+        salt = json.dumps(["qwen2_vl", os.path.realpath(model_dir), size.shortest_edge, size.longest_edge, str(dtype)])
+        return cls(tower.to(device=device, dtype=dtype), processor, salt)
+
+    def preprocess(self, image: Image.Image) -> ImageInput:
+        out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return ImageInput(
+            pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
+            num_tokens=grid[0] * grid[1] * grid[2] // self.merge_size**2,
+            grid_thw=grid,
+        )
+
+    def num_tokens(self, width: int, height: int) -> int:
+        t, h, w = self.grid_thw(width, height)
+        return t * h * w // self.merge_size**2
+
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
+        """The patch grid (t, h, w) of an image of this size, as the processor will resize it."""
+        patch = self.processor.patch_size
+        h, w = smart_resize(
+            height,
+            width,
+            factor=patch * self.merge_size,
+            min_pixels=self.processor.size.shortest_edge,
+            max_pixels=self.processor.size.longest_edge,
+        )
+        return 1, h // patch, w // patch
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        device, dtype = self.tower.get_device(), self.tower.get_dtype()
+        pixels = torch.cat([im.pixel_values for im in images]).to(device=device, dtype=dtype)  # [patches, C*T*P*P]
+        grid_thw = torch.tensor([im.grid_thw for im in images], dtype=torch.long, device=device)  # [images, 3]
+        # One call for the batch: the tower separates images by their cumulative patch counts.
+        merged = self.tower(pixels, grid_thw=grid_thw).pooler_output  # [sum of tokens, hidden]
+        return list(torch.split(merged, [im.num_tokens for im in images]))
