@@ -1,0 +1,96 @@
+"""`python -m mmserve.api_server` / `mmserve`: start the router and detokenizer processes, wait until the model is
+loaded, then serve HTTP until SIGINT/SIGTERM (or a child dies, then exit non-zero). Every child is stopped on
+the way out."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+
+import uvicorn
+
+from mmserve.cli import parse_config
+from mmserve.config import ServerConfig
+from mmserve.demo import ensure_demo_checkpoint
+from mmserve.detokenizer_process import run_detokenizer_process
+from mmserve.engine_client import EngineClient
+from mmserve.http_server import build_app
+from mmserve.metrics import ServerMetrics
+from mmserve.processes import ChildProcess, ChildStartError, spawn_child, stop_children, wait_ready
+from mmserve.router import run_router_process
+from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
+from mmserve.zmq_queue import Endpoints
+
+logger = logging.getLogger("mmserve")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # SIGTERM unwinds like Ctrl-C, so the `finally` below stops the children even while they are still loading.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        return serve(resolve_model(config))
+    except KeyboardInterrupt:
+        logger.info("stopped")
+        return 0
+
+
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def resolve_model(config: ServerConfig) -> ServerConfig:
+    if config.model_dir is not None:
+        return config
+    path = ensure_demo_checkpoint()
+    logger.warning(
+        "no --model_dir given: serving the DEMO checkpoint in %s, a tiny Llama with RANDOM weights (its text is "
+        "gibberish). Pass --model_dir /path/to/hf/checkpoint to serve a real model.", path,
+    )
+    return replace(config, model_dir=path)
+
+
+def serve(config: ServerConfig) -> int:
+    if config.enable_multimodal:
+        logger.warning("--enable_multimodal: this build has no image pipeline wired in yet; images are refused")
+    endpoints = Endpoints.create()
+    children: list[ChildProcess] = []
+    try:
+        children.append(spawn_child("router", run_router_process, config, endpoints, None))
+        children.append(spawn_child("detokenizer", run_detokenizer_process, config, endpoints))
+        tokenizer = load_tokenizer(config)  # while the children load
+        wait_ready(children, config.startup_timeout_s)
+        info = children[0].info
+        preparer = RequestPreparer(tokenizer, Limits(info.max_req_total_len))
+        client = EngineClient(preparer, children, endpoints, ServerMetrics(), config.tokenizer_workers)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(client),
+                host=config.host,
+                port=config.port,
+                log_level=config.log_level,
+                access_log=config.log_level == "debug",
+                timeout_graceful_shutdown=3,
+            )
+        )
+        client.on_fatal = lambda: setattr(server, "should_exit", True)
+        logger.info("serving %s on http://%s:%d", config.model_dir, config.host, config.port)
+        server.run()
+        if client.failure is not None:
+            logger.error("exiting after a failure: %s", client.failure)
+            return 1
+        return 0 if server.started else 1
+    except ChildStartError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        stop_children(children)
+        endpoints.remove()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

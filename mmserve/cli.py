@@ -1,0 +1,61 @@
+"""Command-line flags (LightLLM's names, so its launch lines work unchanged) -> a frozen ServerConfig."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from mmserve.config import DTYPE_NAMES, ServerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmserve", description="Serve a (multimodal) LLM over HTTP, LightLLM-style.")
+    p.add_argument("--model_dir", default=None, help="HF checkpoint folder; omitted: a random-weight demo model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (only 1 is supported)")
+    p.add_argument("--max_total_token_num", type=int, default=None,
+                   help="KV cache token slots; omitted: sized from free memory and --mem_fraction")
+    p.add_argument("--mem_fraction", type=float, default=0.9, help="share of free device memory for weights + KV")
+    p.add_argument("--running_max_req_size", type=int, default=1000, help="most requests decoding at once")
+    p.add_argument("--max_req_total_len", type=int, default=None, help="most tokens of prompt + output per request")
+    p.add_argument("--eos_id", type=int, nargs="+", default=None, help="end-of-sequence ids (overrides the model's)")
+    p.add_argument("--trust_remote_code", action="store_true")
+    p.add_argument("--enable_multimodal", action="store_true", help="accept images (visual process + cache)")
+    p.add_argument("--cache_capacity", type=int, default=200, help="images held in the embedding cache")
+    p.add_argument("--data_type", choices=sorted(DTYPE_NAMES), default="auto")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--allow_private_urls", action="store_true",
+                   help="let image URLs resolve to loopback/private/link-local addresses")
+    p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
+    p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--tokenizer_workers", type=int, default=2)
+    return p
+
+
+def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return ServerConfig(
+            model_dir=args.model_dir,
+            host=args.host,
+            port=args.port,
+            tp=args.tp,
+            max_total_token_num=args.max_total_token_num,
+            mem_fraction=args.mem_fraction,
+            running_max_req_size=args.running_max_req_size,
+            max_req_total_len=args.max_req_total_len,
+            eos_id=tuple(args.eos_id) if args.eos_id else None,
+            trust_remote_code=args.trust_remote_code,
+            enable_multimodal=args.enable_multimodal,
+            cache_capacity=args.cache_capacity,
+            data_type=DTYPE_NAMES[args.data_type],
+            device=args.device,
+            allow_private_urls=args.allow_private_urls,
+            image_dir=args.image_dir,
+            log_level=args.log_level,
+            tokenizer_workers=args.tokenizer_workers,
+        )
+    except ValueError as e:
+        parser.error(str(e))

@@ -1,0 +1,77 @@
+"""The server's configuration: built once from the command line, frozen, and handed to every process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# LightLLM's --data_type spellings -> torch dtype names; "auto" keeps the checkpoint's own dtype.
+DTYPE_NAMES = {
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "auto": "auto",
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_dir: str | None = None  # None: build and serve the random-weight demo checkpoint
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tp: int = 1
+    # KV cache slots; None sizes the cache from free device memory and mem_fraction.
+    max_total_token_num: int | None = None
+    mem_fraction: float = 0.9
+    running_max_req_size: int = 1000
+    max_req_total_len: int | None = None  # prompt + new tokens; None: the engine's limit
+    eos_id: tuple[int, ...] | None = None  # overrides the checkpoint's EOS ids
+    trust_remote_code: bool = False
+    enable_multimodal: bool = False
+    cache_capacity: int = 200  # images held in the embedding cache
+    data_type: str = "auto"  # torch dtype name, see DTYPE_NAMES
+    device: str = "auto"
+    # Our own flags
+    allow_private_urls: bool = False  # image URLs may resolve to loopback/private addresses
+    image_dir: str | None = None  # the only directory image paths inside a prompt may be read from
+    log_level: str = "info"
+    tokenizer_workers: int = 2  # threads that tokenize (off the event loop)
+    startup_timeout_s: float = 600.0  # model load limit for the child processes
+
+    def __post_init__(self) -> None:
+        if self.tp != 1:
+            raise ValueError("--tp: tensor parallelism is not implemented; only --tp 1 is supported")
+        if self.max_total_token_num is not None and self.max_total_token_num < 1:
+            raise ValueError("--max_total_token_num must be >= 1")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError("--mem_fraction must be in (0, 1]")
+        if self.running_max_req_size < 1:
+            raise ValueError("--running_max_req_size must be >= 1")
+        if self.max_req_total_len is not None and self.max_req_total_len < 2:
+            raise ValueError("--max_req_total_len must be >= 2")
+        if self.data_type not in DTYPE_NAMES.values():
+            raise ValueError(f"--data_type must be one of {sorted(DTYPE_NAMES)}")
+        if self.cache_capacity < 1:
+            raise ValueError("--cache_capacity must be >= 1")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+
+    def engine_config(self):
+        """The language engine's config for this server (imported here: the HTTP process never builds one)."""
+        from language.config import EngineConfig
+
+        if self.model_dir is None:
+            raise ValueError("model_dir is not set (the demo checkpoint is resolved before the engine starts)")
+        return EngineConfig(
+            model_dir=self.model_dir,
+            max_total_token_num=self.max_total_token_num,
+            mem_fraction=self.mem_fraction,
+            running_max_req_size=self.running_max_req_size,
+            max_req_total_len=self.max_req_total_len,
+            dtype=self.data_type,
+            device=self.device,
+            eos_id=self.eos_id,
+            trust_remote_code=self.trust_remote_code,
+        )

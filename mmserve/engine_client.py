@@ -1,0 +1,182 @@
+"""The HTTP process's side of the pipeline: sends tokenized requests to the router, routes text pieces from the
+detokenizer to each request's stream, keeps the metrics, and watches the child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import zmq
+import zmq.asyncio
+
+from mmserve.messages import AbortRequest, DetokBatch, TextOutput
+from mmserve.metrics import ServerMetrics
+from mmserve.processes import ChildProcess
+from mmserve.protocol import GenerateInput
+from mmserve.tokenization import RequestPreparer
+from mmserve.zmq_queue import AsyncPullQueue, AsyncPushQueue, Endpoints
+
+logger = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 0.2
+
+
+class ServerFailure(Exception):
+    """A child process died: the request cannot complete (answered with 503)."""
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class RequestStream:
+    """The text outputs of one request, in order, as they arrive."""
+
+    def __init__(self, rid: str, return_details: bool):
+        self.rid = rid
+        self.return_details = return_details
+        self.queue: asyncio.Queue[TextOutput | ServerFailure] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finished = False
+
+    async def next(self, disconnected: asyncio.Future) -> TextOutput:
+        """The next output; raises ServerFailure, or ClientDisconnected once `disconnected` is done."""
+        if self.queue.empty():
+            getter = asyncio.ensure_future(self.queue.get())
+            await asyncio.wait({getter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                raise ClientDisconnected
+            item = getter.result()
+        else:
+            item = self.queue.get_nowait()
+        if isinstance(item, ServerFailure):
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class EngineClient:
+    def __init__(
+        self,
+        preparer: RequestPreparer,
+        children: list[ChildProcess],
+        endpoints: Endpoints,
+        metrics: ServerMetrics,
+        tokenizer_workers: int = 2,
+    ):
+        self.preparer = preparer
+        self.children = children
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.failure: str | None = None
+        self.on_fatal: Callable[[], None] = lambda: None  # set by whoever runs the HTTP server
+        self._streams: dict[str, RequestStream] = {}
+        self._pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="tokenize")
+        self._tasks: list[asyncio.Task] = []
+        self._ctx: zmq.asyncio.Context | None = None
+
+    # ------------------------------------------------------------------------------------------- life cycle
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._to_router = AsyncPushQueue(self._ctx, self.endpoints.router)
+        self._inbox = AsyncPullQueue(self._ctx, self.endpoints.http)
+        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_children())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._fail_all("the server is shutting down")
+        self._to_router.close()
+        self._inbox.close()
+        self._ctx.term()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def healthy(self) -> bool:
+        return self.failure is None and all(c.alive() for c in self.children)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    async def submit(self, req: GenerateInput) -> RequestStream:
+        """Tokenize off the event loop and hand to the router; raises BadRequest or ServerFailure."""
+        if self.failure is not None:
+            raise ServerFailure(self.failure)
+        rid = uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        tokenized = await loop.run_in_executor(self._pool, self.preparer.prepare, rid, req)
+        if self.failure is not None:
+            raise ServerFailure(self.failure)
+        stream = RequestStream(rid, req.params.return_details)
+        self._streams[rid] = stream
+        self._to_router.send_nowait(tokenized)
+        self.metrics.requests.inc()
+        return stream
+
+    def abort(self, rid: str) -> None:
+        """The client is gone: stop generating and free the request's KV slots."""
+        if self._streams.pop(rid, None) is not None and self.failure is None:
+            self._to_router.send_nowait(AbortRequest(rid))
+
+    # ------------------------------------------------------------------------------------------- background
+
+    async def _receive_loop(self) -> None:
+        try:
+            while True:
+                batch = await self._inbox.recv()
+                if not isinstance(batch, DetokBatch):
+                    raise TypeError(f"HTTP server got {type(batch).__name__}")
+                self._deliver(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken pipeline must not leave requests hanging
+            logger.exception("receive loop failed")
+            self._fatal(f"receive loop failed: {e!r}")
+
+    def _deliver(self, batch: DetokBatch) -> None:
+        if batch.stats is not None:
+            self.metrics.on_stats(batch.stats)
+        now = time.monotonic()
+        for out in batch.outputs:
+            if out.tokens:
+                self.metrics.generated_tokens.inc(len(out.tokens))
+            stream = self._streams.get(out.rid)
+            if stream is None:  # aborted by its client meanwhile
+                continue
+            if stream.first_token_time is None and out.tokens:
+                stream.first_token_time = now
+                self.metrics.ttft.observe(now - stream.arrival)
+            if out.finished:
+                del self._streams[out.rid]
+                if stream.first_token_time is not None and out.output_tokens > 1:
+                    self.metrics.tpot.observe((now - stream.first_token_time) / (out.output_tokens - 1))
+            stream.queue.put_nowait(out)
+
+    async def _watch_children(self) -> None:
+        while True:
+            for child in self.children:
+                if not child.alive():
+                    self._fatal(f"the {child.name} process exited (code {child.exitcode})")
+                    return
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+
+    def _fatal(self, reason: str) -> None:
+        logger.error("%s; failing in-flight requests and shutting down", reason)
+        self.failure = reason
+        self._fail_all(reason)
+        self.on_fatal()
+
+    def _fail_all(self, reason: str) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(ServerFailure(reason))

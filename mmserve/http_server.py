@@ -1,0 +1,149 @@
+"""The HTTP API (FastAPI): /generate, /generate_stream, /health, /metrics, as LightLLM's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
+from mmserve.messages import TextOutput, TokenDetail
+from mmserve.metrics import CONTENT_TYPE
+from mmserve.protocol import BadRequest, error_event, generate_response, parse_generate_body, stream_event
+
+_CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
+
+
+def build_app(client: EngineClient) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.stop()
+
+    app = FastAPI(title="mmserve", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "error": client.failure or "a child process is down"}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(client.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        stream_or_error = await _submit(client, request)
+        if isinstance(stream_or_error, Response):
+            return stream_or_error
+        stream = stream_or_error
+        disconnected = _watch_disconnect(request)
+        text: list[str] = []
+        tokens: list[TokenDetail] = []
+        try:
+            while True:
+                out = await stream.next(disconnected)
+                if out.error is not None:
+                    return _error(BadRequest("inputs", out.error))
+                text.append(out.text)
+                tokens.extend(out.tokens)
+                if out.finished:
+                    break
+        except ServerFailure as e:
+            return _server_failure(e)
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+        finally:
+            disconnected.cancel()
+            if not stream.finished:
+                client.abort(stream.rid)
+        body = generate_response("".join(text), tokens, out.finish_reason, out.prompt_tokens, out.output_tokens,
+                                 stream.return_details)
+        return JSONResponse(body)
+
+    @app.post("/generate_stream")
+    async def generate_stream(request: Request) -> Response:
+        stream_or_error = await _submit(client, request)
+        if isinstance(stream_or_error, Response):
+            return stream_or_error
+        stream = stream_or_error
+        disconnected = _watch_disconnect(request)
+        # Wait for the first piece before answering 200, so that a rejection or a failure that comes before any
+        # token still gets its proper status code.
+        try:
+            first = await stream.next(disconnected)
+        except (ServerFailure, ClientDisconnected) as e:
+            disconnected.cancel()
+            client.abort(stream.rid)
+            return _server_failure(e) if isinstance(e, ServerFailure) else Response(status_code=_CLIENT_CLOSED)
+        if first.error is not None:
+            disconnected.cancel()
+            return _error(BadRequest("inputs", first.error))
+        return StreamingResponse(_sse(client, stream, first, disconnected), media_type="text/event-stream")
+
+    return app
+
+
+async def _submit(client: EngineClient, request: Request) -> RequestStream | Response:
+    try:
+        raw = await request.body()
+        return await client.submit(parse_generate_body(raw))
+    except BadRequest as e:
+        return _error(e)
+    except ServerFailure as e:
+        return _server_failure(e)
+
+
+async def _sse(
+    client: EngineClient, stream: RequestStream, first: TextOutput, disconnected: asyncio.Future
+) -> AsyncIterator[str]:
+    """One event per text piece; tokens that completed no text yet ride along with the next piece."""
+    text: list[str] = []
+    tokens: list[TokenDetail] = []
+    out = first
+    try:
+        while True:
+            tokens.extend(out.tokens)
+            if out.text or out.finished:
+                text.append(out.text)
+                full = "".join(text) if out.finished else None
+                yield stream_event(out.text, tokens, out.finished, out.finish_reason, full, out.prompt_tokens,
+                                   out.output_tokens)
+                tokens = []
+            if out.finished:
+                return
+            out = await stream.next(disconnected)
+    except ServerFailure as e:
+        yield error_event(str(e))
+    except ClientDisconnected:
+        return
+    finally:
+        disconnected.cancel()
+        if not stream.finished:
+            client.abort(stream.rid)
+
+
+def _watch_disconnect(request: Request) -> asyncio.Future:
+    """Done when the client closes the connection (the body has been read, so the next ASGI message is the
+    disconnect)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return asyncio.ensure_future(wait())
+
+
+def _error(e: BadRequest) -> JSONResponse:
+    return JSONResponse(e.to_json(), status_code=e.status)
+
+
+def _server_failure(e: ServerFailure) -> JSONResponse:
+    return JSONResponse({"error": f"server failure: {e}"}, status_code=503)

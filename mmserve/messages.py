@@ -1,0 +1,152 @@
+"""The messages that cross process boundaries, one class per boundary and purpose.
+
+They are small pickled dataclasses of plain Python values: no tensors ever travel over a socket (image embeddings
+live in shared memory and are named by their cache key).
+
+    HTTP server --TokenizedRequest/AbortRequest--> router <--ImagesReady-- visual process
+    router --RouterBatch--> detokenizer --AbortRequest (stop sequence hit)--> router
+    detokenizer --DetokBatch--> HTTP server
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from language.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------------------------------------- into the router
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a request: its embeddings are in the cache under `key` and replace the placeholder tokens
+    prompt_ids[offset : offset + num_tokens]."""
+
+    key: str
+    offset: int
+    num_tokens: int
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid (M-RoPE positions)
+
+
+@dataclass
+class TokenizedRequest:
+    """HTTP server -> router: a validated, tokenized request."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    images: tuple[ImageRef, ...] = ()
+    # When True the router holds the request back (it counts as waiting) until an ImagesReady for this rid arrives,
+    # because the visual process is still writing its embeddings into the cache.
+    wait_for_images: bool = False
+    positions: list[list[int]] | None = None  # M-RoPE positions [3][prompt_len] as plain lists; None: 0..L-1
+    position_delta: int = 0
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """HTTP server (client went away) or detokenizer (stop sequence seen) -> router: stop and free the request."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class ImagesReady:
+    """Visual process -> router: every image of request `rid` is in the embedding cache (or failed with `error`)."""
+
+    rid: str
+    error: str | None = None
+
+
+RouterInbound = TokenizedRequest | AbortRequest | ImagesReady
+
+# ---------------------------------------------------------------------------------------- router -> detokenizer
+
+
+@dataclass(frozen=True)
+class DetokSetup:
+    """What the detokenizer needs to know about a request before its first tokens."""
+
+    rid: str
+    stop_sequences: tuple[str, ...]
+    prompt_tokens: int
+
+
+@dataclass
+class TokenOutput:
+    """New tokens of one request from one engine step (or its end)."""
+
+    rid: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
+    prompt_tokens: int
+    output_tokens: int
+    error: str | None = None  # why the router could not run it (then finish_reason is "error")
+
+
+@dataclass(frozen=True)
+class RouterStats:
+    """Scheduler and KV-cache occupancy after a step, for /metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+
+
+@dataclass
+class RouterBatch:
+    """Router -> detokenizer, once per step: setups come first so they precede their requests' outputs."""
+
+    setups: list[DetokSetup] = field(default_factory=list)
+    outputs: list[TokenOutput] = field(default_factory=list)
+    stats: RouterStats | None = None
+
+
+# ------------------------------------------------------------------------------------ detokenizer -> HTTP server
+
+
+@dataclass(frozen=True)
+class TokenDetail:
+    id: int
+    text: str  # the text this token completed (may be "" for the first bytes of a multi-byte character)
+    logprob: float
+
+
+@dataclass
+class TextOutput:
+    """A piece of text of one request: `text` is safe to show (complete characters, no partial stop string)."""
+
+    rid: str
+    text: str
+    tokens: list[TokenDetail]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    output_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class DetokBatch:
+    outputs: list[TextOutput] = field(default_factory=list)
+    stats: RouterStats | None = None
+
+
+# ------------------------------------------------------------------------------ child process -> parent at start
+
+
+@dataclass(frozen=True)
+class ReadyInfo:
+    """Sent once by a child process over its start pipe when it is ready to serve (the router: model loaded)."""
+
+    process: str
+    max_total_token_num: int = 0
+    max_req_total_len: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""

@@ -1,0 +1,128 @@
+"""Starting, watching and stopping the server's child processes (router, detokenizer, visual)."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from mmserve.messages import ReadyInfo
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ChildStartError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------- inside a child
+
+
+def setup_child(name: str, log_level: str) -> int:
+    """Signal handling of a child: Ctrl-C reaches the whole process group, but only the parent decides to stop
+    (it then sends SIGTERM); die with the parent even if it is killed outright. Returns the parent's pid."""
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux/glibc: parent_alive() polling still catches it
+        pass
+    return os.getppid()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid
+
+
+def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], tuple[ReadyInfo, Callable]]) -> None:
+    """Run a child's body: `start()` loads what it needs and returns (ready info, serve loop taking the parent pid).
+    A start failure is reported over the pipe with its traceback, so the parent can print why."""
+    parent_pid = setup_child(name, log_level)
+    try:
+        info, serve = start()
+    except BaseException:
+        ready.send(("error", traceback.format_exc()))
+        raise
+    ready.send(("ready", info))
+    ready.close()
+    serve(parent_pid)
+
+
+# ------------------------------------------------------------------------------------------- in the parent
+
+
+@dataclass
+class ChildProcess:
+    name: str
+    process: mp.process.BaseProcess
+    ready_conn: Connection
+    info: ReadyInfo | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+
+def spawn_child(name: str, target: Callable, *args) -> ChildProcess:
+    """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state)."""
+    ctx = mp.get_context("spawn")
+    recv_conn, send_conn = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=True)
+    proc.start()
+    send_conn.close()
+    return ChildProcess(name, proc, recv_conn)
+
+
+def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:
+    """Block until every child reported ready; raise ChildStartError if one fails, dies or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        while child.info is None:
+            if child.ready_conn.poll(0.1):
+                try:
+                    status, payload = child.ready_conn.recv()
+                except EOFError:
+                    raise ChildStartError(f"{child.name} process exited during start (code {child.exitcode})") from None
+                if status != "ready":
+                    raise ChildStartError(f"{child.name} process failed to start:\n{payload}")
+                child.info = payload
+            elif not child.alive():
+                raise ChildStartError(f"{child.name} process exited during start (code {child.exitcode})")
+            elif time.monotonic() > deadline:
+                raise ChildStartError(f"{child.name} process not ready after {timeout_s:.0f}s")
+
+
+def stop_children(children: list[ChildProcess], grace_s: float = 5.0) -> None:
+    """SIGTERM every child, wait, then SIGKILL the ones still there; reap all of them."""
+    for child in children:
+        if child.alive():
+            child.process.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        child.process.join(max(0.0, deadline - time.monotonic()))
+        if child.alive():
+            logger.warning("%s process ignored SIGTERM; killing it", child.name)
+            child.process.kill()
+            child.process.join()
+        child.ready_conn.close()

@@ -1,0 +1,156 @@
+"""The HTTP API's JSON, as LightLLM's: request parsing and validation, response and stream-event shapes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from language.sampling_params import InvalidParams, SamplingParams
+from mmserve.messages import TokenDetail
+
+PARAMETER_NAMES = frozenset(
+    {
+        "do_sample",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_new_tokens",
+        "stop_sequences",
+        "stop_token_ids",
+        "ignore_eos",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "seed",
+        "return_details",
+    }
+)
+TOP_LEVEL_NAMES = frozenset({"inputs", "input", "parameters", "multimodal_params"})
+
+
+class BadRequest(Exception):
+    """A client error, answered with 400 and a JSON body naming the offending field."""
+
+    def __init__(self, field_name: str, message: str, status: int = 400):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+        self.status = status
+
+    def to_json(self) -> dict:
+        return {"error": str(self), "field": self.field}
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    prompt: str
+    params: SamplingParams
+    multimodal_params: dict = field(default_factory=dict)
+
+
+def parse_generate_body(raw: bytes) -> GenerateInput:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("body", "is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    for name in body:
+        if name not in TOP_LEVEL_NAMES:
+            raise BadRequest(name, f"unknown field (expected {sorted(TOP_LEVEL_NAMES)})")
+    prompt = body["inputs"] if "inputs" in body else body.get("input")
+    if prompt is None:
+        raise BadRequest("inputs", "is required")
+    if not isinstance(prompt, str):
+        raise BadRequest("inputs", "must be a string")
+    if not prompt:
+        raise BadRequest("inputs", "must not be empty")
+    mm = body.get("multimodal_params") or {}
+    if not isinstance(mm, dict):
+        raise BadRequest("multimodal_params", "must be a JSON object")
+    return GenerateInput(prompt, parse_parameters(body.get("parameters")), mm)
+
+
+def parse_parameters(raw: object) -> SamplingParams:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest("parameters", "must be a JSON object")
+    for name in raw:
+        if name not in PARAMETER_NAMES:
+            raise BadRequest(f"parameters.{name}", "unknown parameter")
+    kwargs = dict(raw)
+    if "stop_sequences" in kwargs:
+        kwargs["stop_sequences"] = _string_tuple("stop_sequences", kwargs["stop_sequences"])
+    if "stop_token_ids" in kwargs:
+        ids = kwargs["stop_token_ids"]
+        if not isinstance(ids, list):
+            raise BadRequest("parameters.stop_token_ids", "must be a list of token ids")
+        kwargs["stop_token_ids"] = tuple(ids)
+    if "return_details" in kwargs and not isinstance(kwargs["return_details"], bool):
+        raise BadRequest("parameters.return_details", "must be a boolean")
+    try:
+        return SamplingParams(**kwargs).validate()
+    except InvalidParams as e:
+        raise BadRequest(f"parameters.{e.field}", str(e).split(": ", 1)[-1]) from None
+
+
+def _string_tuple(name: str, value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise BadRequest(f"parameters.{name}", "must be a non-empty string or a list of non-empty strings")
+    return tuple(value)
+
+
+# ------------------------------------------------------------------------------------------------- responses
+
+
+def token_json(t: TokenDetail) -> dict:
+    return {"id": t.id, "text": t.text, "logprob": t.logprob}
+
+
+def generate_response(
+    text: str, tokens: list[TokenDetail], finish_reason: str | None, prompt_tokens: int, output_tokens: int,
+    return_details: bool,
+) -> dict:
+    out = {
+        "generated_text": [text],
+        "count_output_tokens": output_tokens,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+    }
+    if return_details:
+        out["tokens"] = [token_json(t) for t in tokens]
+    return out
+
+
+def stream_event(
+    piece: str, tokens: list[TokenDetail], finished: bool, finish_reason: str | None, generated_text: str | None,
+    prompt_tokens: int, output_tokens: int,
+) -> str:
+    """One server-sent event: `token.text` is the new text piece (LightLLM clients print data["token"]["text"]);
+    `tokens` lists the ids it came from; the last event has finished, finish_reason and the whole text."""
+    last = tokens[-1] if tokens else None
+    event = {
+        "token": {
+            "id": last.id if last else None,
+            "text": piece,
+            "logprob": last.logprob if last else None,
+            "special": False,
+        },
+        "tokens": [token_json(t) for t in tokens],
+        "generated_text": generated_text,
+        "finished": finished,
+        "finish_reason": finish_reason,
+        "count_output_tokens": output_tokens,
+        "prompt_tokens": prompt_tokens,
+        "details": None,
+    }
+    return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+def error_event(message: str) -> str:
+    return f"data:{json.dumps({'error': message, 'finished': True, 'finish_reason': 'error'})}\n\n"

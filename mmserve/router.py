@@ -1,0 +1,215 @@
+"""The router + model process: feeds requests into the engine core and runs its steps.
+
+The core already does the Efficient Router admission (a request joins only if the batch's projected peak KV use
+stays within the cache) and continuous batching; this loop adds the process plumbing: it drains its inbox without
+blocking while there is work, holds back requests whose images are still being encoded, aborts on request, and
+sends every step's tokens plus the occupancy stats to the detokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import torch
+import zmq
+
+from language.request import MultimodalItem, Request, RequestOutput
+from mmserve.config import ServerConfig
+from mmserve.messages import (
+    AbortRequest,
+    DetokSetup,
+    ImageRef,
+    ImagesReady,
+    ReadyInfo,
+    RouterBatch,
+    RouterStats,
+    TokenizedRequest,
+    TokenOutput,
+)
+from mmserve.processes import parent_alive, run_child
+from mmserve.zmq_queue import Endpoints, PullQueue, PushQueue
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500  # how often an idle router checks that its parent is still there
+_MAX_EARLY_READY = 10_000  # ImagesReady seen before (or without) their request: kept boundedly
+
+# Reads one image's embeddings from the shared-memory cache: [num_tokens, hidden].
+EmbedReader = Callable[[ImageRef], torch.Tensor]
+
+
+class Router:
+    def __init__(self, core, embed_reader: EmbedReader | None = None):
+        self.core = core
+        self._embed_reader = embed_reader
+        self._awaiting_images: dict[str, TokenizedRequest] = {}
+        self._early_ready: OrderedDict[str, str | None] = OrderedDict()
+        self._live: set[str] = set()  # rids inside the engine core
+        self._setups: list[DetokSetup] = []
+        self._own_outputs: list[TokenOutput] = []  # outputs the router makes itself (rejections, early aborts)
+        self._abort_issued = False  # the core owes us the final output of an aborted request
+        self._last_stats: RouterStats | None = None
+
+    # ------------------------------------------------------------------------------------------ inbox
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, TokenizedRequest):
+            self._on_request(msg)
+        elif isinstance(msg, AbortRequest):
+            self._on_abort(msg.rid)
+        elif isinstance(msg, ImagesReady):
+            self._on_images_ready(msg)
+        else:
+            raise TypeError(f"router got {type(msg).__name__}")
+
+    def _on_request(self, msg: TokenizedRequest) -> None:
+        self._setups.append(DetokSetup(msg.rid, msg.params.stop_sequences, len(msg.prompt_ids)))
+        if msg.wait_for_images:
+            if msg.rid not in self._early_ready:
+                self._awaiting_images[msg.rid] = msg
+                return
+            error = self._early_ready.pop(msg.rid)
+            if error is not None:
+                self._reject(msg.rid, len(msg.prompt_ids), f"image encoding failed: {error}")
+                return
+        self._admit(msg)
+
+    def _on_images_ready(self, msg: ImagesReady) -> None:
+        req = self._awaiting_images.pop(msg.rid, None)
+        if req is None:  # the request is still on its way (or was aborted meanwhile)
+            self._early_ready[msg.rid] = msg.error
+            while len(self._early_ready) > _MAX_EARLY_READY:
+                self._early_ready.popitem(last=False)
+        elif msg.error is not None:
+            self._reject(req.rid, len(req.prompt_ids), f"image encoding failed: {msg.error}")
+        else:
+            self._admit(req)
+
+    def _on_abort(self, rid: str) -> None:
+        req = self._awaiting_images.pop(rid, None)
+        if req is not None:
+            self._own_outputs.append(TokenOutput(rid, [], [], True, "abort", len(req.prompt_ids), 0))
+        elif rid in self._live:
+            self.core.abort(rid)
+            self._abort_issued = True
+        self._early_ready.pop(rid, None)
+
+    def _admit(self, msg: TokenizedRequest) -> None:
+        try:
+            self.core.add_request(self._engine_request(msg))
+        except ValueError as e:  # can never fit (too long for the cache or the model)
+            self._reject(msg.rid, len(msg.prompt_ids), str(e))
+            return
+        self._live.add(msg.rid)
+
+    def _engine_request(self, msg: TokenizedRequest) -> Request:
+        items = []
+        if msg.images:
+            if self._embed_reader is None:
+                raise ValueError("this server has no image support (start it with --enable_multimodal)")
+            items = [MultimodalItem(r.offset, self._embed_reader(r), r.key, r.grid_thw) for r in msg.images]
+        positions = torch.tensor(msg.positions, dtype=torch.long) if msg.positions is not None else None
+        return Request(msg.rid, list(msg.prompt_ids), msg.params, items, positions, msg.position_delta)
+
+    def _reject(self, rid: str, prompt_tokens: int, error: str) -> None:
+        self._own_outputs.append(TokenOutput(rid, [], [], True, "error", prompt_tokens, 0, error=error))
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def has_work(self) -> bool:
+        return bool(self.core.has_unfinished() or self._abort_issued or self._own_outputs or self._setups)
+
+    def step(self) -> RouterBatch | None:
+        """One engine step (if anything runs); the batch for the detokenizer, or None if nothing changed."""
+        outputs, self._own_outputs = self._own_outputs, []
+        if self.core.has_unfinished() or self._abort_issued:
+            self._abort_issued = False
+            outputs += [self._from_engine(out) for out in self.core.step()]
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.rid)
+        stats = self.stats()
+        setups, self._setups = self._setups, []
+        if not setups and not outputs and stats == self._last_stats:
+            return None
+        self._last_stats = stats
+        return RouterBatch(setups=setups, outputs=outputs, stats=stats)
+
+    @staticmethod
+    def _from_engine(out: RequestOutput) -> TokenOutput:
+        return TokenOutput(
+            rid=out.rid,
+            new_token_ids=list(out.new_token_ids),
+            new_logprobs=[float(x) for x in out.new_logprobs],
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens,
+            output_tokens=out.output_tokens,
+        )
+
+    def stats(self) -> RouterStats:
+        s = self.core.stats()
+        return RouterStats(s.running, s.waiting + len(self._awaiting_images), s.kv_used, s.kv_total)
+
+    def serve(self, inbox: PullQueue, to_detok: PushQueue, parent_pid: int) -> None:
+        while parent_alive(parent_pid):
+            for msg in inbox.drain(0 if self.has_work() else _IDLE_POLL_MS):
+                self.handle(msg)
+            batch = self.step()
+            if batch is not None:
+                to_detok.send(batch)
+        logger.info("parent process is gone; router exits")
+
+
+# ------------------------------------------------------------------------------------------------ process
+
+
+def ready_info(core) -> ReadyInfo:
+    info = core.model_info
+    return ReadyInfo(
+        process="router",
+        max_total_token_num=int(info.max_total_token_num),
+        max_req_total_len=int(info.max_req_total_len),
+        eos_token_ids=tuple(int(t) for t in info.eos_token_ids),
+        vocab_size=int(info.vocab_size),
+        architecture=str(info.architecture),
+        dtype=str(info.dtype).removeprefix("torch."),
+        device=str(info.device),
+    )
+
+
+def run_router_process(
+    config: ServerConfig,
+    endpoints: Endpoints,
+    embed_reader_factory: Callable[[ServerConfig], EmbedReader] | None,
+    ready: Connection,
+) -> None:
+    """Process entry: load the model, report ready, then serve until the parent goes away or sends SIGTERM."""
+
+    def start():
+        from language.engine import EngineCore
+
+        core = EngineCore(config.engine_config())
+        embed_reader = embed_reader_factory(config) if embed_reader_factory is not None else None
+        router = Router(core, embed_reader)
+        ctx = zmq.Context()
+        inbox = PullQueue(ctx, endpoints.router)
+        to_detok = PushQueue(ctx, endpoints.detokenizer)
+        info = ready_info(core)
+        logger.info("model loaded: %s %s on %s, %d KV token slots, requests up to %d tokens", info.architecture,
+                    info.dtype, info.device, info.max_total_token_num, info.max_req_total_len)
+
+        def serve(parent_pid: int) -> None:
+            try:
+                router.serve(inbox, to_detok, parent_pid)
+            finally:
+                inbox.close()
+                to_detok.close()
+                ctx.term()
+
+        return info, serve
+
+    run_child("router", config.log_level, ready, start)

@@ -1,0 +1,99 @@
+"""Request preparation in the HTTP process: prompt (and later images) -> a TokenizedRequest for the router.
+
+Everything here may be slow (tokenizing long prompts, decoding images), so the HTTP server calls it in a thread
+pool, never on the event loop. Image support plugs in through `ImagePreparer` without touching the handlers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from transformers import AutoTokenizer
+
+from language.sampling_params import SamplingParams
+from mmserve.config import ServerConfig
+from mmserve.messages import ImageRef, TokenizedRequest
+from mmserve.protocol import BadRequest, GenerateInput
+
+
+def load_tokenizer(config: ServerConfig):
+    return AutoTokenizer.from_pretrained(config.model_dir, trust_remote_code=config.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    prompt_ids: list[int]
+    images: tuple[ImageRef, ...] = ()
+    wait_for_images: bool = False
+    positions: list[list[int]] | None = None
+    position_delta: int = 0
+
+
+class ImagePreparer(Protocol):
+    """Turns a prompt with image placeholders and `multimodal_params` into token ids with image references
+    (raising BadRequest for bad images). Provided by the multimodal package when --enable_multimodal is on."""
+
+    def prepare(self, rid: str, prompt: str, multimodal_params: dict) -> PreparedPrompt: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_req_total_len: int  # prompt + new tokens, from the loaded engine
+
+
+class RequestPreparer:
+    def __init__(self, tokenizer, limits: Limits, images: ImagePreparer | None = None):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.images = images
+        self._special_ids = frozenset(tokenizer.all_special_ids)
+
+    def prepare(self, rid: str, req: GenerateInput) -> TokenizedRequest:
+        prepared = self._prepare_prompt(rid, req)
+        self._check_length(len(prepared.prompt_ids), req.params.max_new_tokens)
+        return TokenizedRequest(
+            rid=rid,
+            prompt_ids=prepared.prompt_ids,
+            params=self._with_stop_token_ids(req.params),
+            images=prepared.images,
+            wait_for_images=prepared.wait_for_images,
+            positions=prepared.positions,
+            position_delta=prepared.position_delta,
+        )
+
+    def _prepare_prompt(self, rid: str, req: GenerateInput) -> PreparedPrompt:
+        for name in req.multimodal_params:
+            if name != "images":
+                raise BadRequest(f"multimodal_params.{name}", "unknown field (expected 'images')")
+        images = req.multimodal_params.get("images") or []
+        if not isinstance(images, list):
+            raise BadRequest("multimodal_params.images", "must be a list")
+        if self.images is not None:
+            return self.images.prepare(rid, req.prompt, req.multimodal_params)
+        if images:
+            raise BadRequest("multimodal_params.images", "this server was started without --enable_multimodal")
+        return PreparedPrompt(self.tokenizer.encode(req.prompt))
+
+    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        limit = self.limits.max_req_total_len
+        if prompt_len >= limit:
+            raise BadRequest("inputs", f"the prompt is {prompt_len} tokens; this server allows {limit - 1} at most")
+        if prompt_len + max_new_tokens > limit:
+            raise BadRequest(
+                "parameters.max_new_tokens",
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds this server's "
+                f"limit of {limit} tokens per request",
+            )
+
+    def _with_stop_token_ids(self, params: SamplingParams) -> SamplingParams:
+        """A stop sequence that is exactly one special token (e.g. "<|im_end|>") never shows in the decoded text
+        (special tokens are skipped), so it is matched on its id by the engine instead."""
+        extra = []
+        for stop in params.stop_sequences:
+            ids = self.tokenizer.encode(stop, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] in self._special_ids and ids[0] not in params.stop_token_ids:
+                extra.append(ids[0])
+        if not extra:
+            return params
+        return replace(params, stop_token_ids=params.stop_token_ids + tuple(extra))
