@@ -1,0 +1,119 @@
+"""Request images -> validated image bytes and decoded PIL images.
+
+Plain synchronous functions: the HTTP server runs them in a thread pool (`load_images` does that for a request), so
+decoding, resizing checks and URL downloads never block its event loop. Every way an input can be wrong raises
+`BadImage`, whose message is safe to show the client (the server answers 400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import warnings
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from PIL import Image
+
+from mmserve.multimodal.url_fetch import FetchPolicy, fetch_url
+
+
+class BadImage(ValueError):
+    """An image input that cannot be used; the message says why (shown to the client)."""
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    max_pixels: int = 64 * 1024 * 1024  # width * height, checked from the header before decoding
+    max_bytes: int = 32 * 1024 * 1024  # encoded size (base64 payloads and downloads)
+    fetch: FetchPolicy = FetchPolicy()
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    data: bytes  # the image file as sent: what the cache key hashes and the visual process decodes again
+    image: Image.Image  # fully decoded
+    width: int
+    height: int
+
+
+def decode_base64(text: str, max_bytes: int) -> bytes:
+    """Strict base64 (whitespace and a `data:image/...;base64,` prefix are tolerated)."""
+    if not isinstance(text, str):
+        raise BadImage("base64 image data must be a string")
+    if text.startswith("data:"):
+        head, _, text = text.partition(",")
+        if not head.endswith(";base64"):
+            raise BadImage("a data: URL image must be base64-encoded")
+    text = "".join(text.split())
+    if len(text) > (max_bytes + 2) // 3 * 4:
+        raise BadImage(f"image is larger than {max_bytes} bytes")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadImage(f"malformed base64 image data: {e}") from None
+    if not data:
+        raise BadImage("empty image data")
+    return data
+
+
+def open_image(data: bytes, max_pixels: int) -> Image.Image:
+    """Decode `data` completely. The size in the header is checked against max_pixels before any pixel is decoded
+    (a small file can declare a huge image); truncated files fail here rather than later in the visual process."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise BadImage(f"image has more than {max_pixels} pixels") from None
+    except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, struct.error, ...)
+        raise BadImage(f"data is not a readable image: {e}") from None
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise BadImage(f"image has an empty size {width}x{height}")
+    if width * height > max_pixels:
+        raise BadImage(f"image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}")
+    try:
+        image.load()
+    except Exception as e:
+        raise BadImage(f"image data is truncated or corrupt: {e}") from None
+    return image
+
+
+def load_image(item: object, policy: ImagePolicy = ImagePolicy()) -> LoadedImage:
+    """One `multimodal_params.images` entry: {"type": "base64" | "url", "data": str}."""
+    if not isinstance(item, dict):
+        raise BadImage('each image must be an object {"type": "base64" | "url", "data": ...}')
+    kind, payload = item.get("type"), item.get("data")
+    if not isinstance(payload, str) or not payload:
+        raise BadImage('image "data" must be a non-empty string')
+    if kind == "base64":
+        data = decode_base64(payload, policy.max_bytes)
+    elif kind == "url":
+        try:
+            data = fetch_url(payload, policy.fetch, policy.max_bytes)
+        except ValueError as e:  # UrlRefused and fetch failures
+            raise BadImage(str(e)) from None
+    else:
+        raise BadImage(f'unknown image type {kind!r}; expected "base64" or "url"')
+    image = open_image(data, policy.max_pixels)
+    return LoadedImage(data, image, image.width, image.height)
+
+
+async def load_images(
+    items: list, policy: ImagePolicy = ImagePolicy(), executor: Executor | None = None
+) -> list[LoadedImage]:
+    """A request's images, loaded concurrently off the event loop; the first BadImage (in order) is raised."""
+    if not isinstance(items, list):
+        raise BadImage("multimodal_params.images must be a list")
+    loop = asyncio.get_running_loop()
+    futures = [loop.run_in_executor(executor, load_image, item, policy) for item in items]
+    results = await asyncio.gather(*futures, return_exceptions=True)
+    for index, result in enumerate(results):
+        if isinstance(result, BadImage):
+            raise BadImage(f"image {index}: {result}")
+        if isinstance(result, BaseException):
+            raise result
+    return results
