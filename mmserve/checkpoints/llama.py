@@ -12,9 +12,12 @@ from mmserve.checkpoints.writer import TensorSpec, linear_std, write_checkpoint,
 
 SHAPES = {
     # hidden, layers, heads, kv_heads, intermediate
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
-    "7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-               intermediate_size=11008),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128
+    ),
+    "7b": dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008
+    ),
 }
 
 

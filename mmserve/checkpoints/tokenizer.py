@@ -48,7 +48,9 @@ def build_tokenizer(
         while tok.get_vocab_size() < token_id:
             tok.add_special_tokens([f"<|reserved_{tok.get_vocab_size()}|>"])
         if tok.get_vocab_size() != token_id:
-            raise ValueError(f"special token {content!r} wants id {token_id}, but ids up to {tok.get_vocab_size()} are used")
+            raise ValueError(
+                f"special token {content!r} wants id {token_id}, but ids up to {tok.get_vocab_size()} are used"
+            )
         tok.add_special_tokens([content])
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(

@@ -1,0 +1,64 @@
+"""Normalising transformers' config classes (both the published and the transformers-5 dialect) into LMConfig."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from transformers import AutoConfig
+
+from language.config import LMConfig
+from language.loader import architecture, checkpoint_dtype
+
+
+def eos_token_ids(model_dir: str, raw: dict, text: object) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json together (either may hold a list)."""
+    ids: list[int] = []
+    sources = [raw.get("eos_token_id"), getattr(text, "eos_token_id", None)]
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    for src in sources:
+        for i in src if isinstance(src, list) else [src]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def rope_theta(text: object) -> float:
+    params = getattr(text, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0)
+
+
+def mrope_section(text: object, raw: dict) -> tuple[int, ...] | None:
+    for src in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None), raw.get("rope_scaling")):
+        if isinstance(src, dict) and src.get("mrope_section"):
+            return tuple(src["mrope_section"])
+    return None
+
+
+def lm_config_from_hf(model_dir: str, raw: dict, qkv_bias: bool) -> LMConfig:
+    """The decoder's LMConfig from an HF config (for multimodal configs, its text part)."""
+    hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    text = hf.get_text_config()
+    raw_text = raw.get("text_config") or raw
+    heads = text.num_attention_heads
+    return LMConfig(
+        architecture=architecture(raw),
+        hidden_size=text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        intermediate_size=text.intermediate_size,
+        vocab_size=text.vocab_size,
+        rms_norm_eps=text.rms_norm_eps,
+        rope_theta=rope_theta(text),
+        max_position=text.max_position_embeddings,
+        eos_token_ids=eos_token_ids(model_dir, raw, text),
+        torch_dtype=checkpoint_dtype(raw),
+        qkv_bias=qkv_bias,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw_text.get("tie_word_embeddings", False))),
+        mrope_section=mrope_section(text, raw),
+    )

@@ -1,0 +1,198 @@
+"""The Llama-family decoder (Llama/Vicuna, Qwen2 with q/k/v bias and GQA, Qwen2-VL's LLM with M-RoPE), built on the
+engine's kernels and reading K/V through the TokenAttention slot table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from language import kernels
+from language.config import LMConfig
+from language.forward_batch import ForwardBatch
+from language.models.hf_config import lm_config_from_hf
+from language.models.registry import register_model
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LMConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = kernels.apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [n, Hq, D]
+        k = kernels.apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [n, Hk, D]
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        kv = batch.kv
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        kernels.store_kv(k_cache, v_cache, k, v, batch.out_slots)
+        if batch.is_prefill:
+            o = kernels.prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                kv.req_to_token,
+                batch.req_idx,
+                batch.q_starts,
+                batch.q_lens,
+                batch.seq_lens,
+                self.scale,
+                max_q_len=batch.max_q_len,
+            )
+        else:
+            o = kernels.decode_attention(
+                q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.seq_lens, self.scale
+            )
+        return self.o_proj(o.view(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [gate | up]
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LMConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint names of the separate projections -> (our fused parameter, which slice of it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """Token ids (with optional image embeddings spliced in) -> next-token logits of each sequence's last token."""
+
+    qkv_bias = False
+
+    @classmethod
+    def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig:
+        return lm_config_from_hf(model_dir, raw_config, qkv_bias=cls.qkv_bias)
+
+    def __init__(self, cfg: LMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim)
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2], kept fp32
+
+    @property
+    def position_dims(self) -> int:
+        """1 for plain positions, 3 for M-RoPE (temporal, height, width)."""
+        return 1 if self.cfg.mrope_section is None else 3
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.mrope_section is None:
+            return kernels.rotary_cos_sin(positions, self.inv_freq)
+        return kernels.mrope_cos_sin(positions, self.inv_freq, list(self.cfg.mrope_section))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        if batch.mm_embeds is not None:
+            kernels.splice_embeddings(x, batch.mm_embeds, batch.mm_positions)
+        cos, sin = self.rotary(batch.positions)  # [num_tokens, D/2] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        last = x[batch.logits_idx] if batch.is_prefill else x  # [num_seqs, hidden]
+        return self.lm_head(self.norm(last)).float()  # [num_seqs, vocab]
+
+    # ---- weights ----
+    def checkpoint_name(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to ours (HF Llama names minus the `model.` prefix); None skips it.
+        Families with other layouts override this."""
+        if name.startswith("model."):
+            return name.removeprefix("model.")
+        if name.startswith("lm_head."):
+            return name
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            name = self.checkpoint_name(ckpt_name)
+            if name is None or "rotary_emb" in name:
+                continue
+            self._load_one(params, name, tensor, loaded)
+        missing = set(params) - loaded
+        if self.cfg.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors: {sorted(missing)[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
+        parts = name.split(".")
+        fused = _FUSED.get(parts[-2]) if len(parts) >= 2 else None
+        if fused is not None:
+            target, shard = fused
+            pname = ".".join(parts[:-2] + [target, parts[-1]])
+            param = params[pname]
+            sizes = self._fused_sizes(target)
+            start = sum(sizes[:shard])
+            param.data[start : start + sizes[shard]].copy_(tensor)
+            loaded.add(pname)
+            return
+        if name not in params:
+            raise ValueError(f"unexpected tensor in checkpoint: {name}")
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model wants {tuple(params[name].shape)}")
+        params[name].data.copy_(tensor)
+        loaded.add(name)
+
+    def _fused_sizes(self, target: str) -> list[int]:
+        c = self.cfg
+        if target == "qkv_proj":
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+
+@register_model("Qwen2ForCausalLM")
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True

@@ -1,0 +1,42 @@
+"""HF `architectures[0]` -> the decoder class that serves it. The engine never branches on the model type."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from language.config import LMConfig
+from language.forward_batch import ForwardBatch
+
+
+class CausalLM(Protocol):
+    cfg: LMConfig
+    position_dims: int
+
+    @classmethod
+    def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig: ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def load_weights(self, weights) -> None: ...
+
+
+_MODELS: dict[str, type] = {}
+
+
+def register_model(*architectures: str):
+    def wrap(cls: type) -> type:
+        for arch in architectures:
+            _MODELS[arch] = cls
+        return cls
+
+    return wrap
+
+
+def model_class(architecture: str) -> type:
+    import language.models  # noqa: F401  (importing the package registers every family)
+
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(_MODELS)}")
+    return _MODELS[architecture]

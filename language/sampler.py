@@ -1,0 +1,126 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over
+the whole batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from language.request import Request
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors [B] on the logits' device."""
+
+    greedy: torch.Tensor  # bool
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64 (vocab size where disabled)
+    top_p: torch.Tensor  # float32
+    seeded: torch.Tensor  # bool
+    seed: torch.Tensor  # int64
+    step: torch.Tensor  # int64: output tokens so far (varies the seeded noise per step)
+    all_greedy: bool
+    any_top: bool
+    any_seeded: bool
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def build(cls, reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+        greedy = [p.greedy for p in ps]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+        top_p = [p.top_p for p in ps]
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            greedy=t(greedy, torch.bool),
+            temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, ps, strict=True)], torch.float32),
+            top_k=t(top_k, torch.int64),
+            top_p=t(top_p, torch.float32),
+            seeded=t([p.seed is not None for p in ps], torch.bool),
+            seed=t([p.seed or 0 for p in ps], torch.int64),
+            step=t([len(r.output_ids) for r in reqs], torch.int64),
+            all_greedy=all(greedy),
+            any_top=any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
+            any_seeded=any(p.seed is not None for p in ps),
+            penalties=_penalty_tensors(reqs, device) if any(p.has_penalties for p in ps) else None,
+        )
+
+
+def _penalty_tensors(reqs: list[Request], device: torch.device):
+    """Padded token histories: prompt+output (repetition penalty, as HF) and output only (frequency/presence, as
+    OpenAI), plus the three penalties per row."""
+    seen = [r.prompt_ids + r.output_ids for r in reqs]
+    width = max(len(s) for s in seen)
+    hist = torch.full((len(reqs), width), -1, dtype=torch.int64)
+    out_mask = torch.zeros((len(reqs), width), dtype=torch.bool)
+    for i, (r, s) in enumerate(zip(reqs, seen, strict=True)):
+        hist[i, : len(s)] = torch.tensor(s)
+        out_mask[i, r.prompt_len : len(s)] = True
+    rep = torch.tensor([r.params.repetition_penalty for r in reqs], dtype=torch.float32)
+    freq = torch.tensor([r.params.frequency_penalty for r in reqs], dtype=torch.float32)
+    pres = torch.tensor([r.params.presence_penalty for r in reqs], dtype=torch.float32)
+    return tuple(x.to(device) for x in (hist, out_mask, rep, freq, pres))
+
+
+def apply_penalties(logits: torch.Tensor, penalties) -> torch.Tensor:
+    hist, out_mask, rep, freq, pres = penalties
+    valid = hist >= 0  # [B, W]
+    idx = hist.clamp(min=0)
+    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, idx, valid)  # [B, V]
+    counts = torch.zeros_like(logits).scatter_add_(1, idx, (valid & out_mask).float())  # output-token counts
+    # HF's repetition penalty: divide positive logits, multiply negative ones, for every token seen so far.
+    penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+    logits = torch.where(seen, penalised, logits)
+    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+
+
+def _seeded_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Counter-based uniform noise in (0, 1) from (seed, step, token id): the same request with the same seed draws
+    the same tokens whatever batch it runs in. 32-bit mixing kept inside int64 so nothing overflows."""
+    v = torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :]
+    x = (seed[:, None] ^ (seed[:, None] >> 32)) & _MASK32
+    x = (x * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + v * 0xC2B2AE3D) & _MASK32
+    for mul in (0x7FEB352D, 0x846CA68B):
+        x = ((x ^ (x >> 16)) * mul) & _MASK32
+    x = x ^ (x >> 16)
+    return (x.float() + 0.5) / 4294967296.0
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [B, V] float32 -> (next token ids [B] int64, their log-probabilities [B] float32)."""
+    if sb.penalties is not None:
+        logits = apply_penalties(logits, sb.penalties)
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    if sb.all_greedy:
+        next_ids = logits.argmax(dim=-1)
+        return next_ids, logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
+    scaled = logits / sb.temperature[:, None]
+    if sb.any_top:
+        scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
+    probs = scaled.softmax(dim=-1)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a cumulative-sum search.
+    noise = torch.empty_like(probs).exponential_()
+    if sb.any_seeded:
+        seeded_noise = -torch.log(_seeded_uniform(sb.seed, sb.step, probs.shape[1]))
+        noise = torch.where(sb.seeded[:, None], seeded_noise, noise)
+    sampled = (probs / noise).argmax(dim=-1)
+    next_ids = torch.where(sb.greedy, logits.argmax(dim=-1), sampled)
+    return next_ids, logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))  # top-k first, as HF
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,73 @@
+"""Admission and batching: the Efficient Router. A waiting request joins the running batch only if the batch's
+projected peak KV use, were every request to run to its max_new_tokens, stays within the cache — so decoding
+never runs out of slots."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from language.request import Request, RequestStatus
+
+
+def future_slots(req: Request) -> tuple[int, int]:
+    """(slots held once admitted, slots it may still add). The last sampled token is never stored, so a request
+    peaks at prompt_len + max_new_tokens - 1 slots."""
+    held = req.seq_len - 1 if req.output_ids else req.prompt_len
+    return held, req.prompt_len + req.params.max_new_tokens - 1 - held
+
+
+def projected_peak(reqs: list[Request]) -> int:
+    """Peak total slots if all `reqs` decode to their limit: sorted by remaining growth (longest first), the batch
+    peaks just before the i-th request finishes, holding the first i requests' tokens plus i x its remaining."""
+    usage = sorted((future_slots(r) for r in reqs), key=lambda hr: -hr[1])
+    peak, held_sum = 0, 0
+    for i, (held, remaining) in enumerate(usage, start=1):
+        held_sum += held
+        peak = max(peak, held_sum + remaining * i)
+    return peak
+
+
+@dataclass
+class ScheduleResult:
+    prefill: list[Request]
+    decode: list[Request]
+
+
+class Scheduler:
+    def __init__(self, max_total_tokens: int, max_running: int, max_prefill_tokens: int):
+        self.max_total_tokens = max_total_tokens
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def can_ever_fit(self, req: Request) -> bool:
+        return projected_peak([req]) <= self.max_total_tokens
+
+    def schedule(self, has_free_row) -> ScheduleResult:
+        """Admit waiting requests in arrival order while the projected peak fits; decode every running request."""
+        decode = list(self.running)
+        admitted: list[Request] = []
+        prefill_tokens = 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_running and has_free_row(len(admitted)):
+            cand = self.waiting[0]
+            if admitted and prefill_tokens + cand.prompt_len > self.max_prefill_tokens:
+                break
+            if projected_peak(self.running + admitted + [cand]) > self.max_total_tokens:
+                break  # FIFO: later requests wait behind it rather than starve it
+            admitted.append(self.waiting.popleft())
+            prefill_tokens += cand.prompt_len
+        for req in admitted:
+            req.status = RequestStatus.RUNNING
+        self.running.extend(admitted)
+        return ScheduleResult(prefill=admitted, decode=decode)
+
+    def remove(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
