@@ -1,17 +1,56 @@
 """Kernel entry points used by the models. Each dispatches to its Triton kernel on CUDA tensors and to the
 plain-torch reference otherwise (CPU, CI)."""
 
-from language.kernels.reference import (
-    apply_rotary_ref as apply_rotary,
-    decode_attention_ref as decode_attention,
-    mrope_cos_sin_ref as mrope_cos_sin,
-    prefill_attention_ref as prefill_attention,
-    rms_norm_ref as rms_norm,
-    rotary_cos_sin_ref as rotary_cos_sin,
-    silu_and_mul_ref as silu_and_mul,
-    splice_embeddings_ref as splice_embeddings,
-    store_kv_ref as store_kv,
-)
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from language.kernels import reference
+from language.kernels.decode_attention import decode_attention as _decode_attention_triton
+from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
+from language.kernels.kv_store import store_kv as _store_kv_triton
+from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
+from language.kernels.rms_norm import rms_norm as _rms_norm_triton
+from language.kernels.rotary import apply_rotary as _apply_rotary_triton
+from language.kernels.rotary import mrope_cos_sin as _mrope_cos_sin_triton
+from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
+from language.kernels.silu_mul import silu_and_mul as _silu_and_mul_triton
+
+
+def _dispatch(triton_fn: Callable, reference_fn: Callable) -> Callable:
+    """Run `triton_fn` when the first argument is a CUDA tensor, else `reference_fn`. The Triton launchers take extra
+    optional keywords: launch hints (max_q_len, max_seq_len) are dropped on the reference path, and an `out=` buffer
+    is filled from the reference's result so both paths return (and write) the same thing."""
+    reference_params = set(inspect.signature(reference_fn).parameters)
+
+    @functools.wraps(triton_fn)
+    def run(first: torch.Tensor, *args, **kwargs):
+        if first.is_cuda:
+            return triton_fn(first, *args, **kwargs)
+        out = kwargs.pop("out", None)
+        result = reference_fn(first, *args, **{k: v for k, v in kwargs.items() if k in reference_params})
+        if out is None:
+            return result
+        if isinstance(out, tuple):
+            return tuple(o.copy_(r) for o, r in zip(out, result, strict=True))
+        return out.copy_(result)
+
+    return run
+
+
+rms_norm = _dispatch(_rms_norm_triton, reference.rms_norm_ref)
+silu_and_mul = _dispatch(_silu_and_mul_triton, reference.silu_and_mul_ref)
+rotary_cos_sin = _dispatch(_rotary_cos_sin_triton, reference.rotary_cos_sin_ref)
+mrope_cos_sin = _dispatch(_mrope_cos_sin_triton, reference.mrope_cos_sin_ref)
+apply_rotary = _dispatch(_apply_rotary_triton, reference.apply_rotary_ref)
+store_kv = _dispatch(_store_kv_triton, reference.store_kv_ref)
+prefill_attention = _dispatch(_prefill_attention_triton, reference.prefill_attention_ref)
+decode_attention = _dispatch(_decode_attention_triton, reference.decode_attention_ref)
+splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embeddings_ref)
 
 __all__ = [
     "apply_rotary",

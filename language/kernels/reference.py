@@ -67,6 +67,8 @@ def prefill_attention_ref(
     b_q_len: torch.Tensor,
     b_seq_len: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,  # grid size for the Triton kernel; unused here
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed ("nopad") sequences whose K/V are already stored in the cache.
 
@@ -76,7 +78,7 @@ def prefill_attention_ref(
     b_seq_len[b] - b_q_len[b] + j and sees keys 0..that position. GQA: query head h reads KV head h // (Hq // Hk).
     Returns [N, Hq, D] in q's dtype; softmax in fp32.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     group = q.shape[1] // k_cache.shape[1]
     for b in range(b_req_idx.shape[0]):
         start, q_len, seq_len = int(b_q_start[b]), int(b_q_len[b]), int(b_seq_len[b])
@@ -102,6 +104,8 @@ def decode_attention_ref(
     b_req_idx: torch.Tensor,
     b_seq_len: torch.Tensor,
     scale: float,
+    max_seq_len: int | None = None,  # bounds the Triton kernel's key chunks; unused here
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence. q: [B, Hq, D]; sequence b attends to all its b_seq_len[b] cached tokens, read through
     req_to_token[b_req_idx[b]]. Returns [B, Hq, D]."""
@@ -116,6 +120,7 @@ def decode_attention_ref(
         torch.ones(n, device=q.device, dtype=torch.int32),
         b_seq_len,
         scale,
+        out=out,
     )
 
 

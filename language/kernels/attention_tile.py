@@ -1,0 +1,77 @@
+"""The flash-attention inner step shared by prefill and decode attention: one tile of keys, gathered from the KV cache
+through token slots, folded into a running (online) softmax."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from language.kernels.launch_utils import interpreting
+
+LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels can use exp2
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 dots (tf32 would drift from the reference); half types ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Triton's interpreter multiplies bf16 dot operands as raw bits (garbage), so there the operands are upcast
+    after rounding; compiled kernels always use the tensor cores in the input dtype."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@triton.jit
+def attend_key_tile(
+    acc,  # [BLOCK_M, BLOCK_D] fp32, un-normalised output
+    m_i,  # [BLOCK_M] running max of the (base-2) scores
+    l_i,  # [BLOCK_M] running softmax denominator
+    q,  # [BLOCK_M, BLOCK_D]
+    q_pos,  # [BLOCK_M] absolute position of each query (only read when CAUSAL)
+    start_n,
+    end_n,  # keys at or past end_n are masked out (only read when MASKED)
+    slot_row_ptr,  # req_to_token row of this sequence
+    k_head_ptr,  # k_cache at this KV head
+    v_head_ptr,
+    stride_k_slot,
+    stride_v_slot,
+    offs_d,  # [BLOCK_D]
+    d_mask,  # [BLOCK_D]: offs_d < head_dim (head dims that are not a power of two are padded)
+    qk_scale,  # softmax scale * log2(e)
+    MASKED: tl.constexpr,  # mask keys >= end_n
+    CAUSAL: tl.constexpr,  # mask keys after each query's position
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # see dot_in_fp32
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = offs_n < end_n
+        slots = tl.load(slot_row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        slots = tl.load(slot_row_ptr + offs_n).to(tl.int64)
+        kv_mask = d_mask[None, :]
+    k = tl.load(k_head_ptr + slots[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    if CAUSAL:
+        qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+    # Every row sees key 0 in the first tile, so m_new is finite from then on and no row divides -inf by -inf.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head_ptr + slots[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+    p = p.to(v.dtype)  # the tensor cores take P in the input dtype, as in every flash kernel
+    if DOT_FP32:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i

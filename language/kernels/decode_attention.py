@@ -1,0 +1,220 @@
+"""Split-K flash decoding: one query per sequence attends to its cached tokens. Stage 1 runs one program per
+(sequence, KV head, key chunk), all query heads of the KV head's group together (each K/V row is read once), and
+writes a partial softmax; stage 2 merges the chunks. The grid depends only on tensor shapes and `max_seq_len`, and
+nothing reads GPU values on the host, so the whole call can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision
+from language.kernels.launch_utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_dtype,
+    check_inner_contiguous,
+    check_out,
+    check_shape,
+    interpreting,
+    multiprocessor_count,
+    pow2_at_least,
+)
+
+_MAX_CHUNKS = 64  # stage 2 merges all chunks of a head in one tile
+_PROGRAMS_PER_SM = 4  # enough programs in flight to cover HBM latency
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr,  # [B, Hq, D]
+    k_cache_ptr,  # [S, Hk, D]
+    v_cache_ptr,  # [S, Hk, D]
+    req_to_token_ptr,  # [R, L]
+    b_req_idx_ptr,  # [B]
+    b_seq_len_ptr,  # [B]
+    out_ptr,  # [B, Hq, D] contiguous (written only when SINGLE_CHUNK)
+    part_out_ptr,  # [B, Hq, C, D] fp32: each chunk's normalised output (unless SINGLE_CHUNK)
+    part_lse_ptr,  # [B, Hq, C] fp32: each chunk's base-2 log-sum-exp
+    qk_scale,
+    stride_q_b,
+    stride_q_h,
+    stride_k_slot,
+    stride_k_h,
+    stride_v_slot,
+    stride_v_h,
+    stride_req,
+    chunk_len,  # keys per chunk, a multiple of BLOCK_N
+    NUM_HEADS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SINGLE_CHUNK: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # GROUP padded to a dot-friendly size
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    seq_len = tl.load(b_seq_len_ptr + seq)
+    start = chunk * chunk_len
+    if (start >= seq_len) & (chunk > 0):  # chunks past this sequence's end; stage 2 never reads them
+        return
+    end = tl.minimum(seq_len, start + chunk_len)
+    req = tl.load(b_req_idx_ptr + seq).to(tl.int64)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g  # the query heads that read this KV head
+    g_mask = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptr + q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, offs_g, start_n, end, req_to_token_ptr + req * stride_req,
+            k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=True, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty sequence yields zeros, as the reference does
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    if SINGLE_CHUNK:
+        out_rows = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
+        tl.store(out_ptr + out_rows, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        part_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_CHUNKS + chunk  # [BLOCK_H]
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=store_mask)
+        tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,  # [B, Hq, C, D] fp32
+    part_lse_ptr,  # [B, Hq, C] fp32
+    b_seq_len_ptr,  # [B]
+    out_ptr,  # [B, Hq, D] contiguous
+    chunk_len,
+    NUM_HEADS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seq_len = tl.load(b_seq_len_ptr + seq)
+    used_chunks = tl.minimum(tl.cdiv(seq_len, chunk_len), NUM_CHUNKS)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    c_mask = offs_c < used_chunks
+    d_mask = offs_d < HEAD_DIM
+    row = (seq * NUM_HEADS + head) * NUM_CHUNKS
+    lse = tl.load(part_lse_ptr + row + offs_c, mask=c_mask, other=float("-inf"))  # [BLOCK_C]
+    parts = tl.load(
+        part_out_ptr + (row + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=c_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_C, BLOCK_D]
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no chunk at all (empty sequence)
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    merged = tl.sum(parts * weights[:, None], 0) / total
+    tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _block_n() -> int:
+    return 16 if interpreting() else 64
+
+
+def decode_split(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
+    """(num_chunks, chunk_len): split each sequence's keys into just enough chunks to fill the GPU. Depends only on
+    shapes and launch-time ints, so a captured graph keeps a valid split."""
+    block_n = _block_n()
+    target = _PROGRAMS_PER_SM * multiprocessor_count(device)
+    wanted = triton.cdiv(target, max(batch * num_kv_heads, 1))
+    num_chunks = max(1, min(wanted, triton.cdiv(max_seq_len, block_n), _MAX_CHUNKS))
+    chunk_len = triton.cdiv(triton.cdiv(max_seq_len, num_chunks), block_n) * block_n
+    return triton.cdiv(max_seq_len, chunk_len), chunk_len
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `decode_attention_ref`: q [B, Hq, D] (any batch/head strides); sequence b attends to its
+    b_seq_len[b] cached tokens, req_to_token[b_req_idx[b], :b_seq_len[b]]. Returns [B, Hq, D] in q's dtype.
+    max_seq_len: an upper bound on b_seq_len (default: req_to_token's width); keys past it are not read."""
+    device = check_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, b_req_idx=b_req_idx, b_seq_len=b_seq_len
+    )
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_shape("q", q, (None, None, None))
+    batch, num_heads, head_dim = q.shape
+    check_shape("k_cache", k_cache, (None, None, head_dim))
+    num_kv_heads = k_cache.shape[1]
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    assert k_cache.dtype == v_cache.dtype == q.dtype, (
+        f"q, k_cache, v_cache must share a dtype (got {q.dtype}, {k_cache.dtype}, {v_cache.dtype})"
+    )
+    assert num_heads % num_kv_heads == 0, f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
+    check_shape("req_to_token", req_to_token, (None, None))
+    check_dtype("req_to_token", req_to_token, INDEX_DTYPES)
+    for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
+        check_dtype(name, t, INDEX_DTYPES)
+        check_shape(name, t, (batch,))
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("req_to_token", req_to_token)):
+        check_inner_contiguous(name, t)
+    if max_seq_len is None:
+        max_seq_len = req_to_token.shape[1]
+    assert max_seq_len >= 1, f"max_seq_len must be positive, got {max_seq_len}"
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=device)
+    check_out(out, (batch, num_heads, head_dim), q.dtype, device)
+    if batch == 0:
+        return out
+    b_req_idx, b_seq_len = b_req_idx.contiguous(), b_seq_len.contiguous()
+
+    group = num_heads // num_kv_heads
+    num_chunks, chunk_len = decode_split(batch, num_kv_heads, max_seq_len, device)
+    single = num_chunks == 1
+    # Scratch for the partial results; under graph capture these come from the graph's private pool.
+    parts = 1 if single else num_chunks
+    part_out = torch.empty((batch, num_heads, parts, head_dim), dtype=torch.float32, device=device)
+    part_lse = torch.empty((batch, num_heads, parts), dtype=torch.float32, device=device)
+    block_d = pow2_at_least(head_dim, 16)
+    _decode_partial_kernel[(batch, num_kv_heads, num_chunks)](
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), chunk_len,
+        NUM_HEADS=num_heads, NUM_CHUNKS=num_chunks, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
+        BLOCK_H=pow2_at_least(group, 16), BLOCK_N=_block_n(), BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype),
+        num_warps=4, num_stages=1 if interpreting() else 3,
+    )  # fmt: skip
+    if not single:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, b_seq_len, out, chunk_len,
+            NUM_HEADS=num_heads, NUM_CHUNKS=num_chunks, HEAD_DIM=head_dim,
+            BLOCK_C=pow2_at_least(num_chunks, 2), BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,169 @@
+"""Causal flash attention over packed ("nopad") prefill sequences whose K/V are already in the token-slot cache,
+possibly behind a cached prefix. One program per (query tile, sequence, query head)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision
+from language.kernels.launch_utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_dtype,
+    check_inner_contiguous,
+    check_out,
+    check_shape,
+    interpreting,
+    pow2_at_least,
+)
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,  # [N, Hq, D]
+    k_cache_ptr,  # [S, Hk, D]
+    v_cache_ptr,  # [S, Hk, D]
+    out_ptr,  # [N, Hq, D] contiguous
+    req_to_token_ptr,  # [R, L]
+    b_req_idx_ptr,  # [B]
+    b_q_start_ptr,  # [B]
+    b_q_len_ptr,  # [B]
+    b_seq_len_ptr,  # [B]
+    qk_scale,
+    stride_q_n,
+    stride_q_h,
+    stride_k_slot,
+    stride_k_h,
+    stride_v_slot,
+    stride_v_h,
+    stride_req,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_len = tl.load(b_q_len_ptr + seq)
+    if m_block * BLOCK_M >= q_len:  # the grid covers the longest sequence; shorter ones stop early
+        return
+    seq_len = tl.load(b_seq_len_ptr + seq)
+    q_start = tl.load(b_q_start_ptr + seq).to(tl.int64)
+    req = tl.load(b_req_idx_ptr + seq).to(tl.int64)
+    kv_head = head // GROUP
+    prefix_len = seq_len - q_len
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_mask = offs_m < q_len
+    q_rows = (q_start + offs_m)[:, None] * stride_q_n + head * stride_q_h + offs_d[None, :]
+    q = tl.load(q_ptr + q_rows, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = prefix_len + offs_m  # absolute positions of this tile's queries
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    slot_row_ptr = req_to_token_ptr + req * stride_req
+    k_head_ptr = k_cache_ptr + kv_head * stride_k_h
+    v_head_ptr = v_cache_ptr + kv_head * stride_v_h
+
+    # Key tiles every query of this tile sees in full (keys <= the first query's position): no masks at all.
+    first_visible_end = prefix_len + m_block * BLOCK_M + 1
+    full_end = (first_visible_end // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=False, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    # The diagonal band: causal mask; tiles past the last query's position are skipped entirely.
+    causal_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
+    for start_n in range(full_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=True, CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    num_heads = tl.num_programs(2)
+    out_rows = (q_start + offs_m)[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
+    tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _launch_config(head_dim: int, max_q_len: int) -> dict[str, int]:
+    if interpreting():  # small tiles keep the interpreter fast and exercise several tiles per sequence
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    block_m = 64 if max_q_len <= 64 else 128
+    num_warps = 8 if block_m == 128 and head_dim > 64 else 4
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=num_warps, num_stages=3)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    b_req_idx: torch.Tensor,
+    b_q_start: torch.Tensor,
+    b_q_len: torch.Tensor,
+    b_seq_len: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `prefill_attention_ref`: q [N, Hq, D] packed queries (any token/head strides), sequence b owns
+    rows b_q_start[b]:+b_q_len[b], the last b_q_len[b] of its b_seq_len[b] tokens, whose K/V sit in the slots
+    req_to_token[b_req_idx[b], :b_seq_len[b]]. Returns [N, Hq, D] in q's dtype.
+    max_q_len: the longest b_q_len (sizes the grid); None reads it from b_q_len, which syncs with the GPU."""
+    device = check_device(
+        q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, b_req_idx=b_req_idx,
+        b_q_start=b_q_start, b_q_len=b_q_len, b_seq_len=b_seq_len,
+    )  # fmt: skip
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_shape("q", q, (None, None, None))
+    num_tokens, num_heads, head_dim = q.shape
+    check_shape("k_cache", k_cache, (None, None, head_dim))
+    num_kv_heads = k_cache.shape[1]
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    assert k_cache.dtype == v_cache.dtype == q.dtype, (
+        f"q, k_cache, v_cache must share a dtype (got {q.dtype}, {k_cache.dtype}, {v_cache.dtype})"
+    )
+    assert num_heads % num_kv_heads == 0, f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
+    assert head_dim >= 1, "empty head dim"
+    check_shape("req_to_token", req_to_token, (None, None))
+    batch = b_req_idx.shape[0]
+    for name, t in (("b_req_idx", b_req_idx), ("b_q_start", b_q_start), ("b_q_len", b_q_len), ("b_seq_len", b_seq_len)):
+        check_dtype(name, t, INDEX_DTYPES)
+        check_shape(name, t, (batch,))
+    check_dtype("req_to_token", req_to_token, INDEX_DTYPES)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("req_to_token", req_to_token)):
+        check_inner_contiguous(name, t)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
+    check_out(out, (num_tokens, num_heads, head_dim), q.dtype, device)
+    if max_q_len is None:
+        max_q_len = int(b_q_len.max()) if batch > 0 else 0
+    if num_tokens == 0 or batch == 0 or max_q_len == 0:
+        return out
+    b_req_idx, b_q_start, b_q_len, b_seq_len = (t.contiguous() for t in (b_req_idx, b_q_start, b_q_len, b_seq_len))
+
+    config = _launch_config(head_dim, max_q_len)
+    grid = (triton.cdiv(max_q_len, config["BLOCK_M"]), batch, num_heads)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out, req_to_token, b_req_idx, b_q_start, b_q_len, b_seq_len,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=pow2_at_least(head_dim, 16),
+        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **config,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,161 @@
+"""Rotary embedding: the cos/sin tables (plain RoPE and Qwen2-VL's M-RoPE) and their neox-style application."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from language.kernels.launch_utils import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_dtype,
+    check_inner_contiguous,
+    check_out,
+    check_shape,
+    pow2_at_least,
+)
+
+_BLOCK_TOKENS = 32
+
+
+@triton.jit
+def _cos_sin_kernel(
+    pos_ptr,  # [A, N] positions per axis (A = 1 for RoPE, 3 for M-RoPE)
+    inv_freq_ptr,  # [F]
+    cos_ptr,  # [N, F] fp32
+    sin_ptr,  # [N, F] fp32
+    stride_pos_axis,
+    num_tokens,
+    num_freqs,
+    axis1_start,  # first band that follows axis 1 (== num_freqs when there is one axis)
+    axis2_start,  # first band that follows axis 2
+    BLOCK_N: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_f = tl.arange(0, BLOCK_F)
+    mask = (offs_n < num_tokens)[:, None] & (offs_f < num_freqs)[None, :]
+    axis = (offs_f >= axis1_start).to(tl.int32) + (offs_f >= axis2_start).to(tl.int32)  # [F]
+    pos = tl.load(pos_ptr + axis[None, :] * stride_pos_axis + offs_n[:, None], mask=mask, other=0)
+    inv_freq = tl.load(inv_freq_ptr + offs_f, mask=offs_f < num_freqs, other=0.0).to(tl.float32)
+    freqs = pos.to(tl.float32) * inv_freq[None, :]  # [BLOCK_N, BLOCK_F]
+    offs = offs_n[:, None] * num_freqs + offs_f[None, :]
+    tl.store(cos_ptr + offs, tl.cos(freqs), mask=mask)
+    tl.store(sin_ptr + offs, tl.sin(freqs), mask=mask)
+
+
+def _cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, boundaries: tuple[int, int], out: tuple[torch.Tensor, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [A, N] -> cos, sin: [N, F] fp32; band f follows axis (f >= boundaries[0]) + (f >= boundaries[1])."""
+    device = check_device(positions=positions, inv_freq=inv_freq)
+    check_dtype("positions", positions, INDEX_DTYPES)
+    check_dtype("inv_freq", inv_freq, FLOAT_DTYPES)
+    check_shape("inv_freq", inv_freq, (None,))
+    positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
+    num_tokens, num_freqs = positions.shape[1], inv_freq.shape[0]
+    if out is None:
+        out = tuple(torch.empty((num_tokens, num_freqs), dtype=torch.float32, device=device) for _ in range(2))
+    assert len(out) == 2, "out: expected a (cos, sin) pair"
+    for table in out:
+        check_out(table, (num_tokens, num_freqs), torch.float32, device)
+    if num_tokens > 0:
+        grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS),)
+        _cos_sin_kernel[grid](
+            positions, inv_freq, out[0], out[1], positions.stride(0), num_tokens, num_freqs, *boundaries,
+            BLOCK_N=_BLOCK_TOKENS, BLOCK_F=pow2_at_least(num_freqs, 16), num_warps=4,
+        )  # fmt: skip
+    return out[0], out[1]
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [N] -> cos, sin: [N, D/2] in fp32."""
+    check_shape("positions", positions, (None,))
+    num_freqs = inv_freq.shape[0]
+    return _cos_sin(positions[None, :], inv_freq, (num_freqs, num_freqs), out)
+
+
+def mrope_cos_sin(
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    mrope_section: list[int],
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [3, N] (temporal, height, width) -> cos, sin: [N, D/2]; the j-th chunk of `mrope_section` bands
+    takes its angle from axis j (Qwen2-VL's M-RoPE)."""
+    check_shape("positions", positions, (3, None))
+    assert len(mrope_section) == 3, f"mrope_section: expected 3 chunks, got {mrope_section}"
+    assert sum(mrope_section) == inv_freq.shape[0], (
+        f"mrope_section {mrope_section} must cover the {inv_freq.shape[0]} frequency bands"
+    )
+    boundaries = (mrope_section[0], mrope_section[0] + mrope_section[1])
+    return _cos_sin(positions, inv_freq, boundaries, out)
+
+
+@triton.jit
+def _apply_rotary_kernel(
+    x_ptr,  # [N, H, D]
+    cos_ptr,  # [N, D/2]
+    sin_ptr,  # [N, D/2]
+    out_ptr,  # [N, H, D] contiguous
+    stride_xn,
+    stride_xh,
+    stride_cos,
+    stride_sin,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_f = tl.arange(0, BLOCK_HALF)
+    f_mask = offs_f < HALF
+    mask = (offs_h < num_heads)[:, None] & f_mask[None, :]
+    dtype = x_ptr.dtype.element_ty
+    # The reference casts cos/sin to x's dtype and rounds after each product and the sum; mirror that.
+    cos = tl.load(cos_ptr + token * stride_cos + offs_f, mask=f_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + token * stride_sin + offs_f, mask=f_mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+    x_row = x_ptr + token * stride_xn + offs_h[:, None] * stride_xh + offs_f[None, :]
+    x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_HALF]
+    x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
+    out1 = (x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)
+    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    out_row = out_ptr + token * num_heads * 2 * HALF + offs_h[:, None] * 2 * HALF + offs_f[None, :]
+    tl.store(out_row, out1.to(dtype), mask=mask)
+    tl.store(out_row + HALF, out2.to(dtype), mask=mask)
+
+
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [N, H, D] (any token/head strides, e.g. a view into a fused qkv), cos/sin: [N, D/2] -> a new rotated
+    tensor [N, H, D] in x's dtype (rotate-half style). x itself is left untouched."""
+    device = check_device(x=x, cos=cos, sin=sin)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_dtype("cos", cos, FLOAT_DTYPES)
+    check_dtype("sin", sin, FLOAT_DTYPES)
+    check_shape("x", x, (None, None, None))
+    num_tokens, num_heads, head_dim = x.shape
+    assert head_dim % 2 == 0, f"x: head dim {head_dim} must be even"
+    check_shape("cos", cos, (num_tokens, head_dim // 2))
+    check_shape("sin", sin, (num_tokens, head_dim // 2))
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        check_inner_contiguous(name, t)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=device)
+    check_out(out, (num_tokens, num_heads, head_dim), x.dtype, device)
+    if num_tokens == 0 or num_heads == 0:
+        return out
+    block_h = min(pow2_at_least(num_heads), 16)
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _apply_rotary_kernel[grid](
+        x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
+        HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=pow2_at_least(head_dim // 2, 16), num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,55 @@
+"""Fused SiLU-and-multiply of the MLP: [gate | up] -> silu(gate) * up."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from language.kernels.launch_utils import (
+    FLOAT_DTYPES,
+    check_device,
+    check_dtype,
+    check_inner_contiguous,
+    check_out,
+    check_shape,
+)
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [N, 2I]
+    out_ptr,  # [N, I]
+    stride_x,
+    stride_out,
+    inter,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    # The reference rounds silu(gate) to the input dtype before the multiply; do the same.
+    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [N, 2I] = [gate | up] -> silu(gate) * up: [N, I], x's dtype."""
+    device = check_device(x=x)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_shape("x", x, (None, None))
+    assert x.shape[1] % 2 == 0, f"x: last dimension {x.shape[1]} must be even ([gate | up])"
+    check_inner_contiguous("x", x)
+    num_rows, inter = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty((num_rows, inter), dtype=x.dtype, device=device)
+    check_out(out, (num_rows, inter), x.dtype, device)
+    if num_rows == 0 or inter == 0:
+        return out
+    grid = (num_rows, triton.cdiv(inter, _BLOCK))
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,45 @@
+"""The package-level entry points pick the Triton kernel on CUDA tensors and the reference elsewhere."""
+
+import pytest
+import torch
+
+import language.kernels as kernels
+from language.kernels import reference
+
+
+def test_cpu_tensors_take_the_reference_path():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, generator=gen)
+    weight = torch.randn(8, generator=gen)
+    assert torch.equal(kernels.rms_norm(x, weight, 1e-6), reference.rms_norm_ref(x, weight, 1e-6))
+
+
+def test_reference_path_drops_launch_hints_and_fills_out():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 16, generator=gen)
+    cache = torch.randn(6, 2, 16, generator=gen)
+    req_to_token = torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=torch.int32)
+    idx = torch.tensor([1, 0], dtype=torch.int32)
+    seq_lens = torch.tensor([3, 2], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    result = kernels.decode_attention(q, cache, cache, req_to_token, idx, seq_lens, 0.25, max_seq_len=3, out=out)
+    assert result is out
+    assert torch.equal(out, reference.decode_attention_ref(q, cache, cache, req_to_token, idx, seq_lens, 0.25))
+
+
+def test_reference_path_fills_a_pair_of_out_tables():
+    positions = torch.arange(5)
+    inv_freq = torch.rand(4)
+    out = (torch.empty(5, 4), torch.empty(5, 4))
+    cos, sin = kernels.rotary_cos_sin(positions, inv_freq, out=out)
+    assert cos is out[0] and sin is out[1]
+    expected = reference.rotary_cos_sin_ref(positions, inv_freq)
+    assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensors_take_the_triton_path():
+    x = torch.randn(3, 8, device="cuda", dtype=torch.float16)
+    out = torch.full_like(x, float("nan"))
+    assert kernels.rms_norm(x, torch.ones(8, device="cuda", dtype=torch.float16), 1e-6, out=out) is out
+    assert not out.isnan().any()
