@@ -65,7 +65,8 @@ def serve(config: ServerConfig) -> int:
         tokenizer = load_tokenizer(config)  # while the children load
         wait_ready(children, config.startup_timeout_s)
         info = children[0].info
-        preparer = RequestPreparer(tokenizer, Limits(info.max_req_total_len))
+        # A request must fit both the model's context and the whole KV cache.
+        preparer = RequestPreparer(tokenizer, Limits(min(info.max_req_total_len, info.max_total_token_num)))
         client = EngineClient(preparer, children, endpoints, ServerMetrics(), config.tokenizer_workers)
         server = uvicorn.Server(
             uvicorn.Config(

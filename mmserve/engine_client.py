@@ -113,9 +113,9 @@ class EngineClient:
         if self.failure is not None:
             raise ServerFailure(self.failure)
         rid = uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        tokenized = await loop.run_in_executor(self._pool, self.preparer.prepare, rid, req)
+        tokenized = await self.preparer.prepare(rid, req, self._run_sync)
         if self.failure is not None:
+            self.preparer.release(rid)
             raise ServerFailure(self.failure)
         stream = RequestStream(rid, req.params.return_details)
         self._streams[rid] = stream
@@ -125,8 +125,14 @@ class EngineClient:
 
     def abort(self, rid: str) -> None:
         """The client is gone: stop generating and free the request's KV slots."""
-        if self._streams.pop(rid, None) is not None and self.failure is None:
+        if self._streams.pop(rid, None) is None:
+            return
+        self.preparer.release(rid)
+        if self.failure is None:
             self._to_router.send_nowait(AbortRequest(rid))
+
+    async def _run_sync(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------------------------------- background
 
@@ -158,6 +164,7 @@ class EngineClient:
                 self.metrics.ttft.observe(now - stream.arrival)
             if out.finished:
                 del self._streams[out.rid]
+                self.preparer.release(out.rid)
                 if stream.first_token_time is not None and out.output_tokens > 1:
                     self.metrics.tpot.observe((now - stream.first_token_time) / (out.output_tokens - 1))
             stream.queue.put_nowait(out)
@@ -178,5 +185,6 @@ class EngineClient:
 
     def _fail_all(self, reason: str) -> None:
         streams, self._streams = self._streams, {}
-        for stream in streams.values():
+        for rid, stream in streams.items():
+            self.preparer.release(rid)
             stream.queue.put_nowait(ServerFailure(reason))

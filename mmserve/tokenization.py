@@ -1,11 +1,13 @@
 """Request preparation in the HTTP process: prompt (and later images) -> a TokenizedRequest for the router.
 
 Everything here may be slow (tokenizing long prompts, decoding images), so the HTTP server calls it in a thread
-pool, never on the event loop. Image support plugs in through `ImagePreparer` without touching the handlers.
+pool, never on the event loop. Image support plugs in through `ImagePreparer` without touching the handlers: with
+one installed, every request (text-only too) goes through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -30,11 +32,19 @@ class PreparedPrompt:
     position_delta: int = 0
 
 
-class ImagePreparer(Protocol):
-    """Turns a prompt with image placeholders and `multimodal_params` into token ids with image references
-    (raising BadRequest for bad images). Provided by the multimodal package when --enable_multimodal is on."""
+RunSync = Callable[..., Awaitable]  # run_sync(fn, *args): fn(*args) in the tokenizer thread pool
 
-    def prepare(self, rid: str, prompt: str, multimodal_params: dict) -> PreparedPrompt: ...
+
+class ImagePreparer(Protocol):
+    """Image support, plugged in when --enable_multimodal is on: turns a prompt with image placeholders and
+    `multimodal_params` into token ids with image references (raising BadRequest for bad images), doing its slow
+    parts through `run_sync` so the event loop never blocks, and holding the images' cache entries until `release`."""
+
+    async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt: ...
+
+    def release(self, rid: str) -> None:
+        """The request ended (finished, aborted or failed): drop what `prepare` holds for it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -49,31 +59,44 @@ class RequestPreparer:
         self.images = images
         self._special_ids = frozenset(tokenizer.all_special_ids)
 
-    def prepare(self, rid: str, req: GenerateInput) -> TokenizedRequest:
-        prepared = self._prepare_prompt(rid, req)
-        self._check_length(len(prepared.prompt_ids), req.params.max_new_tokens)
+    async def prepare(self, rid: str, req: GenerateInput, run_sync: RunSync) -> TokenizedRequest:
+        """Validate, tokenize (in the pool) and check limits; raises BadRequest."""
+        images = self._images_of(req)
+        if self.images is not None:
+            prepared = await self.images.prepare(rid, req.prompt, req.multimodal_params, run_sync)
+        elif images:
+            raise BadRequest("multimodal_params.images", "this server was started without --enable_multimodal")
+        else:
+            prepared = PreparedPrompt(await run_sync(self.tokenizer.encode, req.prompt))
+        try:
+            self._check_length(len(prepared.prompt_ids), req.params.max_new_tokens)
+            params = await run_sync(self._with_stop_token_ids, req.params)
+        except BaseException:
+            self.release(rid)
+            raise
         return TokenizedRequest(
             rid=rid,
             prompt_ids=prepared.prompt_ids,
-            params=self._with_stop_token_ids(req.params),
+            params=params,
             images=prepared.images,
             wait_for_images=prepared.wait_for_images,
             positions=prepared.positions,
             position_delta=prepared.position_delta,
         )
 
-    def _prepare_prompt(self, rid: str, req: GenerateInput) -> PreparedPrompt:
+    def release(self, rid: str) -> None:
+        if self.images is not None:
+            self.images.release(rid)
+
+    @staticmethod
+    def _images_of(req: GenerateInput) -> list:
         for name in req.multimodal_params:
             if name != "images":
                 raise BadRequest(f"multimodal_params.{name}", "unknown field (expected 'images')")
         images = req.multimodal_params.get("images") or []
         if not isinstance(images, list):
             raise BadRequest("multimodal_params.images", "must be a list")
-        if self.images is not None:
-            return self.images.prepare(rid, req.prompt, req.multimodal_params)
-        if images:
-            raise BadRequest("multimodal_params.images", "this server was started without --enable_multimodal")
-        return PreparedPrompt(self.tokenizer.encode(req.prompt))
+        return images
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         limit = self.limits.max_req_total_len

@@ -1,0 +1,126 @@
+"""The router's message handling around a real engine core (tiny random Llama, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from language.config import EngineConfig
+from language.engine import EngineCore
+from language.sampling_params import SamplingParams
+from mmserve.checkpoints.llama import build_llama
+from mmserve.messages import AbortRequest, ImagesReady, RouterBatch, TokenizedRequest
+from mmserve.router import Router
+
+KV_SLOTS = 256
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture
+def router(model_dir):
+    return Router(EngineCore(EngineConfig(model_dir=model_dir, max_total_token_num=KV_SLOTS, device="cpu")))
+
+
+def request(rid: str, n: int = 8, prompt_len: int = 5, **kw) -> TokenizedRequest:
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    return TokenizedRequest(rid, list(range(3, 3 + prompt_len)), params, **kw)
+
+
+def run_until_idle(router: Router, limit: int = 200) -> list[RouterBatch]:
+    batches = []
+    for _ in range(limit):
+        if not router.has_work():
+            return batches
+        batch = router.step()
+        if batch is not None:
+            batches.append(batch)
+    raise AssertionError("router did not go idle")
+
+
+def outputs_of(batches, rid):
+    return [o for b in batches for o in b.outputs if o.rid == rid]
+
+
+def test_setup_precedes_tokens_and_slots_are_freed(router, model_dir):
+    router.handle(request("a", n=6))
+    batches = run_until_idle(router)
+    assert [s.rid for s in batches[0].setups] == ["a"] and batches[0].setups[0].prompt_tokens == 5
+    outs = outputs_of(batches, "a")
+    assert sum(len(o.new_token_ids) for o in outs) == 6
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].output_tokens == 6
+    assert batches[-1].stats.kv_used == 0 and batches[-1].stats.running == 0
+    assert batches[-1].stats.kv_total == KV_SLOTS
+    assert router.step() is None  # idle and nothing changed: nothing to send
+
+
+def test_abort_of_a_running_request_frees_its_slots(router):
+    router.handle(request("a", n=100))
+    first = router.step()
+    second = router.step()
+    assert second.stats.kv_used > 0 and second.stats.running == 1
+    router.handle(AbortRequest("a"))
+    assert router.has_work()
+    batches = run_until_idle(router)
+    final = outputs_of(batches, "a")[-1]
+    assert final.finished and final.finish_reason == "abort"
+    assert batches[-1].stats.kv_used == 0 and batches[-1].stats.running == 0
+    assert first.setups and not router.has_work()
+    router.handle(AbortRequest("a"))  # a late duplicate abort is harmless
+    assert router.step() is None
+
+
+def test_requests_wait_for_their_images(router):
+    router.handle(request("img", wait_for_images=True))
+    batch = router.step()
+    assert batch.stats.waiting == 1 and batch.stats.running == 0 and not batch.outputs
+    assert not router.core.has_unfinished()
+    router.handle(ImagesReady("img"))
+    outs = outputs_of(run_until_idle(router), "img")
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+
+
+def test_images_ready_before_the_request_arrives(router):
+    router.handle(ImagesReady("early"))
+    router.handle(request("early", wait_for_images=True))
+    assert outputs_of(run_until_idle(router), "early")[-1].finish_reason == "length"
+
+
+def test_failed_images_and_aborted_waiters_finish_without_running(router):
+    router.handle(request("bad", wait_for_images=True))
+    router.handle(request("gone", wait_for_images=True))
+    router.handle(ImagesReady("bad", error="not an image"))
+    router.handle(AbortRequest("gone"))
+    batches = run_until_idle(router)
+    bad, gone = outputs_of(batches, "bad")[-1], outputs_of(batches, "gone")[-1]
+    assert bad.finish_reason == "error" and "not an image" in bad.error
+    assert gone.finish_reason == "abort"
+    assert batches[-1].stats.waiting == 0 and batches[-1].stats.kv_used == 0
+
+
+def test_request_that_can_never_fit_is_rejected(router):
+    router.handle(request("huge", n=KV_SLOTS, prompt_len=10))
+    router.handle(request("fine", n=4))
+    batches = run_until_idle(router)
+    huge = outputs_of(batches, "huge")
+    assert len(huge) == 1 and huge[0].finish_reason == "error" and huge[0].error
+    assert outputs_of(batches, "fine")[-1].finish_reason == "length"
+
+
+def test_many_requests_never_exceed_the_cache(router):
+    # 8 requests of 5 + 40 tokens need 360 slots at peak; the cache has 256: admission must hold some back
+    for i in range(8):
+        router.handle(request(f"r{i}", n=40))
+    batches = run_until_idle(router, limit=2000)
+    assert max(b.stats.kv_used for b in batches) <= KV_SLOTS
+    assert max(b.stats.waiting for b in batches) > 0
+    for i in range(8):
+        final = outputs_of(batches, f"r{i}")[-1]
+        assert final.finish_reason == "length" and final.output_tokens == 40
+
+
+def test_unknown_message_type(router):
+    with pytest.raises(TypeError):
+        router.handle("hello")
