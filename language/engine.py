@@ -51,6 +51,7 @@ def load_model(cfg: EngineConfig, device: torch.device) -> tuple[torch.nn.Module
     dtype = resolve_dtype(cfg.dtype, lm_cfg.torch_dtype, device)
     with torch.device(device):
         model = cls(lm_cfg).to(dtype)
+    model.raw_config = raw  # families that derive per-request inputs (M-RoPE) read their config keys from it
     model.inv_freq = model.inv_freq.float()  # rotary frequencies stay fp32 whatever the weights' dtype
     model.load_weights(iter_weights(cfg.model_dir))
     return model.eval(), lm_cfg
@@ -114,6 +115,7 @@ class EngineCore:
             raise ValueError(f"request needs more KV slots than the cache holds ({info.max_total_token_num})")
         if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
             raise ValueError("prompt token id out of the vocabulary")
+        self.model.prepare_request(req)
         self._requests[req.rid] = req
         self.scheduler.add(req)
 

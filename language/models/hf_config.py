@@ -38,9 +38,11 @@ def mrope_section(text: object, raw: dict) -> tuple[int, ...] | None:
     return None
 
 
-def lm_config_from_hf(model_dir: str, raw: dict, qkv_bias: bool) -> LMConfig:
-    """The decoder's LMConfig from an HF config (for multimodal configs, its text part)."""
-    hf = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+def lm_config_from_hf(model_dir: str, raw: dict, qkv_bias: bool, model_type: str | None = None) -> LMConfig:
+    """The decoder's LMConfig from an HF config (for multimodal configs, its text part). `model_type` overrides the
+    config's own where its fields follow another family's config class."""
+    model_type = model_type or raw["model_type"]
+    hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     text = hf.get_text_config()
     raw_text = raw.get("text_config") or raw
     heads = text.num_attention_heads

@@ -123,6 +123,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [D/2], kept fp32
 
+    def prepare_request(self, req) -> None:
+        """Fill in what this family derives from a request before it runs (e.g. M-RoPE positions); a no-op here."""
+
     @property
     def position_dims(self) -> int:
         """1 for plain positions, 3 for M-RoPE (temporal, height, width)."""

@@ -1,0 +1,35 @@
+"""Qwen2-VL's language model: Qwen2 (q/k/v bias, GQA) with M-RoPE, whose 3-D positions come from the prompt's
+image grids."""
+
+from __future__ import annotations
+
+from language.models.llama import Qwen2ForCausalLM
+from language.models.qwen2_vl_positions import mrope_positions
+from language.models.registry import register_model
+from language.request import Request
+
+
+@register_model("Qwen2VLForConditionalGeneration")
+class Qwen2VLForCausalLM(Qwen2ForCausalLM):
+    def checkpoint_name(self, name: str) -> str | None:
+        if name.startswith(("visual.", "model.visual.")):
+            return None
+        if name.startswith("model.language_model."):
+            return name.removeprefix("model.language_model.")
+        return super().checkpoint_name(name)
+
+    def prepare_request(self, req: Request) -> None:
+        if req.positions is not None:
+            return
+        grids = [item.grid_thw for item in req.mm_items]
+        if any(g is None for g in grids):
+            raise ValueError("Qwen2-VL images need their patch grid (grid_thw)")
+        raw = self.raw_config
+        vision = raw.get("vision_config") or {}
+        req.positions, req.position_delta = mrope_positions(
+            req.prompt_ids,
+            grids,
+            image_token_id=raw["image_token_id"],
+            vision_start_token_id=raw["vision_start_token_id"],
+            spatial_merge_size=vision.get("spatial_merge_size", 2),
+        )
