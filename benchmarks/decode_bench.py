@@ -1,0 +1,71 @@
+"""Decode step time of the engine on a 7B-shaped random Llama, beside the memory-bandwidth roofline.
+
+    python benchmarks/decode_bench.py --model_dir /tmp/llama7b   # builds the checkpoint there if missing
+
+Measures the engine's own step() (CUDA-graph decode + sampling + bookkeeping) in steady state: all requests
+prefilled, every step a pure decode of the whole batch."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from language.config import EngineConfig
+from language.engine import EngineCore
+from language.request import Request
+from language.sampling_params import SamplingParams
+from mmserve.checkpoints.llama import build_llama
+
+COPY_BANDWIDTH = 3.0e12  # bytes/s, H100 device-to-device copy (shared/notes/anchors.md)
+
+
+def decode_ms_per_step(core: EngineCore, batch: int, prompt_len: int, steps: int) -> float:
+    params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True)
+    reqs = [Request(f"b{batch}-{i}", [1 + (i + j) % 1000 for j in range(prompt_len)], params) for i in range(batch)]
+    for r in reqs:
+        core.add_request(r)
+    while core.stats().waiting:  # prefill everything first
+        core.step()
+    for _ in range(5):
+        core.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - t0) / steps
+    for r in reqs:
+        core.abort(r.rid)
+    core.step()
+    return elapsed * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model_dir", default="/tmp/llama7b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--prompt_len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=64)
+    args = ap.parse_args()
+    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        t0 = time.perf_counter()
+        build_llama(args.model_dir, "7b", torch.float16, num_shards=None, device="cuda")
+        print(f"built 7B-shaped random Llama in {time.perf_counter() - t0:.0f} s")
+    t0 = time.perf_counter()
+    core = EngineCore(EngineConfig(model_dir=args.model_dir, max_total_token_num=80_000, running_max_req_size=128))
+    print(f"engine up in {time.perf_counter() - t0:.0f} s")
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    floor = weight_bytes / COPY_BANDWIDTH * 1e3
+    print(f"weights {weight_bytes / 1e9:.2f} GB -> roofline {floor:.2f} ms per step (weights / 3.0 TB/s)")
+    print("| batch | ms per step | tokens/s | x roofline |")
+    print("|---|---|---|---|")
+    for b in (int(x) for x in args.batches.split(",")):
+        ms = decode_ms_per_step(core, b, args.prompt_len, args.steps)
+        print(f"| {b} | {ms:.2f} | {b * 1e3 / ms:.0f} | {ms / floor:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
