@@ -134,14 +134,16 @@ def _decode_merge_kernel(
     tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _block_n() -> int:
-    return 16 if interpreting() else 64
+def _launch_config() -> dict[str, int]:
+    if interpreting():  # small tiles keep the interpreter fast and exercise several tiles per chunk
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def decode_split(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
     """(num_chunks, chunk_len): split each sequence's keys into just enough chunks to fill the GPU. Depends only on
     shapes and launch-time ints, so a captured graph keeps a valid split."""
-    block_n = _block_n()
+    block_n = _launch_config()["BLOCK_N"]
     target = _PROGRAMS_PER_SM * multiprocessor_count(device)
     wanted = triton.cdiv(target, max(batch * num_kv_heads, 1))
     num_chunks = max(1, min(wanted, triton.cdiv(max_seq_len, block_n), _MAX_CHUNKS))
@@ -207,9 +209,8 @@ def decode_attention(
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), chunk_len,
         NUM_HEADS=num_heads, NUM_CHUNKS=num_chunks, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
-        BLOCK_H=pow2_at_least(group, 16), BLOCK_N=_block_n(), BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype),
-        num_warps=4, num_stages=1 if interpreting() else 3,
+        BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **_launch_config(),
     )  # fmt: skip
     if not single:
         _decode_merge_kernel[(batch, num_heads)](

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
@@ -14,6 +15,7 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    interpreting,
     pow2_at_least,
 )
 
@@ -33,6 +35,7 @@ def _cos_sin_kernel(
     axis2_start,  # first band that follows axis 2
     BLOCK_N: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # compiled: CUDA's full-range cosf/sinf (angles reach thousands of radians)
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_f = tl.arange(0, BLOCK_F)
@@ -42,8 +45,12 @@ def _cos_sin_kernel(
     inv_freq = tl.load(inv_freq_ptr + offs_f, mask=offs_f < num_freqs, other=0.0).to(tl.float32)
     freqs = pos.to(tl.float32) * inv_freq[None, :]  # [BLOCK_N, BLOCK_F]
     offs = offs_n[:, None] * num_freqs + offs_f[None, :]
-    tl.store(cos_ptr + offs, tl.cos(freqs), mask=mask)
-    tl.store(sin_ptr + offs, tl.sin(freqs), mask=mask)
+    if LIBDEVICE:
+        cos, sin = libdevice.cos(freqs), libdevice.sin(freqs)
+    else:  # the interpreter has no libdevice; its tl.cos is numpy's
+        cos, sin = tl.cos(freqs), tl.sin(freqs)
+    tl.store(cos_ptr + offs, cos, mask=mask)
+    tl.store(sin_ptr + offs, sin, mask=mask)
 
 
 def _cos_sin(
@@ -65,7 +72,7 @@ def _cos_sin(
         grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS),)
         _cos_sin_kernel[grid](
             positions, inv_freq, out[0], out[1], positions.stride(0), num_tokens, num_freqs, *boundaries,
-            BLOCK_N=_BLOCK_TOKENS, BLOCK_F=pow2_at_least(num_freqs, 16), num_warps=4,
+            BLOCK_N=_BLOCK_TOKENS, BLOCK_F=pow2_at_least(num_freqs, 16), LIBDEVICE=not interpreting(), num_warps=4,
         )  # fmt: skip
     return out[0], out[1]
 
