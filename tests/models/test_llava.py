@@ -1,0 +1,138 @@
+"""LLaVA-1.5 against HF transformers on tiny random checkpoints in both published layouts."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+from transformers import (
+    AutoProcessor,
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaImageProcessor,
+)
+
+from mmserve.checkpoints.llava import build_llava_hf, build_llava_original, clip_preprocessor_config
+from visual.models.llava import LlavaVisionModel
+from visual.models.weights import load_prefixed_tensors
+
+CPU = torch.device("cpu")
+
+
+def noise_image(width: int, height: int, seed: int) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+IMAGES = [noise_image(80, 50, 0), noise_image(40, 70, 1)]  # non-square both ways
+
+
+@pytest.fixture(scope="module", params=["legacy_names", "new_names", "nested_processor_config"])
+def llava_hf_dir(request, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp(request.param))
+    return build_llava_hf(
+        out,
+        new_names=request.param == "new_names",
+        nested_processor_config=request.param == "nested_processor_config",
+    )
+
+
+@pytest.fixture(scope="module")
+def original_dir(tmp_path_factory):
+    return build_llava_original(str(tmp_path_factory.mktemp("original") / "llava-v1.5"))
+
+
+def hf_llava_from_original(model_dir: str, image_token_index: int) -> LlavaForConditionalGeneration:
+    """An HF Llava holding the original layout's weights (LLM + projector from the folder, tower from the CLIP
+    folder), to compare the original layout against."""
+    raw = json.load(open(os.path.join(model_dir, "config.json")))
+    text = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type", "_name_or_path")})
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig.from_pretrained(raw["mm_vision_tower"]).to_dict(),
+        text_config=text.to_dict(),
+        image_token_index=image_token_index,
+        projector_hidden_act="gelu",
+        vision_feature_layer=raw["mm_vision_select_layer"],
+        vision_feature_select_strategy="default",
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    renames = {"model.mm_projector.0.": "model.multi_modal_projector.linear_1.",
+               "model.mm_projector.2.": "model.multi_modal_projector.linear_2.",
+               "model.": "model.language_model.", "lm_head.": "lm_head."}  # fmt: skip
+    state = {}
+    for name, tensor in load_prefixed_tensors(model_dir, ("",)).items():
+        old = next(p for p in renames if name.startswith(p))
+        state[renames[old] + name[len(old) :]] = tensor
+    tower = {"model.vision_tower." + k: v for k, v in load_prefixed_tensors(raw["mm_vision_tower"], ("vision_model.",)).items()}
+    nested = any(k.startswith("model.vision_tower.vision_model.") for k in model.state_dict())
+    if nested:
+        tower = {k.replace("model.vision_tower.", "model.vision_tower.vision_model."): v for k, v in tower.items()}
+    model.load_state_dict({**state, **tower}, strict=True)
+    return model
+
+
+def pad_processor(model_dir: str) -> LlavaImageProcessor:
+    """HF's own pad-to-square preprocessing (mean-colour background), configured like the CLIP folder's."""
+    raw = json.load(open(os.path.join(model_dir, "config.json")))
+    cfg = json.load(open(os.path.join(raw["mm_vision_tower"], "preprocessor_config.json")))
+    cfg.pop("image_processor_type")
+    return LlavaImageProcessor(**cfg, do_pad=True)
+
+
+def our_features(model_dir: str) -> list[torch.Tensor]:
+    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    return model.encode([model.preprocess(im) for im in IMAGES])
+
+
+def test_image_features_equal_hf_llava_hf_layout(llava_hf_dir):
+    hf = LlavaForConditionalGeneration.from_pretrained(llava_hf_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(llava_hf_dir)
+    pixels = processor.image_processor(images=IMAGES, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = hf.get_image_features(pixels, vision_feature_layer=-2, vision_feature_select_strategy="default")
+    expected = expected.pooler_output if hasattr(expected, "pooler_output") else expected
+    ours = our_features(llava_hf_dir)
+    assert len(ours) == 2 and ours[0].shape == (16, 64)
+    for got, want in zip(ours, expected, strict=True):
+        torch.testing.assert_close(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5)
+
+
+def test_image_features_equal_hf_original_layout(original_dir):
+    hf = hf_llava_from_original(original_dir, image_token_index=0)
+    pixels = pad_processor(original_dir)(images=IMAGES, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = hf.get_image_features(pixels, vision_feature_layer=-2, vision_feature_select_strategy="default")
+    expected = expected.pooler_output if hasattr(expected, "pooler_output") else expected
+    ours = our_features(original_dir)
+    for got, want in zip(ours, expected, strict=True):
+        torch.testing.assert_close(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5)
+
+
+def test_original_layout_pads_to_square_first(original_dir):
+    model = LlavaVisionModel.from_pretrained(original_dir, CPU, torch.float32)
+    raw = json.load(open(os.path.join(original_dir, "config.json")))
+    unpadded = clip_preprocessor_config(56)
+    unpadded.pop("image_processor_type")
+    plain = LlavaImageProcessor(**unpadded, do_pad=False)(images=IMAGES[:1], return_tensors="pt")["pixel_values"][0]
+    ours = model.preprocess(IMAGES[0]).pixel_values
+    assert not torch.allclose(ours, plain)  # padding changes what the tower sees
+    assert raw["image_aspect_ratio"] == "pad"
+
+
+def test_vision_tower_dir_override(original_dir, tmp_path):
+    raw = json.load(open(os.path.join(original_dir, "config.json")))
+    moved = tmp_path / "model"
+    moved.mkdir()
+    for path in glob.glob(os.path.join(original_dir, "*")):
+        os.symlink(path, moved / os.path.basename(path))
+    os.unlink(moved / "config.json")
+    json.dump({**raw, "mm_vision_tower": "openai/clip-vit-large-patch14-336"}, open(moved / "config.json", "w"))
+    with pytest.raises(ValueError, match="--vision_tower_dir"):
+        LlavaVisionModel.from_pretrained(str(moved), CPU, torch.float32)
+    model = LlavaVisionModel.from_pretrained(str(moved), CPU, torch.float32, vision_tower_dir=raw["mm_vision_tower"])
+    assert model.num_tokens(123, 45) == 16
