@@ -68,7 +68,8 @@ def hf_llava_from_original(model_dir: str, image_token_index: int) -> LlavaForCo
     for name, tensor in load_prefixed_tensors(model_dir, ("",)).items():
         old = next(p for p in renames if name.startswith(p))
         state[renames[old] + name[len(old) :]] = tensor
-    tower = {"model.vision_tower." + k: v for k, v in load_prefixed_tensors(raw["mm_vision_tower"], ("vision_model.",)).items()}
+    clip = load_prefixed_tensors(raw["mm_vision_tower"], ("vision_model.",))
+    tower = {"model.vision_tower." + k: v for k, v in clip.items()}
     nested = any(k.startswith("model.vision_tower.vision_model.") for k in model.state_dict())
     if nested:
         tower = {k.replace("model.vision_tower.", "model.vision_tower.vision_model."): v for k, v in tower.items()}
