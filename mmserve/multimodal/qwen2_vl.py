@@ -1,0 +1,80 @@
+"""Qwen2-VL prompts: each `<|image_pad|>` (written as `<|vision_start|><|image_pad|><|vision_end|>`) expands to its
+image's token count, which dynamic resolution makes size-dependent; the prompt also gets its 3-D M-RoPE positions."""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessor
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+from language.models.qwen2_vl_positions import mrope_positions
+from mmserve.multimodal.prompt import MultimodalPrompt, check_image_count, register_prompt_processor
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+@register_prompt_processor("Qwen2VLForConditionalGeneration")
+class Qwen2VLPromptProcessor:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        image_token_id: int,
+        vision_start_token_id: int,
+        patch_size: int,
+        merge_size: int,
+        min_pixels: int,
+        max_pixels: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.image_token_id = image_token_id
+        self.vision_start_token_id = vision_start_token_id
+        self.patch_size, self.merge_size = patch_size, merge_size
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLPromptProcessor:
+        config = AutoConfig.from_pretrained(model_dir)
+        processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
+        return cls(
+            tokenizer,
+            config.image_token_id,
+            config.vision_start_token_id,
+            processor.patch_size,
+            processor.merge_size,
+            processor.size.shortest_edge,
+            processor.size.longest_edge,
+        )
+
+    def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
+        """The patch grid the image processor will produce for an image of this size (it resizes the same way)."""
+        h, w = smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
+        return 1, h // self.patch_size, w // self.patch_size
+
+    def count_images(self, prompt: str) -> int:
+        return prompt.count(IMAGE_PAD)
+
+    def encode(self, prompt: str, image_sizes: list[tuple[int, int]]) -> MultimodalPrompt:
+        check_image_count(self.count_images(prompt), len(image_sizes), IMAGE_PAD)
+        ids = self.tokenizer.encode(prompt)
+        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        check_image_count(len(pads), len(image_sizes), IMAGE_PAD)
+        grids = [self.grid_thw(w, h) for w, h in image_sizes]
+        counts = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        token_ids: list[int] = []
+        offsets: list[int] = []
+        prev = 0
+        for pad, count in zip(pads, counts, strict=True):
+            token_ids += ids[prev:pad]
+            offsets.append(len(token_ids))
+            token_ids += [self.image_token_id] * count
+            prev = pad + 1
+        token_ids += ids[prev:]
+        positions, delta = mrope_positions(
+            token_ids, grids, self.image_token_id, self.vision_start_token_id, self.merge_size
+        )
+        return MultimodalPrompt(
+            token_ids=token_ids,
+            offsets=offsets,
+            num_tokens=counts,
+            grid_thw=grids,
+            extra={"positions": positions.tolist(), "position_delta": delta},
+        )
