@@ -1,0 +1,56 @@
+"""Decoding and preprocessing images in a pool of worker processes, so that the visual process's device loop only
+batches ready pixel tensors through the tower.
+
+A family whose model has `preprocessor()` (a picklable callable holding no weights, e.g. LLaVA's CLIP processor)
+runs in worker processes; otherwise `model.preprocess` runs in threads of the visual process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+
+from PIL import Image
+
+from mmserve.multimodal.image_io import open_image
+from visual.models.base import ImageInput
+
+Preprocessor = Callable[[Image.Image], ImageInput]
+
+# The decode limit inside the visual process: the HTTP process already checked each image against its own (lower)
+# limit, this only guards against bytes that reach the queue some other way.
+MAX_PIXELS = 256 * 1024 * 1024
+
+_worker_preprocessor: Preprocessor | None = None
+
+
+def _init_worker(preprocessor: Preprocessor) -> None:
+    global _worker_preprocessor
+    _worker_preprocessor = preprocessor
+
+
+def decode_and_preprocess(data: bytes, preprocessor: Preprocessor | None = None) -> ImageInput:
+    """Image file bytes -> the model's input. Raises BadImage if the bytes do not decode."""
+    image = open_image(data, MAX_PIXELS)
+    return (preprocessor or _worker_preprocessor)(image)
+
+
+class PreprocessPool:
+    def __init__(self, model, num_workers: int = 2):
+        make = getattr(model, "preprocessor", None)
+        self._preprocessor: Preprocessor | None = None
+        if make is not None and num_workers > 0:
+            # spawn: the visual process has CUDA initialised, which must not be forked.
+            self._executor: Executor = ProcessPoolExecutor(
+                num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(make(),)
+            )
+        else:
+            self._preprocessor = model.preprocess
+            self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
+
+    def submit(self, data: bytes) -> Future[ImageInput]:
+        return self._executor.submit(decode_and_preprocess, data, self._preprocessor)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,110 @@
+"""The visual-encoder process: loads the family's vision model on its device, then serves encode jobs from the HTTP
+process until its parent goes away.
+
+    jobs:    HTTP --EncodeJob--> visual  (zmq PULL, bound here at `jobs_addr`)
+    results: visual --EncodeDone/EncodeFailed--> HTTP  (zmq PUSH, connects to `results_addr`)
+
+Started like the other children: `spawn_child("visual", run_visual_process, cfg)`; its ready payload is a
+`VisualReady` (the HTTP process keys the cache with its `cache_salt`).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+import zmq
+
+from visual.encoder import VisualEncoder
+from visual.messages import EncodeJob, VisualReady
+from visual.models.base import vision_model_class
+from visual.models.weights import read_json
+from visual.preprocess import PreprocessPool
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 500
+_BUSY_WAIT_S = 0.005  # while images are preprocessing: how long a step waits before checking the socket again
+
+
+@dataclass(frozen=True)
+class VisualProcessConfig:
+    model_dir: str
+    jobs_addr: str
+    results_addr: str
+    shm_prefix: str
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    dtype: str = "auto"  # torch dtype name; "auto": the checkpoint's (float32 on cpu)
+    vision_tower_dir: str | None = None  # original LLaVA layout: the CLIP folder, instead of mm_vision_tower
+    num_preprocess_workers: int = 2
+    max_batch: int = 16
+    log_level: str = "info"
+
+
+def resolve_device_dtype(cfg: VisualProcessConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.dtype != "auto":
+        return device, getattr(torch, cfg.dtype)
+    if device.type == "cpu":
+        return device, torch.float32
+    raw = read_json(f"{cfg.model_dir}/config.json")
+    name = raw.get("torch_dtype") or raw.get("dtype") or raw.get("text_config", {}).get("torch_dtype") or "float16"
+    return device, getattr(torch, name)
+
+
+def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
+    architecture = read_json(f"{cfg.model_dir}/config.json")["architectures"][0]
+    device, dtype = resolve_device_dtype(cfg)
+    extra = {"vision_tower_dir": cfg.vision_tower_dir} if cfg.vision_tower_dir else {}
+    model = vision_model_class(architecture).from_pretrained(cfg.model_dir, device, dtype, **extra)
+    encoder = VisualEncoder(model, PreprocessPool(model, cfg.num_preprocess_workers), cfg.shm_prefix, cfg.max_batch)
+    dtype_name = str(dtype).removeprefix("torch.")
+    ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)
+    return encoder, ready
+
+
+def serve(encoder: VisualEncoder, jobs: zmq.Socket, results: zmq.Socket, alive) -> None:
+    while alive():
+        if jobs.poll(0 if encoder.has_work() else _IDLE_POLL_MS):
+            while True:
+                try:
+                    job = pickle.loads(jobs.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if not isinstance(job, EncodeJob):
+                    logger.error("visual process got a %s, not an EncodeJob; dropped", type(job).__name__)
+                    continue
+                encoder.submit(job)
+        for result in encoder.step(_BUSY_WAIT_S):
+            results.send(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def run_visual_process(cfg: VisualProcessConfig, ready: Connection) -> None:
+    """Process entry (spawned by the server's parent)."""
+    from mmserve.processes import parent_alive, run_child
+
+    def start():
+        encoder, info = load_encoder(cfg)
+        ctx = zmq.Context()
+        jobs, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        for sock in (jobs, results):
+            sock.setsockopt(zmq.LINGER, 0)
+        jobs.bind(cfg.jobs_addr)
+        results.connect(cfg.results_addr)
+        logger.info("vision model %s loaded on %s (%s)", info.architecture, info.device, info.dtype)
+
+        def serve_until_parent_exits(parent_pid: int) -> None:
+            try:
+                serve(encoder, jobs, results, lambda: parent_alive(parent_pid))
+            finally:
+                encoder.shutdown()
+                jobs.close()
+                results.close()
+                ctx.term()
+
+        return info, serve_until_parent_exits
+
+    run_child("visual", cfg.log_level, ready, start)
