@@ -1,13 +1,17 @@
 """Embeddings in POSIX shared memory, one segment per cache entry, named `<prefix><key>`.
 
 A segment is a 64-byte header (magic, dtype, shape) followed by the raw [num_tokens, hidden] tensor, so a reader
-needs only the key. The visual process writes segments, the router maps them read-only as tensor views
-(`torch.frombuffer`, no copy), the index owner unlinks evicted ones, and the server's parent unlinks every segment
-with its prefix at stop (the names are all it needs, so this works after a child crashed).
+needs only the key. The visual process writes segments (multiprocessing.shared_memory), the router maps them as
+tensor views (no copy), the index owner unlinks evicted ones, and the server's parent unlinks every segment with its
+prefix at stop (the names are all it needs, so this works after a child crashed). Reading and unlinking go through
+`_posixshmem`, the module SharedMemory itself is built on, because a SharedMemory object insists on closing its
+mapping itself, while here a tensor outlives it.
 """
 
 from __future__ import annotations
 
+import _posixshmem
+import mmap
 import os
 import secrets
 import struct
@@ -48,17 +52,7 @@ def _open(name: str, create: bool = False, size: int = 0) -> SharedMemory:
 def unlink_segment(name: str) -> bool:
     """Remove a segment's name (mappings that exist stay valid until closed). False if it did not exist."""
     try:
-        shm = _open(name)
-    except FileNotFoundError:
-        return False
-    shm.close()
-    try:
-        if sys.version_info >= (3, 13):
-            shm.unlink()
-        else:
-            from _posixshmem import shm_unlink
-
-            shm_unlink(shm._name)  # noqa: SLF001 - SharedMemory.unlink() would unregister it from the tracker again
+        _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
         return False
     return True
@@ -93,60 +87,22 @@ def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
         shm.close()
 
 
-class EmbedReader:
-    """The router's side: maps entries as tensor views and keeps each mapping open while a view may be in use."""
-
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-        self._open: dict[str, tuple[SharedMemory, int]] = {}  # key -> (segment, users)
-        self._closing: list[SharedMemory] = []  # released but a view was still alive; closed later
-
-    def get(self, key: str) -> torch.Tensor:
-        """A [num_tokens, hidden] view on the entry's shared memory (no copy). Pair every get with a release."""
-        self._close_unused()
-        if key in self._open:
-            shm, users = self._open[key]
-        else:
-            shm, users = _open(segment_name(self.prefix, key)), 0
-        magic, code, num_tokens, hidden = _HEADER.unpack_from(shm.buf)
-        if magic != _MAGIC:
-            shm.close()
-            raise ValueError(f"shared memory segment for {key} has no embedding header")
-        self._open[key] = (shm, users + 1)
-        dtype = _DTYPES[code]
-        nbytes = num_tokens * hidden * dtype.itemsize
-        # Through numpy, because its array holds a buffer export on the mapping for as long as any tensor made from
-        # it lives: closing the segment then fails (BufferError) instead of unmapping memory under a live view.
-        # (torch.frombuffer drops the export right away.)
-        raw = np.frombuffer(shm.buf, dtype=np.uint8, count=nbytes, offset=_DATA_OFFSET)
-        return torch.from_numpy(raw).view(dtype).view(num_tokens, hidden)
-
-    def release(self, key: str) -> None:
-        """Drop one use of `key`; the mapping closes once the last tensor made from it is gone (checked again on
-        every later get/release)."""
-        shm, users = self._open[key]
-        if users > 1:
-            self._open[key] = (shm, users - 1)
-            return
-        del self._open[key]
-        self._closing.append(shm)
-        self._close_unused()
-
-    def _close_unused(self) -> None:
-        still: list[SharedMemory] = []
-        for shm in self._closing:
-            try:
-                shm.close()
-            except BufferError:  # a tensor view still points into it
-                still.append(shm)
-        self._closing = still
-
-    def close(self) -> None:
-        for shm, _ in self._open.values():
-            self._closing.append(shm)
-        self._open.clear()
-        self._close_unused()
-
-    @property
-    def num_open(self) -> int:
-        return len(self._open) + len(self._closing)
+def read_embedding(prefix: str, key: str) -> torch.Tensor:
+    """The router's side: a [num_tokens, hidden] tensor viewing the entry's shared memory (no copy). The tensor owns
+    the mapping: it stays valid after the owner unlinks the entry, and is unmapped when the last tensor made from it
+    is freed, so the caller has nothing to release."""
+    name = segment_name(prefix, key)
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    magic, code, num_tokens, hidden = _HEADER.unpack_from(mapping)
+    if magic != _MAGIC:
+        mapping.close()
+        raise ValueError(f"shared memory segment {name} holds no embeddings")
+    dtype = _DTYPES[code]
+    # numpy keeps the mmap object alive (and mapped) for as long as any tensor made from this array lives;
+    # torch.frombuffer would not (it keeps no reference to the buffer's owner).
+    raw = np.frombuffer(mapping, dtype=np.uint8, count=num_tokens * hidden * dtype.itemsize, offset=_DATA_OFFSET)
+    return torch.from_numpy(raw).view(dtype).view(num_tokens, hidden)

@@ -5,7 +5,7 @@ import signal
 import pytest
 import torch
 
-from cache.shm_store import EmbedReader, list_segments, new_prefix, unlink_all, unlink_segment, write_embedding
+from cache.shm_store import list_segments, new_prefix, read_embedding, unlink_all, unlink_segment, write_embedding
 
 
 @pytest.fixture
@@ -19,43 +19,36 @@ def prefix():
 def test_write_then_read_view(prefix, dtype):
     embeds = torch.randn(7, 5).to(dtype)
     write_embedding(prefix, "k", embeds)
-    reader = EmbedReader(prefix)
-    view = reader.get("k")
+    view = read_embedding(prefix, "k")
     assert view.dtype == dtype and view.shape == (7, 5)
     assert torch.equal(view, embeds)
-    reader.release("k")
-    del view
-    reader.close()
-    assert reader.num_open == 0
 
 
-def test_view_outlives_release_and_unlink(prefix):
+def test_view_shares_the_segment_and_outlives_unlink(prefix):
     """The router may still hold a view when the owner evicts: the mapping stays valid until the view is gone."""
     embeds = torch.arange(12, dtype=torch.float32).view(3, 4)
     write_embedding(prefix, "k", embeds)
-    reader = EmbedReader(prefix)
-    view = reader.get("k")[1:]  # a derived view keeps the mapping alive too
-    reader.release("k")
+    first = read_embedding(prefix, "k")
+    second = read_embedding(prefix, "k")
+    first[0, 0] = 42.0  # one memory, no copies
+    assert second[0, 0] == 42.0
+    tail = second[1:]  # a derived view keeps the mapping alive too
+    del first, second
     assert unlink_segment(prefix + "k")
+    assert not unlink_segment(prefix + "k")
     assert list_segments(prefix) == []
-    assert reader.num_open == 1
-    assert torch.equal(view, embeds[1:])
-    del view
-    reader.close()
-    assert reader.num_open == 0
+    assert torch.equal(tail, embeds[1:])
 
 
 def test_rewrite_replaces_a_stale_segment(prefix):
     write_embedding(prefix, "k", torch.zeros(2, 2))
     write_embedding(prefix, "k", torch.ones(3, 2))
-    reader = EmbedReader(prefix)
-    assert torch.equal(reader.get("k"), torch.ones(3, 2))
-    reader.release("k")
+    assert torch.equal(read_embedding(prefix, "k"), torch.ones(3, 2))
 
 
 def test_missing_segment(prefix):
     with pytest.raises(FileNotFoundError):
-        EmbedReader(prefix).get("nope")
+        read_embedding(prefix, "nope")
 
 
 def _write_then_die(prefix: str) -> None:
