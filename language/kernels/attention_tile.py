@@ -24,6 +24,23 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
+def load_rows(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a [rows, BLOCK_D] tile with only the masks it needs: a mask that varies along the head dim would split
+    the 16-byte vector loads into single elements, so it is applied only to padded head dims (not EVEN_D)."""
+    if EVEN_D:
+        if MASK_ROWS:
+            tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        if MASK_ROWS:
+            tile = tl.load(ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
 def attend_key_tile(
     acc,  # [BLOCK_M, BLOCK_D] fp32, un-normalised output
     m_i,  # [BLOCK_M] running max of the (base-2) scores
@@ -43,18 +60,18 @@ def attend_key_tile(
     MASKED: tl.constexpr,  # mask keys >= end_n
     CAUSAL: tl.constexpr,  # mask keys after each query's position
     BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,  # head_dim == BLOCK_D: no mask along the head dim
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # see dot_in_fp32
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end_n
     if MASKED:
-        n_mask = offs_n < end_n
         slots = tl.load(slot_row_ptr + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
     else:
         slots = tl.load(slot_row_ptr + offs_n).to(tl.int64)
-        kv_mask = d_mask[None, :]
-    k = tl.load(k_head_ptr + slots[:, None] * stride_k_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+    k_ptrs = k_head_ptr + slots[:, None] * stride_k_slot + offs_d[None, :]
+    k = load_rows(k_ptrs, n_mask, d_mask, MASK_ROWS=MASKED, EVEN_D=EVEN_D)  # [BLOCK_N, BLOCK_D]
     if DOT_FP32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -68,7 +85,8 @@ def attend_key_tile(
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_head_ptr + slots[:, None] * stride_v_slot + offs_d[None, :], mask=kv_mask, other=0.0)
+    v_ptrs = v_head_ptr + slots[:, None] * stride_v_slot + offs_d[None, :]
+    v = load_rows(v_ptrs, n_mask, d_mask, MASK_ROWS=MASKED, EVEN_D=EVEN_D)
     p = p.to(v.dtype)  # the tensor cores take P in the input dtype, as in every flash kernel
     if DOT_FP32:
         p = p.to(tl.float32)

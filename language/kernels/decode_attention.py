@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision
+from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision, load_rows
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -55,6 +55,7 @@ def _decode_partial_kernel(
     BLOCK_H: tl.constexpr,  # GROUP padded to a dot-friendly size
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -74,7 +75,7 @@ def _decode_partial_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q_rows = seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptr + q_rows, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = load_rows(q_ptr + q_rows, g_mask, d_mask, MASK_ROWS=True, EVEN_D=EVEN_D)
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -84,7 +85,8 @@ def _decode_partial_kernel(
             acc, m_i, l_i, q, offs_g, start_n, end, req_to_token_ptr + req * stride_req,
             k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h,
             stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
-            MASKED=True, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            MASKED=True, CAUSAL=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty sequence yields zeros, as the reference does
     store_mask = g_mask[:, None] & d_mask[None, :]
@@ -209,7 +211,7 @@ def decode_attention(
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), chunk_len,
         NUM_HEADS=num_heads, NUM_CHUNKS=num_chunks, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
-        BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d,
+        BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **_launch_config(),
     )  # fmt: skip
     if not single:

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision
+from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision, load_rows
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -45,6 +45,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -65,7 +66,7 @@ def _prefill_attention_kernel(
     d_mask = offs_d < HEAD_DIM
     m_mask = offs_m < q_len
     q_rows = (q_start + offs_m)[:, None] * stride_q_n + head * stride_q_h + offs_d[None, :]
-    q = tl.load(q_ptr + q_rows, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q = load_rows(q_ptr + q_rows, m_mask, d_mask, MASK_ROWS=True, EVEN_D=EVEN_D)
     q_pos = prefix_len + offs_m  # absolute positions of this tile's queries
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -82,7 +83,8 @@ def _prefill_attention_kernel(
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
             stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
-            MASKED=False, CAUSAL=False, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            MASKED=False, CAUSAL=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
     # The diagonal band: causal mask; tiles past the last query's position are skipped entirely.
     causal_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
@@ -90,13 +92,18 @@ def _prefill_attention_kernel(
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
             stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
-            MASKED=True, CAUSAL=True, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            MASKED=True, CAUSAL=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
     num_heads = tl.num_programs(2)
     out_rows = (q_start + offs_m)[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
-    tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    out = out.to(out_ptr.dtype.element_ty)
+    if EVEN_D:
+        tl.store(out_ptr + out_rows, out, mask=m_mask[:, None])
+    else:
+        tl.store(out_ptr + out_rows, out, mask=m_mask[:, None] & d_mask[None, :])
 
 
 def _launch_config(head_dim: int, max_q_len: int) -> dict[str, int]:
@@ -158,12 +165,13 @@ def prefill_attention(
     b_req_idx, b_q_start, b_q_len, b_seq_len = (t.contiguous() for t in (b_req_idx, b_q_start, b_q_len, b_seq_len))
 
     config = _launch_config(head_dim, max_q_len)
+    block_d = pow2_at_least(head_dim, 16)
     grid = (triton.cdiv(max_q_len, config["BLOCK_M"]), batch, num_heads)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, b_req_idx, b_q_start, b_q_len, b_seq_len,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=pow2_at_least(head_dim, 16),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **config,
     )  # fmt: skip
     return out
