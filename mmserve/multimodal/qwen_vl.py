@@ -54,8 +54,10 @@ def prompt_image_items(prompt: str, sent: list, image_dir: str | None = None, ma
 
 @register_prompt_processor("QWenLMHeadModel")
 class QwenVLPromptProcessor:
-    def __init__(self, tokenizer, image_start_id: int) -> None:
+    def __init__(self, tokenizer, image_start_id: int, image_dir: str | None = None, max_image_bytes: int = 32 << 20):
         self.tokenizer = tokenizer
+        self.image_dir = image_dir  # the server's --image_dir: where paths inside <img></img> may point
+        self.max_image_bytes = max_image_bytes
         # The published layout: <img>, </img>, <imgpad> are consecutive ids (151857..151859).
         self.img_start_id, self.img_end_id, self.img_pad_id = image_start_id, image_start_id + 1, image_start_id + 2
 
@@ -66,6 +68,11 @@ class QwenVLPromptProcessor:
         if tokenizer.convert_tokens_to_ids("<img>") != image_start_id:
             raise ValueError(f"tokenizer's <img> id differs from the config's image_start_id {image_start_id}")
         return cls(tokenizer, image_start_id)
+
+    def image_items(self, prompt: str, sent: list) -> list[dict]:
+        """The request's images in span order (see prompt_image_items); the server calls this before loading them,
+        so that URLs and allowed paths inside the tags count as images too."""
+        return prompt_image_items(prompt, sent, self.image_dir, self.max_image_bytes)
 
     def count_images(self, prompt: str) -> int:
         return len(IMAGE_SPAN.findall(prompt))

@@ -4,6 +4,8 @@ generate for 1 and 2 images batched with a text-only request."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -39,7 +41,8 @@ def test_vision_features_match_hf(dialect: str, published_dir: str, hf_model, tm
         model_dir, torch.device("cpu"), torch.float32
     )
     assert vision.hidden_size == hf_model.config.text_config.hidden_size
-    images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
+    preprocess = pickle.loads(pickle.dumps(vision.preprocessor()))  # as the visual process's worker pool runs it
+    images = [preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
     for im, (w, h) in zip(images, SIZES, strict=True):
         assert im.num_tokens == vision.num_tokens(w, h) == im.pixel_values.shape[0] // 4
         assert im.grid_thw == vision.grid_thw(w, h)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from PIL import Image
 import visual.models.qwen_vl  # noqa: F401  (registers the architecture)
 from mmserve.checkpoints.qwen_vl import build_qwen_vl
 from visual.models.base import vision_model_class
-from visual.models.qwen2_vl import load_prefixed_tensors
+from visual.models.weights import load_prefixed_tensors
 
 EPS = 1e-6
 MEAN, STD = np.array([0.48145466, 0.4578275, 0.40821073]), np.array([0.26862954, 0.26130258, 0.27577711])
@@ -95,7 +96,9 @@ def test_tower_and_resampler_match_plain_torch(model_dir: str) -> None:
         cfg = json.load(f)["visual"]
     vision = vision_model_class("QWenLMHeadModel").from_pretrained(model_dir, torch.device("cpu"), torch.float32)
     assert vision.hidden_size == cfg["output_dim"]
-    images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate([(300, 170), (90, 400)])]
+    # Through the picklable preprocessor, as the visual process's worker pool runs it.
+    preprocess = pickle.loads(pickle.dumps(vision.preprocessor()))
+    images = [preprocess(_image(w, h, i)) for i, (w, h) in enumerate([(300, 170), (90, 400)])]
     ours = vision.encode(images)
 
     sd = load_prefixed_tensors(model_dir, ("transformer.visual.",))

@@ -121,3 +121,14 @@ def test_qwen_vl_image_sources(tmp_path) -> None:
         prompt_image_items("<img>a.png</img>", [], image_dir=None)  # paths need --image_dir
     with pytest.raises(PromptImageMismatch):
         prompt_image_items("<img></img>", sent, image_dir=None)
+
+
+def test_qwen_vl_processor_image_items(qwen_vl_dir: str, tmp_path) -> None:
+    (tmp_path / "a.png").write_bytes(b"PNG")
+    proc = prompt_processor_class("QWenLMHeadModel").from_pretrained(qwen_vl_dir, load_tokenizer(qwen_vl_dir))
+    sent = [{"type": "url", "data": "http://h/x.jpg"}]
+    with pytest.raises(BadImage):  # no --image_dir: paths refused
+        proc.image_items("<img>a.png</img><img></img>", sent)
+    proc.image_dir = str(tmp_path)
+    items = proc.image_items("<img>a.png</img><img></img>", sent)
+    assert items == [{"type": "base64", "data": base64.b64encode(b"PNG").decode()}, sent[0]]

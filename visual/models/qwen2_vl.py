@@ -3,47 +3,37 @@ dynamic-resolution image processor (smart_resize to multiples of 28 within min/m
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 import torch
 from PIL import Image
-from safetensors import safe_open
 from transformers import AutoConfig, Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from visual.models.base import ImageInput, register_vision_model
+from visual.models.weights import load_prefixed_tensors
 
 # Published checkpoints name the tower `visual.*`; transformers >= 4.52 saves it as `model.visual.*`.
 VISION_PREFIXES = ("visual.", "model.visual.")
 
 
-def load_prefixed_tensors(model_dir: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors whose name starts with one of `prefixes` (prefix stripped), from the folder's safetensors shards
-    (or torch .bin shards when there are none); only the matching tensors are read."""
-    out: dict[str, torch.Tensor] = {}
+class Qwen2VLPreprocessor:
+    """Picklable image -> ImageInput (the processor holds no weights), run in the visual process's worker pool."""
 
-    def take(name: str, get) -> None:
-        for prefix in prefixes:
-            if name.startswith(prefix):
-                out[name[len(prefix) :]] = get(name)
-                return
+    def __init__(self, processor: Qwen2VLImageProcessor, merge_size: int) -> None:
+        self.processor = processor
+        self.merge_size = merge_size
 
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                take(name, f.get_tensor)
-    if not files:
-        for path in sorted(glob.glob(os.path.join(model_dir, "*.bin"))):
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            for name in list(state):
-                take(name, state.__getitem__)
-    if not out:
-        raise FileNotFoundError(f"no tensors named {prefixes}* in {model_dir}")
-    return out
+    def __call__(self, image: Image.Image) -> ImageInput:
+        out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
+        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        return ImageInput(
+            pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
+            num_tokens=grid[0] * grid[1] * grid[2] // self.merge_size**2,
+            grid_thw=grid,
+        )
 
 
 @register_vision_model("Qwen2VLForConditionalGeneration")
@@ -59,6 +49,7 @@ class Qwen2VLVisionModel:
         self.cache_salt = cache_salt
         self.hidden_size: int = tower.config.hidden_size
         self.merge_size: int = tower.config.spatial_merge_size
+        self._preprocessor = Qwen2VLPreprocessor(processor, self.merge_size)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> Qwen2VLVisionModel:
@@ -79,14 +70,11 @@ class Qwen2VLVisionModel:
         salt = json.dumps(["qwen2_vl", os.path.realpath(model_dir), size.shortest_edge, size.longest_edge, str(dtype)])
         return cls(tower.to(device=device, dtype=dtype), processor, salt)
 
+    def preprocessor(self) -> Qwen2VLPreprocessor:
+        return self._preprocessor
+
     def preprocess(self, image: Image.Image) -> ImageInput:
-        out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
-        return ImageInput(
-            pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
-            num_tokens=grid[0] * grid[1] * grid[2] // self.merge_size**2,
-            grid_thw=grid,
-        )
+        return self._preprocessor(image)
 
     def num_tokens(self, width: int, height: int) -> int:
         t, h, w = self.grid_thw(width, height)

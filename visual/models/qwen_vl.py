@@ -18,7 +18,7 @@ from torch import nn
 from torchvision import transforms
 
 from visual.models.base import ImageInput, register_vision_model
-from visual.models.qwen2_vl import load_prefixed_tensors
+from visual.models.weights import load_prefixed_tensors
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -122,20 +122,29 @@ def timm_state_dict(published: dict[str, torch.Tensor], cfg: dict) -> dict[str, 
     return out
 
 
+class QwenVLPreprocessor:
+    """Picklable image -> ImageInput: the published transform (bicubic resize to a square, no crop, CLIP mean/std)."""
+
+    def __init__(self, image_size: int) -> None:
+        self.transform = transforms.Compose(
+            [
+                transforms.Resize((image_size, image_size), interpolation=transforms.InterpolationMode.BICUBIC),
+                transforms.ToTensor(),  # rescale to [0, 1]
+                transforms.Normalize(mean=CLIP_MEAN, std=CLIP_STD),
+            ]
+        )
+
+    def __call__(self, image: Image.Image) -> ImageInput:
+        return ImageInput(pixel_values=self.transform(image.convert("RGB")), num_tokens=NUM_QUERIES)  # [3, S, S]
+
+
 @register_vision_model("QWenLMHeadModel")
 class QwenVLVisionModel:
     def __init__(self, tower: QwenVisionTower, cfg: dict, cache_salt: str) -> None:
         self.tower = tower.eval()
         self.cache_salt = cache_salt
         self.hidden_size: int = cfg["output_dim"]
-        size = cfg["image_size"]
-        self.transform = transforms.Compose(
-            [
-                transforms.Resize((size, size), interpolation=transforms.InterpolationMode.BICUBIC),
-                transforms.ToTensor(),  # rescale to [0, 1]
-                transforms.Normalize(mean=CLIP_MEAN, std=CLIP_STD),
-            ]
-        )
+        self._preprocessor = QwenVLPreprocessor(cfg["image_size"])
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> QwenVLVisionModel:
@@ -150,8 +159,11 @@ class QwenVLVisionModel:
         salt = json.dumps(["qwen_vl", os.path.realpath(model_dir), cfg["image_size"], str(dtype)])
         return cls(tower, cfg, salt)
 
+    def preprocessor(self) -> QwenVLPreprocessor:
+        return self._preprocessor
+
     def preprocess(self, image: Image.Image) -> ImageInput:
-        return ImageInput(pixel_values=self.transform(image.convert("RGB")), num_tokens=NUM_QUERIES)  # [3, S, S]
+        return self._preprocessor(image)
 
     def num_tokens(self, width: int, height: int) -> int:
         return NUM_QUERIES
