@@ -108,3 +108,75 @@ def test_tower_and_resampler_match_plain_torch(model_dir: str) -> None:
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(ours[0], ours[1], atol=1e-3)  # different images give different embeddings
+
+
+CHAT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<img></img>\n<img></img>\n"
+    "Which two cities are shown in these pictures? Compare them.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _hf_qwen2_from_v1(model_dir: str):
+    """HF Qwen2 holding the checkpoint's LLM weights (QWen v1 and Qwen2 with MHA are the same decoder)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    h, layers, heads = raw["hidden_size"], raw["num_hidden_layers"], raw["num_attention_heads"]
+    cfg = Qwen2Config(
+        hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        intermediate_size=raw["intermediate_size"] // 2, vocab_size=raw["vocab_size"], rms_norm_eps=1e-6,
+        rope_theta=float(raw["rotary_emb_base"]), max_position_embeddings=raw["seq_length"], tie_word_embeddings=False,
+    )  # fmt: skip
+    sd = load_prefixed_tensors(model_dir, ("transformer.", "lm_head."))
+    state = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]}
+    state["lm_head.weight"] = sd["weight"]
+    for i in range(layers):
+        src, dst = f"h.{i}.", f"model.layers.{i}."
+        state[dst + "input_layernorm.weight"] = sd[src + "ln_1.weight"]
+        state[dst + "post_attention_layernorm.weight"] = sd[src + "ln_2.weight"]
+        for kind in ("weight", "bias"):
+            q, k, v = sd[src + f"attn.c_attn.{kind}"].chunk(3)
+            state.update({dst + f"self_attn.{p}_proj.{kind}": t for p, t in zip("qkv", (q, k, v), strict=True)})
+        state[dst + "self_attn.o_proj.weight"] = sd[src + "attn.c_proj.weight"]
+        state[dst + "mlp.gate_proj.weight"] = sd[src + "mlp.w2.weight"]
+        state[dst + "mlp.up_proj.weight"] = sd[src + "mlp.w1.weight"]
+        state[dst + "mlp.down_proj.weight"] = sd[src + "mlp.c_proj.weight"]
+    model = Qwen2ForCausalLM(cfg).eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def test_engine_with_images_equals_hf_qwen2_on_spliced_embeddings(model_dir: str) -> None:
+    """Prompt expansion + our vision embeddings on the <imgpad> rows + our engine (batched with a text-only
+    request) give the greedy tokens of HF Qwen2 run on the same spliced input embeddings."""
+    from language.llm import LLM
+    from language.request import MultimodalItem
+    from language.sampling_params import SamplingParams
+    from mmserve.multimodal.prompt import prompt_processor_class
+    from mmserve.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prompter = prompt_processor_class("QWenLMHeadModel").from_pretrained(model_dir, tokenizer)
+    vision = vision_model_class("QWenLMHeadModel").from_pretrained(model_dir, torch.device("cpu"), torch.float32)
+    pictures = [_image(300, 170, 5), _image(90, 400, 6)]
+    mm = prompter.encode(CHAT, [p.size for p in pictures])
+    embeds = vision.encode([vision.preprocess(p) for p in pictures])
+    text_only = tokenizer.encode("<|im_start|>user\nWhat is AI?<|im_end|>\n<|im_start|>assistant\n")
+
+    llm = LLM(model_dir, max_total_token_num=4096, device="cpu")
+    items = [MultimodalItem(offset=o, embeds=e) for o, e in zip(mm.offsets, embeds, strict=True)]
+    ours = llm.generate([mm.token_ids, text_only], SamplingParams(max_new_tokens=20, ignore_eos=True), [items, []])
+
+    hf = _hf_qwen2_from_v1(model_dir)
+    for ids, placed, gen in [(mm.token_ids, items, ours[0]), (text_only, [], ours[1])]:
+        with torch.no_grad():
+            x = hf.get_input_embeddings()(torch.tensor([ids]))  # [1, L, hidden]
+            for item in placed:
+                x[0, item.offset : item.offset + item.num_tokens] = item.embeds
+            out = hf.generate(
+                inputs_embeds=x, attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=20,
+                min_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+        assert gen.token_ids == out[0].tolist()
+    assert ours[0].token_ids != ours[1].token_ids
