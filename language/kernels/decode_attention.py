@@ -13,6 +13,7 @@ from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32,
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    cdiv,
     check_device,
     check_dtype,
     check_inner_contiguous,
@@ -147,10 +148,10 @@ def decode_split(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.
     shapes and launch-time ints, so a captured graph keeps a valid split."""
     block_n = _launch_config()["BLOCK_N"]
     target = _PROGRAMS_PER_SM * multiprocessor_count(device)
-    wanted = triton.cdiv(target, max(batch * num_kv_heads, 1))
-    num_chunks = max(1, min(wanted, triton.cdiv(max_seq_len, block_n), _MAX_CHUNKS))
-    chunk_len = triton.cdiv(triton.cdiv(max_seq_len, num_chunks), block_n) * block_n
-    return triton.cdiv(max_seq_len, chunk_len), chunk_len
+    wanted = cdiv(target, max(batch * num_kv_heads, 1))
+    num_chunks = max(1, min(wanted, cdiv(max_seq_len, block_n), _MAX_CHUNKS))
+    chunk_len = cdiv(cdiv(max_seq_len, num_chunks), block_n) * block_n
+    return cdiv(max_seq_len, chunk_len), chunk_len
 
 
 def decode_attention(

@@ -9,6 +9,7 @@ import triton.language as tl
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    cdiv,
     check_device,
     check_dtype,
     check_inner_contiguous,
@@ -54,7 +55,7 @@ def splice_embeddings(inputs_embeds: torch.Tensor, mm_embeds: torch.Tensor, mm_p
     if num_rows == 0:
         return
     mm_positions = mm_positions.contiguous()
-    grid = (num_rows, triton.cdiv(hidden, _BLOCK))
+    grid = (num_rows, cdiv(hidden, _BLOCK))
     _splice_embeddings_kernel[grid](
         inputs_embeds, mm_embeds, mm_positions, inputs_embeds.stride(0), mm_embeds.stride(0), hidden,
         BLOCK=_BLOCK, num_warps=4,

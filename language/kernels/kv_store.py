@@ -9,6 +9,7 @@ import triton.language as tl
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    cdiv,
     check_device,
     check_dtype,
     check_inner_contiguous,
@@ -71,7 +72,7 @@ def store_kv(
         return
     slots = slots.contiguous()
     block_h = min(pow2_at_least(num_heads), 16)
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    grid = (num_tokens, cdiv(num_heads, block_h))
     _store_kv_kernel[grid](
         k_cache, v_cache, k, v, slots,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),

@@ -52,6 +52,11 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
     assert out.is_contiguous(), "out: must be contiguous"
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (triton.cdiv is a jit function: slow to call from Python on every launch)."""
+    return -(-a // b)
+
+
 def pow2_at_least(n: int, floor: int = 1) -> int:
     return max(triton.next_power_of_2(n), floor)
 

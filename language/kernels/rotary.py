@@ -10,6 +10,7 @@ from triton.language.extra import libdevice
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    cdiv,
     check_device,
     check_dtype,
     check_inner_contiguous,
@@ -69,7 +70,7 @@ def _cos_sin(
     for table in out:
         check_out(table, (num_tokens, num_freqs), torch.float32, device)
     if num_tokens > 0:
-        grid = (triton.cdiv(num_tokens, _BLOCK_TOKENS),)
+        grid = (cdiv(num_tokens, _BLOCK_TOKENS),)
         _cos_sin_kernel[grid](
             positions, inv_freq, out[0], out[1], positions.stride(0), num_tokens, num_freqs, *boundaries,
             BLOCK_N=_BLOCK_TOKENS, BLOCK_F=pow2_at_least(num_freqs, 16), LIBDEVICE=not interpreting(), num_warps=4,
@@ -160,7 +161,7 @@ def apply_rotary(
     if num_tokens == 0 or num_heads == 0:
         return out
     block_h = min(pow2_at_least(num_heads), 16)
-    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    grid = (num_tokens, cdiv(num_heads, block_h))
     _apply_rotary_kernel[grid](
         x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
         HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=pow2_at_least(head_dim // 2, 16), num_warps=4,

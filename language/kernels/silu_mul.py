@@ -8,6 +8,7 @@ import triton.language as tl
 
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
+    cdiv,
     check_device,
     check_dtype,
     check_inner_contiguous,
@@ -50,6 +51,6 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     check_out(out, (num_rows, inter), x.dtype, device)
     if num_rows == 0 or inter == 0:
         return out
-    grid = (num_rows, triton.cdiv(inter, _BLOCK))
+    grid = (num_rows, cdiv(inter, _BLOCK))
     _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, num_warps=4)
     return out
