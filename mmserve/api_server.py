@@ -18,8 +18,9 @@ from mmserve.demo import ensure_demo_checkpoint
 from mmserve.detokenizer_process import run_detokenizer_process
 from mmserve.engine_client import EngineClient
 from mmserve.http_server import build_app
+from mmserve.messages import RouterStats
 from mmserve.metrics import ServerMetrics
-from mmserve.processes import ChildProcess, ChildStartError, spawn_child, stop_children, wait_ready
+from mmserve.processes import ChildProcess, ChildStartError, exit_now, spawn_child, stop_children, wait_ready
 from mmserve.router import run_router_process
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
 from mmserve.zmq_queue import Endpoints
@@ -28,15 +29,18 @@ logger = logging.getLogger("mmserve")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server until it stops, then exit the process with its status (0: stopped by a signal; 1: failed)."""
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # SIGTERM unwinds like Ctrl-C, so the `finally` below stops the children even while they are still loading.
+    # SIGTERM unwinds like Ctrl-C, so the `finally` in serve() stops the children even while they are still loading.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        return serve(resolve_model(config))
+        code = serve(resolve_model(config))
     except KeyboardInterrupt:
         logger.info("stopped")
-        return 0
+        code = 0
+    exit_now(code)  # children, sockets and temp files are cleaned up by now
+    return code
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
@@ -67,7 +71,9 @@ def serve(config: ServerConfig) -> int:
         info = children[0].info
         # A request must fit both the model's context and the whole KV cache.
         preparer = RequestPreparer(tokenizer, Limits(min(info.max_req_total_len, info.max_total_token_num)))
-        client = EngineClient(preparer, children, endpoints, ServerMetrics(), config.tokenizer_workers)
+        metrics = ServerMetrics()
+        metrics.on_stats(RouterStats(kv_total=info.max_total_token_num))  # before the router's first stats arrive
+        client = EngineClient(preparer, children, endpoints, metrics, config.tokenizer_workers)
         server = uvicorn.Server(
             uvicorn.Config(
                 build_app(client),

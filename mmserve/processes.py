@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from mmserve.messages import ReadyInfo
 
 logger = logging.getLogger(__name__)
 
+_PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
 
 
@@ -34,8 +36,10 @@ def setup_child(name: str, log_level: str) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux/glibc: parent_alive() polling still catches it
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_NAME, f"mmserve-{name}"[:15].encode())  # what ps/top show (/proc/PID/comm)
+    except OSError:  # not Linux/glibc: parent_alive() polling still catches a dead parent
         pass
     return os.getppid()
 
@@ -59,7 +63,20 @@ def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], 
         raise
     ready.send(("ready", info))
     ready.close()
-    serve(parent_pid)
+    try:
+        serve(parent_pid)
+    except SystemExit as e:  # SIGTERM: `serve` closed its sockets on the way out
+        exit_now(e.code if isinstance(e.code, int) else 0)
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown of torch and friends (seconds on a small machine): everything that
+    needs closing was closed by the caller; only the log and std streams are flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ------------------------------------------------------------------------------------------- in the parent

@@ -1,0 +1,77 @@
+"""A child process that dies takes the server down promptly and cleanly: in-flight requests get 5xx, /health stops
+answering 200, the server exits non-zero, and no process is left behind. Also: a clean stop by SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server_proc import ServerProcess
+
+
+def comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def start(model_dir: str, tmp_path) -> ServerProcess:
+    srv = ServerProcess(model_dir, str(tmp_path / "server.log"), "--max_total_token_num", "1024")
+    srv.wait_healthy()
+    return srv
+
+
+@pytest.mark.parametrize("victim", ["mmserve-router", "mmserve-detoken"])
+def test_dead_child_fails_requests_and_stops_the_server(e2e_model_dir, tmp_path, victim):
+    srv = start(e2e_model_dir, tmp_path)
+    try:
+        pid = next(p for p in srv.children if comm(p) == victim)
+        long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+        result = {}
+
+        def post():
+            t0 = time.monotonic()
+            r = httpx.post(srv.url + "/generate", json=long, timeout=60)
+            result.update(status=r.status_code, body=r.json(), at=time.monotonic())
+            result["took"] = result["at"] - t0
+
+        with httpx.stream("POST", srv.url + "/generate_stream", json=long, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data:")  # streaming has begun
+            poster = threading.Thread(target=post)
+            poster.start()
+            srv.wait_metric("mmserve_requests_running", lambda v: v >= 2)
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        poster.join(30)
+        # the non-streamed request: a 5xx JSON answer, promptly
+        assert 500 <= result["status"] < 600 and "error" in result["body"]
+        assert result["at"] - killed_at < 5.0
+        # the stream (already 200) ends with an error event instead of hanging
+        assert events and events[-1]["finished"] and events[-1]["finish_reason"] == "error"
+        try:
+            assert httpx.get(srv.url + "/health", timeout=5).status_code != 200
+        except httpx.TransportError:
+            pass  # already gone: not healthy either
+        code = srv.proc.wait(30)
+        assert code != 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
+    assert srv.leftover_children() == []
+
+
+def test_sigint_stops_every_process(e2e_model_dir, tmp_path):
+    srv = start(e2e_model_dir, tmp_path)
+    assert len(srv.children) >= 2
+    assert httpx.post(srv.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code \
+        == 200
+    assert srv.stop(signal.SIGINT) == 0
+    assert srv.leftover_children() == []
+    assert "Traceback" not in srv.log()
