@@ -60,14 +60,16 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, log_path: str, *args: str):
+    def __init__(self, model_dir: str | None, log_path: str, *args: str, env: dict | None = None):
+        """model_dir None: the server builds and serves its demo checkpoint."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "mmserve.api_server", "--model_dir", model_dir, "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", "cpu", "--log_level", "warning", *args]
+        model = ["--model_dir", model_dir] if model_dir else []
+        cmd = [sys.executable, "-m", "mmserve.api_server", *model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--device", "cpu", "--log_level", "warning", *args]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.children: list[int] = []
 
     def log(self) -> str:

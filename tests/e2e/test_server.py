@@ -256,3 +256,12 @@ def test_router_never_over_admits(server, llm, tokenizer):
     assert 0 < peak["kv"] <= KV_SLOTS
     assert peak["waiting"] > 0
     assert server.metrics()["mmserve_kv_tokens_used"] == 0
+
+
+def test_seeded_sampling_is_reproducible(server):
+    params = {"do_sample": True, "temperature": 1.5, "top_k": 50, "top_p": 0.95, "seed": 7, "max_new_tokens": 16,
+              "ignore_eos": True, "return_details": True}
+    first, again = generate(server, PROMPTS[0], **params), generate(server, PROMPTS[0], **params)
+    greedy = generate(server, PROMPTS[0], max_new_tokens=16, ignore_eos=True, return_details=True)
+    assert [t["id"] for t in first["tokens"]] == [t["id"] for t in again["tokens"]]
+    assert [t["id"] for t in first["tokens"]] != [t["id"] for t in greedy["tokens"]]
