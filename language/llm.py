@@ -29,9 +29,9 @@ class LLM:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from mmserve.tokenizers import load_tokenizer  # HF tokenizers, or Qwen-VL's qwen.tiktoken
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.engine.cfg.model_dir)
+            self._tokenizer = load_tokenizer(self.engine.cfg.model_dir, self.engine.cfg.trust_remote_code)
         return self._tokenizer
 
     def generate(
