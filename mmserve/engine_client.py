@@ -113,7 +113,7 @@ class EngineClient:
         if self.failure is not None:
             raise ServerFailure(self.failure)
         rid = uuid.uuid4().hex
-        tokenized = await self.preparer.prepare(rid, req, self._run_sync)
+        tokenized = await self.preparer.prepare(rid, req, self.run_sync)
         if self.failure is not None:
             self.preparer.release(rid)
             raise ServerFailure(self.failure)
@@ -131,7 +131,8 @@ class EngineClient:
         if self.failure is None:
             self._to_router.send_nowait(AbortRequest(rid))
 
-    async def _run_sync(self, fn: Callable, *args):
+    async def run_sync(self, fn: Callable, *args):
+        """fn(*args) in the tokenizer thread pool, awaited (keeps slow work off the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------------------------------- background

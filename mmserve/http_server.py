@@ -14,6 +14,7 @@ from mmserve.messages import TextOutput, TokenDetail
 from mmserve.metrics import CONTENT_TYPE
 from mmserve.protocol import BadRequest, error_event, generate_response, parse_generate_body, stream_event
 
+MAX_BODY_BYTES = 64 << 20  # a request with a few base64 images fits easily
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
 
 
@@ -93,8 +94,8 @@ def build_app(client: EngineClient) -> FastAPI:
 
 async def _submit(client: EngineClient, request: Request) -> RequestStream | Response:
     try:
-        raw = await request.body()
-        return await client.submit(parse_generate_body(raw))
+        raw = await _read_body(request)
+        return await client.submit(await client.run_sync(parse_generate_body, raw))  # big bodies: parse off the loop
     except BadRequest as e:
         return _error(e)
     except ServerFailure as e:
@@ -128,6 +129,16 @@ async def _sse(
         disconnected.cancel()
         if not stream.finished:
             client.abort(stream.rid)
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BadRequest("body", f"is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _watch_disconnect(request: Request) -> asyncio.Future:

@@ -224,6 +224,12 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, path):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_oversized_body_gets_413(server):
+    r = httpx.post(server.url + "/generate", content=b"x" * (65 << 20), timeout=60)
+    assert r.status_code == 413 and r.json()["field"] == "body"
+    assert generate(server, PROMPTS[1], max_new_tokens=2)["count_output_tokens"] >= 1
+
+
 def test_router_never_over_admits(server, llm, tokenizer):
     # 16 requests of ~40 + 100 tokens need 2240 slots; the cache has 512, so most must wait their turn
     prompt = "The quick brown fox jumps over the lazy dog. " * 2

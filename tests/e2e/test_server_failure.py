@@ -21,7 +21,7 @@ def comm(pid: int) -> str:
 
 
 def start(model_dir: str, tmp_path) -> ServerProcess:
-    srv = ServerProcess(model_dir, str(tmp_path / "server.log"), "--max_total_token_num", "1024")
+    srv = ServerProcess(model_dir, str(tmp_path / "server.log"), "--max_total_token_num", "8192")
     srv.wait_healthy()
     return srv
 
@@ -31,7 +31,7 @@ def test_dead_child_fails_requests_and_stops_the_server(e2e_model_dir, tmp_path,
     srv = start(e2e_model_dir, tmp_path)
     try:
         pid = next(p for p in srv.children if comm(p) == victim)
-        long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}
+        long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}  # ~10 s each
         result = {}
 
         def post():
