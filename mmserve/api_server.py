@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import uvicorn
 
+from cache.shm_store import new_prefix, unlink_all
 from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
 from mmserve.demo import ensure_demo_checkpoint
@@ -23,6 +24,7 @@ from mmserve.metrics import ServerMetrics
 from mmserve.processes import ChildProcess, ChildStartError, exit_now, spawn_child, stop_children, wait_ready
 from mmserve.router import run_router_process
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
+from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
 from mmserve.zmq_queue import Endpoints
 
 logger = logging.getLogger("mmserve")
@@ -59,21 +61,28 @@ def resolve_model(config: ServerConfig) -> ServerConfig:
 
 
 def serve(config: ServerConfig) -> int:
-    if config.enable_multimodal:
-        logger.warning("--enable_multimodal: this build has no image pipeline wired in yet; images are refused")
     endpoints = Endpoints.create()
+    shm_prefix = new_prefix() if config.enable_multimodal else None
     children: list[ChildProcess] = []
     try:
-        children.append(spawn_child("router", run_router_process, config, endpoints, None))
+        embed_reader = ShmEmbedReader(shm_prefix) if shm_prefix else None
+        children.append(spawn_child("router", run_router_process, config, endpoints, embed_reader))
         children.append(spawn_child("detokenizer", run_detokenizer_process, config, endpoints))
+        if shm_prefix:
+            children.append(spawn_visual(config, endpoints, shm_prefix))
         tokenizer = load_tokenizer(config)  # while the children load
         wait_ready(children, config.startup_timeout_s)
         info = children[0].info
-        # A request must fit both the model's context and the whole KV cache.
-        preparer = RequestPreparer(tokenizer, Limits(min(info.max_req_total_len, info.max_total_token_num)))
         metrics = ServerMetrics()
         metrics.on_stats(RouterStats(kv_total=info.max_total_token_num))  # before the router's first stats arrive
-        client = EngineClient(preparer, children, endpoints, metrics, config.tokenizer_workers)
+        visual = VisualLink(config, endpoints, shm_prefix, children[2].info, tokenizer) if shm_prefix else None
+        if visual is not None:
+            metrics.registry.register(visual)
+        # A request must fit both the model's context and the whole KV cache.
+        limits = Limits(min(info.max_req_total_len, info.max_total_token_num))
+        preparer = RequestPreparer(tokenizer, limits, images=visual)
+        client = EngineClient(preparer, children, endpoints, metrics, config.tokenizer_workers,
+                              services=[visual] if visual else [])
         server = uvicorn.Server(
             uvicorn.Config(
                 build_app(client),
@@ -97,6 +106,8 @@ def serve(config: ServerConfig) -> int:
     finally:
         stop_children(children)
         endpoints.remove()
+        if shm_prefix:
+            unlink_all(shm_prefix)  # every embedding segment, also after a child crashed
 
 
 if __name__ == "__main__":

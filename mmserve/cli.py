@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow_private_urls", action="store_true",
                    help="let image URLs resolve to loopback/private/link-local addresses")
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
+    p.add_argument("--vision_tower_dir", default=None,
+                   help="original LLaVA layout: the CLIP vision tower folder (default: mm_vision_tower of config)")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tokenizer_workers", type=int, default=2)
     return p
@@ -54,6 +56,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             device=args.device,
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
+            vision_tower_dir=args.vision_tower_dir,
             log_level=args.log_level,
             tokenizer_workers=args.tokenizer_workers,
         )

@@ -36,6 +36,7 @@ class ServerConfig:
     # Our own flags
     allow_private_urls: bool = False  # image URLs may resolve to loopback/private addresses
     image_dir: str | None = None  # the only directory image paths inside a prompt may be read from
+    vision_tower_dir: str | None = None  # original LLaVA layout: the CLIP folder (instead of mm_vision_tower)
     log_level: str = "info"
     tokenizer_workers: int = 2  # threads that tokenize (off the event loop)
     startup_timeout_s: float = 600.0  # model load limit for the child processes

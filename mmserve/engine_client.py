@@ -7,8 +7,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
@@ -23,6 +24,14 @@ from mmserve.zmq_queue import AsyncPullQueue, AsyncPushQueue, Endpoints
 logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.2
+
+
+class Service(Protocol):
+    """Something that lives on the HTTP event loop beside the client (e.g. the link to the visual process)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class ServerFailure(Exception):
@@ -69,11 +78,13 @@ class EngineClient:
         endpoints: Endpoints,
         metrics: ServerMetrics,
         tokenizer_workers: int = 2,
+        services: Sequence[Service] = (),
     ):
         self.preparer = preparer
         self.children = children
         self.endpoints = endpoints
         self.metrics = metrics
+        self.services = list(services)  # started and stopped with the client, on its event loop
         self.failure: str | None = None
         self.on_fatal: Callable[[], None] = lambda: None  # set by whoever runs the HTTP server
         self._streams: dict[str, RequestStream] = {}
@@ -85,15 +96,20 @@ class EngineClient:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        self._failed = asyncio.Event()
         self._to_router = AsyncPushQueue(self._ctx, self.endpoints.router)
         self._inbox = AsyncPullQueue(self._ctx, self.endpoints.http)
         self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_children())]
+        for service in self.services:
+            await service.start()
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._fail_all("the server is shutting down")
+        for service in self.services:
+            await service.stop()
         self._to_router.close()
         self._inbox.close()
         self._ctx.term()
@@ -113,7 +129,7 @@ class EngineClient:
         if self.failure is not None:
             raise ServerFailure(self.failure)
         rid = uuid.uuid4().hex
-        tokenized = await self.preparer.prepare(rid, req, self.run_sync)
+        tokenized = await self._unless_failed(self.preparer.prepare(rid, req, self.run_sync))
         if self.failure is not None:
             self.preparer.release(rid)
             raise ServerFailure(self.failure)
@@ -130,6 +146,20 @@ class EngineClient:
         self.preparer.release(rid)
         if self.failure is None:
             self._to_router.send_nowait(AbortRequest(rid))
+
+    async def _unless_failed(self, coro):
+        """Await coro, but raise ServerFailure as soon as a child dies (it may be waiting on that child, e.g. for
+        an image encoding)."""
+        task = asyncio.ensure_future(coro)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if not task.done():
+            task.cancel()
+            raise ServerFailure(self.failure)
+        return task.result()
 
     async def run_sync(self, fn: Callable, *args):
         """fn(*args) in the tokenizer thread pool, awaited (keeps slow work off the event loop)."""
@@ -181,6 +211,7 @@ class EngineClient:
     def _fatal(self, reason: str) -> None:
         logger.error("%s; failing in-flight requests and shutting down", reason)
         self.failure = reason
+        self._failed.set()
         self._fail_all(reason)
         self.on_fatal()
 

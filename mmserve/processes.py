@@ -14,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from mmserve.messages import ReadyInfo
-
 logger = logging.getLogger(__name__)
 
 _PR_SET_NAME = 15
@@ -52,7 +50,7 @@ def parent_alive(parent_pid: int) -> bool:
     return os.getppid() == parent_pid
 
 
-def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], tuple[ReadyInfo, Callable]]) -> None:
+def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], tuple[object, Callable]]) -> None:
     """Run a child's body: `start()` loads what it needs and returns (ready info, serve loop taking the parent pid).
     A start failure is reported over the pipe with its traceback, so the parent can print why."""
     parent_pid = setup_child(name, log_level)
@@ -87,7 +85,7 @@ class ChildProcess:
     name: str
     process: mp.process.BaseProcess
     ready_conn: Connection
-    info: ReadyInfo | None = None
+    info: object | None = None  # what the child sent when ready (ReadyInfo, or the visual process's VisualReady)
 
     @property
     def pid(self) -> int | None:
@@ -105,7 +103,9 @@ def spawn_child(name: str, target: Callable, *args) -> ChildProcess:
     """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state)."""
     ctx = mp.get_context("spawn")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=True)
+    # Not daemonic: a child may need its own workers (the visual process's preprocessing pool). The parent stops
+    # its children itself (stop_children), and a child whose parent vanished exits on its own (setup_child).
+    proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=False)
     proc.start()
     send_conn.close()
     return ChildProcess(name, proc, recv_conn)

@@ -182,10 +182,7 @@ def ready_info(core) -> ReadyInfo:
 
 
 def run_router_process(
-    config: ServerConfig,
-    endpoints: Endpoints,
-    embed_reader_factory: Callable[[ServerConfig], EmbedReader] | None,
-    ready: Connection,
+    config: ServerConfig, endpoints: Endpoints, embed_reader: EmbedReader | None, ready: Connection
 ) -> None:
     """Process entry: load the model, report ready, then serve until the parent goes away or sends SIGTERM."""
 
@@ -193,7 +190,6 @@ def run_router_process(
         from language.engine import EngineCore
 
         core = EngineCore(config.engine_config())
-        embed_reader = embed_reader_factory(config) if embed_reader_factory is not None else None
         router = Router(core, embed_reader)
         ctx = zmq.Context()
         inbox = PullQueue(ctx, endpoints.router)

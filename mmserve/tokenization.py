@@ -11,16 +11,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from transformers import AutoTokenizer
-
 from language.sampling_params import SamplingParams
+from mmserve import tokenizers
 from mmserve.config import ServerConfig
 from mmserve.messages import ImageRef, TokenizedRequest
 from mmserve.protocol import BadRequest, GenerateInput
 
 
 def load_tokenizer(config: ServerConfig):
-    return AutoTokenizer.from_pretrained(config.model_dir, trust_remote_code=config.trust_remote_code)
+    """AutoTokenizer, or our offline loader for Qwen-VL's tiktoken vocabulary."""
+    return tokenizers.load_tokenizer(config.model_dir, trust_remote_code=config.trust_remote_code)
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,14 @@ class Endpoints:
     router: str  # router's inbox: requests, aborts, image readiness
     detokenizer: str  # detokenizer's inbox: router batches
     http: str  # HTTP server's inbox: text pieces
-    visual: str  # visual process's inbox (used with --enable_multimodal)
+    visual: str  # visual process's inbox: encode jobs (with --enable_multimodal)
+    visual_results: str  # HTTP server's inbox for the visual process's answers
 
     @classmethod
     def create(cls) -> Endpoints:
         root = tempfile.mkdtemp(prefix="mmserve-ipc-")
-        return cls(root, *(f"ipc://{os.path.join(root, name)}.sock" for name in ("router", "detok", "http", "visual")))
+        names = ("router", "detok", "http", "visual", "visual_results")
+        return cls(root, *(f"ipc://{os.path.join(root, name)}.sock" for name in names))
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

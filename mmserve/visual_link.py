@@ -1,0 +1,122 @@
+"""--enable_multimodal wiring: the visual process, the shared-memory embedding cache, and the HTTP side's link to
+them (the pieces themselves live in visual/, cache/ and mmserve/multimodal/).
+
+    HTTP --EncodeJob--> visual --EncodeDone/EncodeFailed--> HTTP (CacheCoordinator)
+    router: reads each image's embeddings from shared memory by key (ShmEmbedReader)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+from dataclasses import dataclass
+
+import torch
+import zmq
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from cache.coordinator import CacheCoordinator
+from cache.shm_store import read_embedding
+from mmserve.config import ServerConfig
+from mmserve.messages import ImageRef
+from mmserve.multimodal.image_io import ImagePolicy
+from mmserve.multimodal.preparer import MultimodalPreparer
+from mmserve.multimodal.prompt import prompt_processor_class
+from mmserve.multimodal.url_fetch import FetchPolicy
+from mmserve.processes import ChildProcess, spawn_child
+from mmserve.tokenization import PreparedPrompt, RunSync
+from mmserve.zmq_queue import Endpoints
+from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
+from visual.process import VisualProcessConfig, run_visual_process
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShmEmbedReader:
+    """The router's EmbedReader (picklable, so it can be handed to the spawned router process)."""
+
+    shm_prefix: str
+
+    def __call__(self, ref: ImageRef) -> torch.Tensor:
+        return read_embedding(self.shm_prefix, ref.key)  # [num_tokens, hidden], a view on shared memory
+
+
+def spawn_visual(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) -> ChildProcess:
+    cfg = VisualProcessConfig(
+        model_dir=config.model_dir,
+        jobs_addr=endpoints.visual,
+        results_addr=endpoints.visual_results,
+        shm_prefix=shm_prefix,
+        device=config.device,
+        dtype=config.data_type,
+        vision_tower_dir=config.vision_tower_dir,
+        log_level=config.log_level,
+    )
+    return spawn_child("visual", run_visual_process, cfg)
+
+
+class VisualLink:
+    """The HTTP process's image support (an `ImagePreparer`): its sockets and the results task live on the event
+    loop between start() and stop()."""
+
+    def __init__(self, config: ServerConfig, endpoints: Endpoints, shm_prefix: str, ready: VisualReady, tokenizer):
+        self.endpoints = endpoints
+        self.coordinator = CacheCoordinator(config.cache_capacity, shm_prefix, send_job=self._send_job)
+        processor = prompt_processor_class(ready.architecture).from_pretrained(config.model_dir, tokenizer)
+        if hasattr(processor, "image_dir"):  # Qwen-VL: paths inside <img></img> only from --image_dir
+            processor.image_dir = config.image_dir
+        policy = ImagePolicy(fetch=FetchPolicy(allow_private=config.allow_private_urls))
+        self.preparer = MultimodalPreparer(processor, self.coordinator, ready.cache_salt, policy)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._task: asyncio.Task | None = None
+
+    # ImagePreparer
+    async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt:
+        return await self.preparer.prepare(rid, prompt, multimodal_params, run_sync)
+
+    def release(self, rid: str) -> None:
+        self.preparer.release(rid)
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._jobs = self._ctx.socket(zmq.PUSH)
+        self._results = self._ctx.socket(zmq.PULL)
+        for sock in (self._jobs, self._results):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._jobs.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; the cache bounds what is in flight
+        self._jobs.connect(self.endpoints.visual)
+        self._results.bind(self.endpoints.visual_results)
+        self._task = asyncio.create_task(self._receive_results())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._ctx is not None:
+            self._jobs.close()
+            self._results.close()
+            self._ctx.term()
+
+    def _send_job(self, job: EncodeJob) -> None:
+        self._jobs.send(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL), flags=zmq.NOBLOCK)
+
+    async def _receive_results(self) -> None:
+        while True:
+            msg = pickle.loads(await self._results.recv())
+            if isinstance(msg, (EncodeDone, EncodeFailed)):
+                self.coordinator.on_result(msg)
+            else:
+                logger.error("HTTP server got a %s from the visual process; dropped", type(msg).__name__)
+
+    # prometheus_client custom collector: registered into the server's registry
+    def collect(self):
+        m = self.coordinator.metrics()
+        yield CounterMetricFamily("mmserve_images_encoded", "Images run through the vision tower",
+                                  value=m["mmserve_images_encoded_total"])
+        yield CounterMetricFamily("mmserve_embed_cache_hits", "Images found in the embedding cache",
+                                  value=m["mmserve_embed_cache_hits_total"])
+        yield GaugeMetricFamily("mmserve_embed_cache_items", "Images held in the embedding cache",
+                                value=m["mmserve_embed_cache_items"])

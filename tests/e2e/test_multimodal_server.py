@@ -1,0 +1,72 @@
+"""--enable_multimodal wiring: the visual process, the shared-memory cache and the router's embedding reads, on a
+tiny random LLaVA (llava-hf layout). Equality with HF is tested with the families (tests/models); this checks the
+server around them."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from mmserve.checkpoints.llava import build_llava_hf
+from tests.e2e.server_proc import ServerProcess
+
+PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
+
+
+def image_b64(seed: int, size=(80, 50)) -> str:
+    pixels = np.random.RandomState(seed).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = build_llava_hf(str(tmp_path_factory.mktemp("llava")))
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num",
+                        "2048", "--enable_multimodal", "--cache_capacity", "2")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.log()
+        assert srv.leftover_children() == []
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
+
+
+def ask(server, *images: str, **parameters) -> httpx.Response:
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "return_details": True, **parameters},
+            "multimodal_params": {"images": [{"type": "base64", "data": im} for im in images]}}
+    return httpx.post(server.url + "/generate", json=body, timeout=120)
+
+
+def test_same_image_is_encoded_once_with_equal_answers(server):
+    first, again = ask(server, image_b64(0)), ask(server, image_b64(0))
+    assert first.status_code == again.status_code == 200, first.text
+    assert first.json() == again.json()
+    m = server.metrics()
+    assert m["mmserve_images_encoded_total"] == 1 and m["mmserve_embed_cache_hits_total"] >= 1
+    other = ask(server, image_b64(1))
+    assert other.status_code == 200 and other.json()["tokens"] != first.json()["tokens"]
+
+
+def test_more_distinct_images_than_the_cache_holds(server):
+    for seed in range(10, 15):  # cache capacity 2: entries are evicted and re-used
+        assert ask(server, image_b64(seed)).status_code == 200
+    assert server.metrics()["mmserve_embed_cache_items"] <= 2
+    assert server.metrics()["mmserve_kv_tokens_used"] == 0
+
+
+def test_bad_images_get_400_and_text_still_works(server):
+    r = ask(server, "!!not base64!!")
+    assert r.status_code == 400 and r.json()["field"].startswith("multimodal_params.images")
+    r = ask(server)  # a placeholder without its image
+    assert r.status_code == 400 and r.json()["field"].startswith("multimodal_params.images")
+    text = httpx.post(server.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
+    assert text.status_code == 200 and text.json()["count_output_tokens"] >= 1
