@@ -7,7 +7,9 @@ runs in worker processes; otherwise `model.preprocess` runs in threads of the vi
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import signal
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -23,11 +25,17 @@ Preprocessor = Callable[[Image.Image], ImageInput]
 MAX_PIXELS = 256 * 1024 * 1024
 
 _worker_preprocessor: Preprocessor | None = None
+_PR_SET_PDEATHSIG = 1
 
 
 def _init_worker(preprocessor: Preprocessor) -> None:
     global _worker_preprocessor
     _worker_preprocessor = preprocessor
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server's parent decides
+    try:  # die with the visual process even if it is killed outright (Linux)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def decode_and_preprocess(data: bytes, preprocessor: Preprocessor | None = None) -> ImageInput:
