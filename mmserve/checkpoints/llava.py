@@ -174,7 +174,13 @@ def build_llava_hf(
     generation = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": pad_id}
     write_json(os.path.join(out_dir, "generation_config.json"), generation)
     image_cfg = clip_preprocessor_config(s["vision"]["image_size"], "LlavaProcessor")
-    processor_extra = {"patch_size": s["vision"]["patch_size"], "vision_feature_select_strategy": "default"}
+    # As on the hub since late 2024: LlavaProcessor expands <image> to patches + 1 (CLS) - 1 (dropped by "default").
+    processor_extra = {
+        "image_token": "<image>",
+        "num_additional_image_tokens": 1,
+        "patch_size": s["vision"]["patch_size"],
+        "vision_feature_select_strategy": "default",
+    }
     if nested_processor_config:
         write_json(
             os.path.join(out_dir, "processor_config.json"),

@@ -137,3 +137,86 @@ def test_vision_tower_dir_override(original_dir, tmp_path):
         LlavaVisionModel.from_pretrained(str(moved), CPU, torch.float32)
     model = LlavaVisionModel.from_pretrained(str(moved), CPU, torch.float32, vision_tower_dir=raw["mm_vision_tower"])
     assert model.num_tokens(123, 45) == 16
+
+
+# ------------------------------------------------------------------------ the whole model: greedy tokens vs HF
+
+PROMPTS = [
+    ("USER: <image>\nWhat is shown in this picture? ASSISTANT:", [0]),
+    ("USER: <image>\n<image>\nCompare the two pictures. ASSISTANT:", [0, 1]),
+    ("USER: What is AI? ASSISTANT:", []),
+]
+NEW_TOKENS = 12
+
+
+def our_generation(model_dir: str, architecture: str, prefix: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids and greedy tokens through our pieces: prompt processor, vision model -> shared-memory cache ->
+    router-side views -> the language engine, all prompts in one batch."""
+    from transformers import AutoTokenizer
+
+    from cache.shm_store import read_embedding, write_embedding
+    from language.llm import LLM
+    from language.request import MultimodalItem
+    from language.sampling_params import SamplingParams
+    from mmserve.multimodal.prompt import prompt_processor_class
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = prompt_processor_class(architecture).from_pretrained(model_dir, tokenizer)
+    vision = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    for i, emb in enumerate(vision.encode([vision.preprocess(im) for im in IMAGES])):
+        write_embedding(prefix, f"img{i}", emb)
+    prompts, items = [], []
+    for text, image_ids in PROMPTS:
+        mm = processor.encode(text, [IMAGES[i].size for i in image_ids])
+        prompts.append(mm.token_ids)
+        items.append([MultimodalItem(off, read_embedding(prefix, f"img{i}"), f"img{i}")
+                      for off, i in zip(mm.offsets, image_ids, strict=True)])  # fmt: skip
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_total_token_num=1024)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params, mm_items=items)
+    return prompts, [o.token_ids for o in outs]
+
+
+def hf_greedy(model, input_ids: list[int], pixel_values: torch.Tensor | None) -> list[int]:
+    ids = torch.tensor([input_ids])
+    images = {"pixel_values": pixel_values} if pixel_values is not None else {}
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **images,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)  # fmt: skip
+    return out[0, len(input_ids) :].tolist()
+
+
+@pytest.fixture
+def shm_prefix():
+    from cache.shm_store import new_prefix, unlink_all
+
+    prefix = new_prefix()
+    yield prefix
+    unlink_all(prefix)
+
+
+@pytest.fixture(scope="module")
+def llava_hf_legacy_dir(tmp_path_factory):
+    return build_llava_hf(str(tmp_path_factory.mktemp("gen_llava_hf")))
+
+
+def test_greedy_tokens_equal_hf_llava_hf_layout(llava_hf_legacy_dir, shm_prefix):
+    model_dir = llava_hf_legacy_dir
+    prompts, ours = our_generation(model_dir, "LlavaForConditionalGeneration", shm_prefix)
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    for (text, image_ids), prompt_ids, got in zip(PROMPTS, prompts, ours, strict=True):
+        images = [IMAGES[i] for i in image_ids] or None
+        inputs = processor(images=images, text=text, return_tensors="pt")
+        assert prompt_ids == inputs["input_ids"][0].tolist()  # same expansion as LlavaProcessor
+        assert got == hf_greedy(hf, prompt_ids, inputs.get("pixel_values")), text
+
+
+def test_greedy_tokens_equal_hf_original_layout(original_dir, shm_prefix):
+    prompts, ours = our_generation(original_dir, "LlavaLlamaForCausalLM", shm_prefix)
+    hf = hf_llava_from_original(original_dir, image_token_index=0)  # our placeholder id in the original layout
+    pad = pad_processor(original_dir)
+    for (text, image_ids), prompt_ids, got in zip(PROMPTS, prompts, ours, strict=True):
+        pixels = pad(images=[IMAGES[i] for i in image_ids], return_tensors="pt")["pixel_values"] if image_ids else None
+        assert prompt_ids.count(0) == 16 * len(image_ids)
+        assert got == hf_greedy(hf, prompt_ids, pixels), text
