@@ -45,8 +45,9 @@ def build_tokenizer(
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     for token_id, content in sorted((extra_special_tokens or {}).items()):
-        while tok.get_vocab_size() < token_id:
-            tok.add_special_tokens([f"<|reserved_{tok.get_vocab_size()}|>"])
+        size = tok.get_vocab_size()
+        if size < token_id:  # one call: adding fillers one by one is quadratic in the tokenizers library
+            tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(size, token_id)])
         if tok.get_vocab_size() != token_id:
             raise ValueError(
                 f"special token {content!r} wants id {token_id}, but ids up to {tok.get_vocab_size()} are used"
