@@ -33,6 +33,10 @@ class VisionModel(Protocol):
 
     def preprocess(self, image: Image.Image) -> ImageInput: ...
 
+    # Optional: `preprocessor() -> Callable[[Image.Image], ImageInput]`, a picklable object holding no weights (e.g.
+    # the HF image processor). When a family has it, `visual.preprocess.PreprocessPool` runs it in worker processes;
+    # without it, `preprocess` runs in threads of the visual process.
+
     def num_tokens(self, width: int, height: int) -> int:
         """Embedding count for an image of this size, without preprocessing it (for prompt expansion)."""
         ...

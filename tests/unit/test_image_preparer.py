@@ -1,0 +1,158 @@
+"""The HTTP side of a multimodal request end to end, in one process: image loading, prompt expansion, the cache
+coordinator, and a real visual encoder (tiny LLaVA) answering its jobs."""
+
+import asyncio
+import base64
+import io
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, AutoTokenizer
+
+from cache.coordinator import CacheCoordinator
+from cache.shm_store import list_segments, new_prefix, read_embedding, unlink_all
+from mmserve.checkpoints.llava import build_llava_hf
+from mmserve.multimodal.llava import LlavaPromptProcessor
+from mmserve.multimodal.preparer import MultimodalPreparer
+from mmserve.protocol import BadRequest
+from visual.encoder import VisualEncoder
+from visual.models.llava import LlavaVisionModel
+from visual.preprocess import PreprocessPool
+
+
+def image_item(width, height, seed) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buf, format="PNG")
+    return {"type": "base64", "data": base64.b64encode(buf.getvalue()).decode()}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_llava_hf(str(tmp_path_factory.mktemp("llava_hf")))
+
+
+@pytest.fixture(scope="module")
+def vision(model_dir):
+    return LlavaVisionModel.from_pretrained(model_dir, torch.device("cpu"), torch.float32)
+
+
+class Harness:
+    """The preparer wired as the server wires it, with the visual process's work done by an in-process encoder."""
+
+    def __init__(self, model_dir, vision, capacity):
+        self.prefix = new_prefix()
+        self.encoder = VisualEncoder(vision, PreprocessPool(vision, 0), self.prefix)
+        self.coordinator = CacheCoordinator(capacity, self.prefix, self.encoder.submit)
+        processor = LlavaPromptProcessor.from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
+        self.preparer = MultimodalPreparer(processor, self.coordinator, vision.cache_salt)
+
+    async def pump(self):
+        """What the server's task reading the visual results queue does."""
+        while True:
+            for result in await asyncio.to_thread(self.encoder.step, 0.01):
+                self.coordinator.on_result(result)
+            await asyncio.sleep(0.001)
+
+    def close(self):
+        self.encoder.shutdown()
+        unlink_all(self.prefix)
+
+
+async def run_sync(fn, *args):
+    return await asyncio.to_thread(fn, *args)
+
+
+def run(model_dir, vision, capacity, body):
+    async def main():
+        h = Harness(model_dir, vision, capacity)
+        pump = asyncio.create_task(h.pump())
+        try:
+            return await body(h)
+        finally:
+            pump.cancel()
+            h.close()
+
+    return asyncio.run(main())
+
+
+PROMPT = "USER: <image>\n<image>\nCompare them. ASSISTANT:"
+
+
+def test_prepare_two_images(model_dir, vision):
+    items = [image_item(80, 50, 0), image_item(40, 70, 1)]
+
+    async def body(h):
+        prepared = await h.preparer.prepare("r1", PROMPT, {"images": items}, run_sync)
+        hf = AutoProcessor.from_pretrained(model_dir)
+        images = [Image.open(io.BytesIO(base64.b64decode(i["data"]))) for i in items]
+        assert prepared.prompt_ids == hf(images=images, text=PROMPT)["input_ids"][0]
+        assert not prepared.wait_for_images
+        assert [(r.offset, r.num_tokens) for r in prepared.images] == [(4, 16), (21, 16)]
+        for ref, image in zip(prepared.images, images, strict=True):
+            want = vision.encode([vision.preprocess(image)])[0]
+            torch.testing.assert_close(read_embedding(h.prefix, ref.key), want)
+        h.preparer.release("r1")
+        assert all(e.refs == 0 for e in h.coordinator.index._entries.values())
+        text_only = await h.preparer.prepare("r2", "USER: hi ASSISTANT:", {}, run_sync)
+        assert text_only.images == () and text_only.prompt_ids[0] == 1
+
+    run(model_dir, vision, 4, body)
+
+
+def test_same_image_in_concurrent_requests_is_encoded_once(model_dir, vision):
+    item = image_item(64, 32, 5)
+
+    async def body(h):
+        prepared = await asyncio.gather(
+            *(h.preparer.prepare(f"r{i}", "USER: <image>\nhi", {"images": [item]}, run_sync) for i in range(6))
+        )
+        assert len({p.images[0].key for p in prepared}) == 1
+        again = await h.preparer.prepare("r6", "USER: <image>\nagain", {"images": [item]}, run_sync)
+        metrics = h.coordinator.metrics()
+        assert metrics["mmserve_images_encoded_total"] == 1 and h.encoder.images_encoded == 1
+        assert metrics["mmserve_embed_cache_hits_total"] == 6
+        for i in range(7):
+            h.preparer.release(f"r{i}")
+        assert again.images[0].key == prepared[0].images[0].key
+
+    run(model_dir, vision, 4, body)
+
+
+def test_many_distinct_images_through_a_small_cache(model_dir, vision):
+    async def body(h):
+        async def one(i):
+            prepared = await h.preparer.prepare(f"r{i}", "<image> describe", {"images": [image_item(20, 30, 100 + i)]},
+                                                run_sync)  # fmt: skip
+            await asyncio.sleep(0.01)
+            h.preparer.release(f"r{i}")
+            return prepared
+
+        done = await asyncio.gather(*(one(i) for i in range(12)))
+        assert len({p.images[0].key for p in done}) == 12
+        assert len(h.coordinator.index) <= 4 and len(list_segments(h.prefix)) <= 4  # evicted entries are unlinked
+
+    run(model_dir, vision, 4, body)
+
+
+@pytest.mark.parametrize(
+    "prompt, images, message",
+    [
+        ("USER: <image>\n<image>\nhi", [image_item(8, 8, 0)], "2 image placeholder"),
+        ("USER: hi", [image_item(8, 8, 0)], "0 image placeholder"),
+        ("USER: <image> hi", [{"type": "base64", "data": "%%%"}], r"images\[0\].*malformed base64"),
+        ("USER: <image> hi", [{"type": "url", "data": "http://127.0.0.1:1/x.png"}], "non-public address"),
+        ("<image><image><image>", [image_item(8, 8, i) for i in range(3)], "at most 2"),
+    ],
+)
+def test_client_errors_are_400_and_hold_nothing(model_dir, vision, prompt, images, message):
+    async def body(h):
+        with pytest.raises(BadRequest, match=message) as err:
+            await h.preparer.prepare("bad", prompt, {"images": images}, run_sync)
+        assert err.value.status == 400
+        assert all(e.refs == 0 for e in h.coordinator.index._entries.values())
+        h.preparer.release("bad")  # the server calls it on every failure: must be harmless
+
+    run(model_dir, vision, 2, body)
