@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
+IMAGE_MARK = {"llava": "<image>\n", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 PROMPTS = {
     "llava": "USER: <image>\nDescribe this picture in detail. ASSISTANT:",
     "qwen2_vl": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture in detail."
@@ -49,11 +50,9 @@ def png_b64(image: Image.Image) -> str:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str, image_b64: str, new_tokens: int) -> dict:
-    body = {
-        "inputs": prompt,
-        "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True},
-        "multimodal_params": {"images": [{"type": "base64", "data": image_b64}]},
-    }
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    if image_b64:
+        body["multimodal_params"] = {"images": [{"type": "base64", "data": image_b64}]}
     t0 = time.perf_counter()
     first, count = None, 0
     async with client.stream("POST", url + "/generate_stream", json=body) as resp:
@@ -119,14 +118,21 @@ def bench_server(args, prompt: str, images: list[Image.Image]) -> dict:
         warm = make_images(4, [images[0].size], seed=999)
         asyncio.run(run_load(url, prompt, [png_b64(i) for i in warm], 8))
         results, wall = asyncio.run(run_load(url, prompt, [png_b64(i) for i in images], args.max_new_tokens))
+        if args.also_text_only:  # the same load without images: separates the visual pipeline from the engine
+            text_prompt = prompt.replace(IMAGE_MARK[args.family], "")
+            text_results, text_wall = asyncio.run(run_load(url, text_prompt, [""] * len(images), args.max_new_tokens))
+            print("text-only:", json.dumps(summarize(text_results, text_wall)), flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+    assert all(r["tokens"] == args.max_new_tokens for r in results), "a request ended early"
+    return {"startup_s": round(startup, 1), **summarize(results, wall)}
+
+
+def summarize(results: list[dict], wall: float) -> dict:
     ttft = [r["ttft"] for r in results]
     tpot = [(r["latency"] - r["ttft"]) / max(1, r["tokens"] - 1) for r in results]
-    assert all(r["tokens"] == args.max_new_tokens for r in results), "a request ended early"
     return {
-        "startup_s": startup,
         "req_per_s": len(results) / wall,
         "out_tok_per_s": sum(r["tokens"] for r in results) / wall,
         "ttft_p50_s": pct(ttft, 50),
@@ -147,6 +153,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18080)
     ap.add_argument("--hf", action="store_true", help="also run HF transformers generate on the same work")
     ap.add_argument("--hf_batch", type=int, default=64)
+    ap.add_argument("--also_text_only", action="store_true", help="then the same load without images")
     args = ap.parse_args()
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     images = make_images(args.num_requests, sizes, seed=0)

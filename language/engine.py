@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,25 @@ class EngineStats:
     waiting: int
     kv_used: int
     kv_total: int
+
+
+@dataclass
+class StepCounters:
+    """Cumulative work of the engine, for throughput logs."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    busy_s: float = 0.0  # wall time inside step() that ran a batch
+
+    def summary(self, since: StepCounters, elapsed_s: float) -> str:
+        steps = self.steps - since.steps
+        busy = self.busy_s - since.busy_s
+        return (
+            f"{steps} steps ({busy / max(steps, 1) * 1e3:.1f} ms each), "
+            f"prefill {(self.prefill_tokens - since.prefill_tokens) / elapsed_s:.0f} tok/s, "
+            f"decode {(self.decode_tokens - since.decode_tokens) / elapsed_s:.0f} tok/s, busy {busy / elapsed_s:.0%}"
+        )
 
 
 def load_model(cfg: EngineConfig, device: torch.device) -> tuple[torch.nn.Module, LMConfig]:
@@ -95,6 +115,7 @@ class EngineCore:
             max_total_token_num=num_slots,
             max_req_total_len=max_req_len,
         )
+        self.counters = StepCounters()
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         logger.info("engine ready: %s on %s (%s), %d KV slots", lm.architecture, device, dtype, num_slots)
@@ -133,6 +154,7 @@ class EngineCore:
         batch = sched.decode + sched.prefill
         if not batch:
             return outputs
+        t0 = time.perf_counter()
         logits = []
         if sched.decode:
             logits.append(self.runner.decode(sched.decode))
@@ -142,6 +164,11 @@ class EngineCore:
         next_ids, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0], sb)
         for req, token, logprob in zip(batch, next_ids.tolist(), logprobs.tolist(), strict=True):
             outputs.append(self._append_token(req, token, logprob))
+        c = self.counters
+        c.steps += 1
+        c.prefill_tokens += sum(r.prompt_len for r in sched.prefill)
+        c.decode_tokens += len(sched.decode)
+        c.busy_s += time.perf_counter() - t0
         return outputs
 
     def has_unfinished(self) -> bool:

@@ -8,7 +8,9 @@ sends every step's tokens plus the occupancy stats to the detokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -34,6 +36,7 @@ from mmserve.zmq_queue import Endpoints, PullQueue, PushQueue
 
 logger = logging.getLogger(__name__)
 
+_THROUGHPUT_LOG_S = 5.0  # how often a busy router logs its throughput
 _IDLE_POLL_MS = 500  # how often an idle router checks that its parent is still there
 _MAX_EARLY_READY = 10_000  # ImagesReady seen before (or without) their request: kept boundedly
 
@@ -155,12 +158,17 @@ class Router:
         return RouterStats(s.running, s.waiting + len(self._awaiting_images), s.kv_used, s.kv_total)
 
     def serve(self, inbox: PullQueue, to_detok: PushQueue, parent_pid: int) -> None:
+        last_log, logged = time.monotonic(), dataclasses.replace(self.core.counters)
         while parent_alive(parent_pid):
             for msg in inbox.drain(0 if self.has_work() else _IDLE_POLL_MS):
                 self.handle(msg)
             batch = self.step()
             if batch is not None:
                 to_detok.send(batch)
+            now = time.monotonic()
+            if now - last_log >= _THROUGHPUT_LOG_S and self.core.counters.steps != logged.steps:
+                logger.info("%s; %s", self.core.counters.summary(logged, now - last_log), self.stats())
+                last_log, logged = now, dataclasses.replace(self.core.counters)
         logger.info("parent process is gone; router exits")
 
 
@@ -195,8 +203,14 @@ def run_router_process(
         inbox = PullQueue(ctx, endpoints.router)
         to_detok = PushQueue(ctx, endpoints.detokenizer)
         info = ready_info(core)
-        logger.info("model loaded: %s %s on %s, %d KV token slots, requests up to %d tokens", info.architecture,
-                    info.dtype, info.device, info.max_total_token_num, info.max_req_total_len)
+        logger.info(
+            "model loaded: %s %s on %s, %d KV token slots, requests up to %d tokens",
+            info.architecture,
+            info.dtype,
+            info.device,
+            info.max_total_token_num,
+            info.max_req_total_len,
+        )
 
         def serve(parent_pid: int) -> None:
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 # Enough varied text (with multi-byte characters) that the merges produce real multi-character tokens.
@@ -46,8 +46,10 @@ def build_tokenizer(
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     for token_id, content in sorted((extra_special_tokens or {}).items()):
         size = tok.get_vocab_size()
-        if size < token_id:  # one call: adding fillers one by one is quadratic in the tokenizers library
-            tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(size, token_id)])
+        if size < token_id:
+            # Fillers are ordinary (non-special) tokens, so text from a random-weight model that lands on them still
+            # decodes to visible text, as a real vocabulary would. One call: one by one is quadratic in `tokenizers`.
+            tok.add_tokens([AddedToken(f"<|reserved_{i}|>", normalized=False) for i in range(size, token_id)])
         if tok.get_vocab_size() != token_id:
             raise ValueError(
                 f"special token {content!r} wants id {token_id}, but ids up to {tok.get_vocab_size()} are used"
