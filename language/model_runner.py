@@ -102,6 +102,7 @@ class ModelRunner:
         items = [(start + item.offset, item) for r, start in zip(reqs, q_starts, strict=True) for item in r.mm_items]
         if not items:
             return None, None
-        embeds = torch.cat([item.embeds for _, item in items]).to(self.device, non_blocking=True)  # [M, hidden]
+        dtype = self.model.embed_tokens.weight.dtype  # the visual process may run in another dtype
+        embeds = torch.cat([item.embeds for _, item in items]).to(self.device, dtype, non_blocking=True)  # [M, hidden]
         positions = torch.cat([torch.arange(s, s + item.num_tokens) for s, item in items])  # [M]
         return embeds, positions.to(self.device, non_blocking=True)
