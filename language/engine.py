@@ -18,6 +18,7 @@ from language.models import model_class
 from language.request import Request, RequestOutput, RequestStatus
 from language.sampler import SamplingBatch, sample
 from language.scheduler import Scheduler
+from language.warmup import warmup
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,8 @@ class EngineCore:
             max_total_token_num=num_slots,
             max_req_total_len=max_req_len,
         )
+        if device.type == "cuda":
+            warmup(self.runner, self.model, lm.hidden_size)
         self.counters = StepCounters()
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []

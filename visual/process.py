@@ -11,6 +11,7 @@ Started like the other children: `spawn_child("visual", run_visual_process, cfg)
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -39,7 +40,8 @@ class VisualProcessConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     dtype: str = "auto"  # torch dtype name; "auto": the checkpoint's (float32 on cpu)
     vision_tower_dir: str | None = None  # original LLaVA layout: the CLIP folder, instead of mm_vision_tower
-    num_preprocess_workers: int = 2
+    # decode + preprocess runs on CPU: enough workers that it keeps up with the GPU (2 on a 2-core machine)
+    num_preprocess_workers: int = max(2, min(8, (os.cpu_count() or 2) // 2))
     max_batch: int = 16
     log_level: str = "info"
 
