@@ -13,6 +13,7 @@ import signal
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 
+import torch
 from PIL import Image
 
 from mmserve.multimodal.image_io import open_image
@@ -31,6 +32,7 @@ _PR_SET_PDEATHSIG = 1
 def _init_worker(preprocessor: Preprocessor) -> None:
     global _worker_preprocessor
     _worker_preprocessor = preprocessor
+    torch.set_num_threads(1)  # many workers side by side: one thread each, or their thread pools fight for cores
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server's parent decides
     try:  # die with the visual process even if it is killed outright (Linux)
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -90,6 +90,8 @@ def run_visual_process(cfg: VisualProcessConfig, ready: Connection) -> None:
 
     def start():
         encoder, info = load_encoder(cfg)
+        if info.device.startswith("cuda"):
+            torch.set_num_threads(1)  # its CPU work is in the pool; spare threads would only contend with the router
         ctx = zmq.Context()
         jobs, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
         for sock in (jobs, results):
