@@ -32,10 +32,14 @@ class MultimodalPreparer:
         self.coordinator = coordinator
         self.cache_salt = cache_salt
         self.policy = policy or ImagePolicy()
+        if hasattr(prompt_processor, "max_image_bytes"):  # Qwen-VL reads allowed paths itself: same size limit
+            prompt_processor.max_image_bytes = self.policy.max_bytes
         self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
 
     async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt:
         items = multimodal_params.get("images") or []
+        if hasattr(self.prompt_processor, "image_items"):  # Qwen-VL: images named inside <img>...</img>
+            items = await self._prompt_image_items(prompt, items, run_sync)
         expected = self.prompt_processor.count_images(prompt)
         if expected != len(items):
             raise BadRequest(FIELD, str(PromptImageMismatch(
@@ -67,6 +71,12 @@ class MultimodalPreparer:
         entries = self._held.pop(rid, None)
         if entries:
             self.coordinator.release(entries)
+
+    async def _prompt_image_items(self, prompt: str, sent: list, run_sync: RunSync) -> list:
+        try:
+            return await run_sync(self.prompt_processor.image_items, prompt, sent)
+        except (BadImage, PromptImageMismatch) as e:
+            raise BadRequest(FIELD, str(e)) from None
 
     async def _load(self, items: list, run_sync: RunSync) -> list[LoadedImage]:
         results = await asyncio.gather(*(run_sync(load_image, item, self.policy) for item in items),
