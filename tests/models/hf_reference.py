@@ -6,6 +6,8 @@ import torch
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True, **inputs) -> list[int]:
+    """With ignore_eos, EOS stays a possible choice but does not stop generation, as our `ignore_eos` does
+    (no `min_new_tokens`, which would remove EOS from the choices instead)."""
     gen = model.generation_config
     saved = gen.eos_token_id
     if ignore_eos:
@@ -15,7 +17,6 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos: boo
             out = model.generate(
                 torch.tensor([prompt_ids]),
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens if ignore_eos else None,
                 do_sample=False,
                 generation_config=gen,
                 **inputs,
