@@ -1,7 +1,7 @@
 """Send one text request to a running server's /generate (LightLLM's request shape) and print the JSON answer.
 
-    python -m mmserve.api_server &            # or: mmserve --model_dir /path/to/llama
-    python examples/client_generate.py --prompt "What is AI?" --max_new_tokens 17
+python -m mmserve.api_server &            # or: mmserve --model_dir /path/to/llama
+python examples/client_generate.py --prompt "What is AI?" --max_new_tokens 17
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def resolve_model(config: ServerConfig) -> ServerConfig:
     path = ensure_demo_checkpoint()
     logger.warning(
         "no --model_dir given: serving the DEMO checkpoint in %s, a tiny Llama with RANDOM weights (its text is "
-        "gibberish). Pass --model_dir /path/to/hf/checkpoint to serve a real model.", path,
+        "gibberish). Pass --model_dir /path/to/hf/checkpoint to serve a real model.",
+        path,
     )
     return replace(config, model_dir=path)
 
@@ -81,8 +82,9 @@ def serve(config: ServerConfig) -> int:
         # A request must fit both the model's context and the whole KV cache.
         limits = Limits(min(info.max_req_total_len, info.max_total_token_num))
         preparer = RequestPreparer(tokenizer, limits, images=visual)
-        client = EngineClient(preparer, children, endpoints, metrics, config.tokenizer_workers,
-                              services=[visual] if visual else [])
+        client = EngineClient(
+            preparer, children, endpoints, metrics, config.tokenizer_workers, services=[visual] if visual else []
+        )
         server = uvicorn.Server(
             uvicorn.Config(
                 build_app(client),

@@ -14,8 +14,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (only 1 is supported)")
-    p.add_argument("--max_total_token_num", type=int, default=None,
-                   help="KV cache token slots; omitted: sized from free memory and --mem_fraction")
+    p.add_argument(
+        "--max_total_token_num",
+        type=int,
+        default=None,
+        help="KV cache token slots; omitted: sized from free memory and --mem_fraction",
+    )
     p.add_argument("--mem_fraction", type=float, default=0.9, help="share of free device memory for weights + KV")
     p.add_argument("--running_max_req_size", type=int, default=1000, help="most requests decoding at once")
     p.add_argument("--max_req_total_len", type=int, default=None, help="most tokens of prompt + output per request")
@@ -25,11 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache_capacity", type=int, default=200, help="images held in the embedding cache")
     p.add_argument("--data_type", choices=sorted(DTYPE_NAMES), default="auto")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
-    p.add_argument("--allow_private_urls", action="store_true",
-                   help="let image URLs resolve to loopback/private/link-local addresses")
+    p.add_argument(
+        "--allow_private_urls",
+        action="store_true",
+        help="let image URLs resolve to loopback/private/link-local addresses",
+    )
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
-    p.add_argument("--vision_tower_dir", default=None,
-                   help="original LLaVA layout: the CLIP vision tower folder (default: mm_vision_tower of config)")
+    p.add_argument(
+        "--vision_tower_dir",
+        default=None,
+        help="original LLaVA layout: the CLIP vision tower folder (default: mm_vision_tower of config)",
+    )
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tokenizer_workers", type=int, default=2)
     return p

@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 500  # how often an idle detokenizer checks that its parent is still there
 
 
-def serve_detokenizer(detok: Detokenizer, inbox: PullQueue, to_http: PushQueue, to_router: PushQueue,
-                      parent_pid: int) -> None:
+def serve_detokenizer(
+    detok: Detokenizer, inbox: PullQueue, to_http: PushQueue, to_router: PushQueue, parent_pid: int
+) -> None:
     while parent_alive(parent_pid):
         for batch in inbox.drain(_IDLE_POLL_MS):
             if not isinstance(batch, RouterBatch):

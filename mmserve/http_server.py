@@ -65,8 +65,9 @@ def build_app(client: EngineClient) -> FastAPI:
             disconnected.cancel()
             if not stream.finished:
                 client.abort(stream.rid)
-        body = generate_response("".join(text), tokens, out.finish_reason, out.prompt_tokens, out.output_tokens,
-                                 stream.return_details)
+        body = generate_response(
+            "".join(text), tokens, out.finish_reason, out.prompt_tokens, out.output_tokens, stream.return_details
+        )
         return JSONResponse(body)
 
     @app.post("/generate_stream")
@@ -115,8 +116,9 @@ async def _sse(
             if out.text or out.finished:
                 text.append(out.text)
                 full = "".join(text) if out.finished else None
-                yield stream_event(out.text, tokens, out.finished, out.finish_reason, full, out.prompt_tokens,
-                                   out.output_tokens)
+                yield stream_event(
+                    out.text, tokens, out.finished, out.finish_reason, full, out.prompt_tokens, out.output_tokens
+                )
                 tokens = []
             if out.finished:
                 return

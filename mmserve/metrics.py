@@ -22,10 +22,18 @@ class ServerMetrics:
         self.waiting = Gauge("mmserve_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_used = Gauge("mmserve_kv_tokens_used", "KV cache token slots held now", registry=r)
         self.kv_total = Gauge("mmserve_kv_tokens_total", "KV cache token slots in all", registry=r)
-        self.ttft = Histogram("mmserve_time_to_first_token_seconds", "Time from arrival to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("mmserve_time_per_output_token_seconds", "Mean time per output token after the first",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "mmserve_time_to_first_token_seconds",
+            "Time from arrival to the first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "mmserve_time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def on_stats(self, stats: RouterStats) -> None:
         self.running.set(stats.running)

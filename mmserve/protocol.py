@@ -113,7 +113,11 @@ def token_json(t: TokenDetail) -> dict:
 
 
 def generate_response(
-    text: str, tokens: list[TokenDetail], finish_reason: str | None, prompt_tokens: int, output_tokens: int,
+    text: str,
+    tokens: list[TokenDetail],
+    finish_reason: str | None,
+    prompt_tokens: int,
+    output_tokens: int,
     return_details: bool,
 ) -> dict:
     out = {
@@ -128,8 +132,13 @@ def generate_response(
 
 
 def stream_event(
-    piece: str, tokens: list[TokenDetail], finished: bool, finish_reason: str | None, generated_text: str | None,
-    prompt_tokens: int, output_tokens: int,
+    piece: str,
+    tokens: list[TokenDetail],
+    finished: bool,
+    finish_reason: str | None,
+    generated_text: str | None,
+    prompt_tokens: int,
+    output_tokens: int,
 ) -> str:
     """One server-sent event: `token.text` is the new text piece (LightLLM clients print data["token"]["text"]);
     `tokens` lists the ids it came from; the last event has finished, finish_reason and the whole text."""

@@ -114,9 +114,12 @@ class VisualLink:
     # prometheus_client custom collector: registered into the server's registry
     def collect(self):
         m = self.coordinator.metrics()
-        yield CounterMetricFamily("mmserve_images_encoded", "Images run through the vision tower",
-                                  value=m["mmserve_images_encoded_total"])
-        yield CounterMetricFamily("mmserve_embed_cache_hits", "Images found in the embedding cache",
-                                  value=m["mmserve_embed_cache_hits_total"])
-        yield GaugeMetricFamily("mmserve_embed_cache_items", "Images held in the embedding cache",
-                                value=m["mmserve_embed_cache_items"])
+        yield CounterMetricFamily(
+            "mmserve_images_encoded", "Images run through the vision tower", value=m["mmserve_images_encoded_total"]
+        )
+        yield CounterMetricFamily(
+            "mmserve_embed_cache_hits", "Images found in the embedding cache", value=m["mmserve_embed_cache_hits_total"]
+        )
+        yield GaugeMetricFamily(
+            "mmserve_embed_cache_items", "Images held in the embedding cache", value=m["mmserve_embed_cache_items"]
+        )

@@ -211,8 +211,9 @@ _HF_VISION_KEYS = {"hidden_size", "image_size", "intermediate_size", "model_type
                    "num_hidden_layers", "patch_size", "projection_dim", "vocab_size"}  # fmt: skip
 
 
-def build_clip_tower(out_dir: str, shape: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 1,
-                     device: str = "cpu") -> str:
+def build_clip_tower(
+    out_dir: str, shape: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 1, device: str = "cpu"
+) -> str:
     """The separate CLIP folder of the original layout (what `mm_vision_tower` names)."""
     vision = SHAPES[shape]["vision"]
     os.makedirs(out_dir, exist_ok=True)

@@ -66,8 +66,21 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         model = ["--model_dir", model_dir] if model_dir else []
-        cmd = [sys.executable, "-m", "mmserve.api_server", *model, "--host", "127.0.0.1", "--port", str(self.port),
-               "--device", "cpu", "--log_level", "warning", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mmserve.api_server",
+            *model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--log_level",
+            "warning",
+            *args,
+        ]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.children: list[int] = []

@@ -28,8 +28,12 @@ def demo_server(tmp_path_factory):
 
 
 def run_example(name: str, url: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), "--url", url, *args],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name), "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 

@@ -29,8 +29,15 @@ def image_b64(seed: int, size=(80, 50)) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = build_llava_hf(str(tmp_path_factory.mktemp("llava")))
-    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num",
-                        "2048", "--enable_multimodal", "--cache_capacity", "2")
+    srv = ServerProcess(
+        model_dir,
+        str(tmp_path_factory.mktemp("log") / "server.log"),
+        "--max_total_token_num",
+        "2048",
+        "--enable_multimodal",
+        "--cache_capacity",
+        "2",
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -41,8 +48,11 @@ def server(tmp_path_factory):
 
 
 def ask(server, *images: str, **parameters) -> httpx.Response:
-    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 8, "return_details": True, **parameters},
-            "multimodal_params": {"images": [{"type": "base64", "data": im} for im in images]}}
+    body = {
+        "inputs": PROMPT,
+        "parameters": {"max_new_tokens": 8, "return_details": True, **parameters},
+        "multimodal_params": {"images": [{"type": "base64", "data": im} for im in images]},
+    }
     return httpx.post(server.url + "/generate", json=body, timeout=120)
 
 

@@ -30,8 +30,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server(e2e_model_dir, tmp_path_factory):
-    srv = ServerProcess(e2e_model_dir, str(tmp_path_factory.mktemp("log") / "server.log"),
-                        "--max_total_token_num", str(KV_SLOTS))
+    srv = ServerProcess(
+        e2e_model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num", str(KV_SLOTS)
+    )
     try:
         srv.wait_healthy()
         yield srv
@@ -73,9 +74,15 @@ def test_health_and_metrics(server):
     assert httpx.get(server.url + "/health").status_code == 200
     m = server.metrics()
     assert m["mmserve_kv_tokens_total"] == KV_SLOTS
-    for name in ("mmserve_requests_total", "mmserve_requests_running", "mmserve_requests_waiting",
-                 "mmserve_kv_tokens_used", "mmserve_generated_tokens_total",
-                 "mmserve_time_to_first_token_seconds_count", "mmserve_time_per_output_token_seconds_count"):
+    for name in (
+        "mmserve_requests_total",
+        "mmserve_requests_running",
+        "mmserve_requests_waiting",
+        "mmserve_kv_tokens_used",
+        "mmserve_generated_tokens_total",
+        "mmserve_time_to_first_token_seconds_count",
+        "mmserve_time_per_output_token_seconds_count",
+    ):
         assert name in m
 
 
@@ -88,7 +95,7 @@ def test_greedy_generate_equals_engine_and_hf(server, llm, e2e_model_dir, tokeni
         assert out["prompt_tokens"] == len(prompt_ids)
         assert ids == llm.generate([prompt], SamplingParams(max_new_tokens=24))[0].token_ids
         with torch.no_grad():
-            hf_ids = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)[0, len(prompt_ids):]
+            hf_ids = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)[0, len(prompt_ids) :]
         assert ids == hf_ids.tolist()
         assert out["generated_text"] == [tokenizer.decode(ids, **DECODE_KWARGS)]
         assert out["count_output_tokens"] == len(ids)
@@ -97,13 +104,19 @@ def test_greedy_generate_equals_engine_and_hf(server, llm, e2e_model_dir, tokeni
 
 def test_32_concurrent_requests_all_correct(server, llm):
     cases = [(PROMPTS[i % len(PROMPTS)], 6 + 3 * (i % 5)) for i in range(32)]
-    expected = llm.generate([p for p, _ in cases],
-                            [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in cases])
+    expected = llm.generate(
+        [p for p, _ in cases], [SamplingParams(max_new_tokens=n, ignore_eos=True) for _, n in cases]
+    )
 
     async def run_all():
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-            reqs = [client.post(server.url + "/generate", json={"inputs": p, "parameters": {
-                "max_new_tokens": n, "ignore_eos": True, "return_details": True}}) for p, n in cases]
+            reqs = [
+                client.post(
+                    server.url + "/generate",
+                    json={"inputs": p, "parameters": {"max_new_tokens": n, "ignore_eos": True, "return_details": True}},
+                )
+                for p, n in cases
+            ]
             return await asyncio.gather(*reqs)
 
     before = server.metrics()["mmserve_requests_total"]
@@ -174,7 +187,8 @@ def test_generate_disconnect_frees_slots(server):
     async def start_then_leave():
         async with httpx.AsyncClient(timeout=60) as client:
             task = asyncio.create_task(
-                client.post(server.url + "/generate", json={"inputs": PROMPTS[2], "parameters": LONG}))
+                client.post(server.url + "/generate", json={"inputs": PROMPTS[2], "parameters": LONG})
+            )
             await asyncio.to_thread(server.wait_metric, "mmserve_kv_tokens_used", lambda v: v > 0)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -204,8 +218,10 @@ BAD_REQUESTS = [
     ({"inputs": "x", "parameters": {"seed": -5}}, "parameters.seed"),
     ({"inputs": "x", "parameters": {"repetition_penalty": 0}}, "parameters.repetition_penalty"),
     ({"inputs": "word " * 2000}, "inputs"),
-    ({"inputs": "x", "multimodal_params": {"images": [{"type": "url", "data": "http://x/a.png"}]}},
-     "multimodal_params.images"),
+    (
+        {"inputs": "x", "multimodal_params": {"images": [{"type": "url", "data": "http://x/a.png"}]}},
+        "multimodal_params.images",
+    ),
     ({"inputs": "x", "multimodal_params": {"videos": []}}, "multimodal_params.videos"),
 ]
 
@@ -247,8 +263,13 @@ def test_router_never_over_admits(server, llm, tokenizer):
 
         watcher = asyncio.create_task(watch())
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=32)) as client:
-            reqs = [client.post(server.url + "/generate", json={"inputs": p, "parameters": {
-                "max_new_tokens": 100, "ignore_eos": True}}) for p in prompts]
+            reqs = [
+                client.post(
+                    server.url + "/generate",
+                    json={"inputs": p, "parameters": {"max_new_tokens": 100, "ignore_eos": True}},
+                )
+                for p in prompts
+            ]
             responses = await asyncio.gather(*reqs)
         watcher.cancel()
         return responses
@@ -265,8 +286,16 @@ def test_router_never_over_admits(server, llm, tokenizer):
 
 
 def test_seeded_sampling_is_reproducible(server):
-    params = {"do_sample": True, "temperature": 1.5, "top_k": 50, "top_p": 0.95, "seed": 7, "max_new_tokens": 16,
-              "ignore_eos": True, "return_details": True}
+    params = {
+        "do_sample": True,
+        "temperature": 1.5,
+        "top_k": 50,
+        "top_p": 0.95,
+        "seed": 7,
+        "max_new_tokens": 16,
+        "ignore_eos": True,
+        "return_details": True,
+    }
     first, again = generate(server, PROMPTS[0], **params), generate(server, PROMPTS[0], **params)
     greedy = generate(server, PROMPTS[0], max_new_tokens=16, ignore_eos=True, return_details=True)
     assert [t["id"] for t in first["tokens"]] == [t["id"] for t in again["tokens"]]

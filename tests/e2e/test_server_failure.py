@@ -70,8 +70,9 @@ def test_dead_child_fails_requests_and_stops_the_server(e2e_model_dir, tmp_path,
 def test_sigint_stops_every_process(e2e_model_dir, tmp_path):
     srv = start(e2e_model_dir, tmp_path)
     assert len(srv.children) >= 2
-    assert httpx.post(srv.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code \
-        == 200
+    assert (
+        httpx.post(srv.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    )
     assert srv.stop(signal.SIGINT) == 0
     assert srv.leftover_children() == []
     assert "Traceback" not in srv.log()

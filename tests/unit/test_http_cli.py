@@ -10,8 +10,10 @@ import pytest
 from mmserve.cli import parse_config
 
 # from ../shared/notes/clients.md, with our module name
-QWEN_VL_LINE = ("--host 0.0.0.0 --port 8080 --tp 1 --max_total_token_num 12000 --trust_remote_code "
-                "--enable_multimodal --cache_capacity 1000 --model_dir /path/of/Qwen-VL-Chat")
+QWEN_VL_LINE = (
+    "--host 0.0.0.0 --port 8080 --tp 1 --max_total_token_num 12000 --trust_remote_code "
+    "--enable_multimodal --cache_capacity 1000 --model_dir /path/of/Qwen-VL-Chat"
+)
 LLAMA_LINE = "--model_dir /path/llama-7B --host 0.0.0.0 --port 8080 --tp 1 --mem_fraction 0.9"
 
 
@@ -26,16 +28,18 @@ def test_lightllm_launch_lines():
 
 
 def test_engine_config_from_server_config():
-    cfg = parse_config(shlex.split(LLAMA_LINE + " --data_type bf16 --eos_id 2 7 --running_max_req_size 8 "
-                                   "--max_req_total_len 2048"))
+    cfg = parse_config(
+        shlex.split(LLAMA_LINE + " --data_type bf16 --eos_id 2 7 --running_max_req_size 8 --max_req_total_len 2048")
+    )
     eng = cfg.engine_config()
     assert eng.model_dir == "/path/llama-7B" and eng.dtype == "bfloat16" and eng.eos_id == (2, 7)
     assert eng.max_total_token_num is None and eng.mem_fraction == 0.9
     assert eng.running_max_req_size == 8 and eng.max_req_total_len == 2048
 
 
-@pytest.mark.parametrize("flags", ["--tp 2", "--mem_fraction 0", "--max_total_token_num 0", "--data_type int4",
-                                   "--port 0"])
+@pytest.mark.parametrize(
+    "flags", ["--tp 2", "--mem_fraction 0", "--max_total_token_num 0", "--data_type int4", "--port 0"]
+)
 def test_bad_flags_exit_with_a_message(flags, capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(shlex.split(flags))

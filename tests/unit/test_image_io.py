@@ -172,8 +172,22 @@ def test_every_redirect_hop_is_checked(server, monkeypatch):
         load_image({"type": "url", "data": server + "/to-other-host"})
 
 
-@pytest.mark.parametrize("addr", ["127.0.0.1", "10.1.2.3", "192.168.0.1", "169.254.169.254", "224.0.0.1", "0.0.0.0",
-                                  "::1", "fe80::1", "::ffff:127.0.0.1", "240.0.0.1", "100.64.0.1"])
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "127.0.0.1",
+        "10.1.2.3",
+        "192.168.0.1",
+        "169.254.169.254",
+        "224.0.0.1",
+        "0.0.0.0",
+        "::1",
+        "fe80::1",
+        "::ffff:127.0.0.1",
+        "240.0.0.1",
+        "100.64.0.1",
+    ],
+)
 def test_non_public_addresses(addr):
     import ipaddress
 
