@@ -17,15 +17,26 @@ def future_slots(req: Request) -> tuple[int, int]:
     return held, req.prompt_len + req.params.max_new_tokens - 1 - held
 
 
-def projected_peak(reqs: list[Request]) -> int:
-    """Peak total slots if all `reqs` decode to their limit: sorted by remaining growth (longest first), the batch
-    peaks just before the i-th request finishes, holding the first i requests' tokens plus i x its remaining."""
-    usage = sorted((future_slots(r) for r in reqs), key=lambda hr: -hr[1])
+def lockstep_peak(usage: list[tuple[int, int]]) -> int:
+    """Peak total slots of (held, remaining) requests that all add one slot per step until done: sorted by
+    remaining (longest first), the batch peaks just before the i-th request finishes, holding the first i requests'
+    slots plus i x its remaining."""
     peak, held_sum = 0, 0
-    for i, (held, remaining) in enumerate(usage, start=1):
+    for i, (held, remaining) in enumerate(sorted(usage, key=lambda hr: -hr[1]), start=1):
         held_sum += held
         peak = max(peak, held_sum + remaining * i)
     return peak
+
+
+def projected_peak(running: list[Request], admitted: list[Request]) -> int:
+    """Peak slots if `admitted` join `running` this step and every request decodes to its limit. This step the
+    running requests store one more token each while the admitted ones store their prompts, so the two groups are a
+    step apart: count this step's total, then project the survivors in lockstep from their state after it."""
+    run = [future_slots(r) for r in running]
+    new = [future_slots(r) for r in admitted]
+    now = sum(held + 1 for held, _ in run) + sum(held for held, _ in new)
+    later = [(held + 1, rem - 1) for held, rem in run if rem > 1] + [(held, rem) for held, rem in new if rem > 0]
+    return max(now, lockstep_peak(later))
 
 
 @dataclass
@@ -46,7 +57,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def can_ever_fit(self, req: Request) -> bool:
-        return projected_peak([req]) <= self.max_total_tokens
+        return projected_peak([], [req]) <= self.max_total_tokens
 
     def schedule(self, has_free_row) -> ScheduleResult:
         """Admit waiting requests in arrival order while the projected peak fits; decode every running request."""
@@ -57,7 +68,7 @@ class Scheduler:
             cand = self.waiting[0]
             if admitted and prefill_tokens + cand.prompt_len > self.max_prefill_tokens:
                 break
-            if projected_peak(self.running + admitted + [cand]) > self.max_total_tokens:
+            if projected_peak(self.running, admitted + [cand]) > self.max_total_tokens:
                 break  # FIFO: later requests wait behind it rather than starve it
             admitted.append(self.waiting.popleft())
             prefill_tokens += cand.prompt_len

@@ -4,30 +4,62 @@ import random
 
 from language.request import Request
 from language.sampling_params import SamplingParams
-from language.scheduler import Scheduler, projected_peak
+from language.scheduler import Scheduler, future_slots, projected_peak
 
 
 def _req(i: int, prompt: int, new: int) -> Request:
     return Request(f"r{i}", [1] * prompt, SamplingParams(max_new_tokens=new))
 
 
+def _simulate_peak(running: list[Request], admitted: list[Request]) -> int:
+    """Step by step, as the engine allocates: this step each running request stores one token and each admitted one
+    its prompt; afterwards every live request stores one token per step; a request frees all its slots once its
+    last token is sampled (max_new_tokens reached)."""
+    live = {}  # rid -> [slots held, slots still to add]
+    total = 0
+    for r in running:
+        held, rem = future_slots(r)
+        live[r.rid] = [held + 1, rem - 1]
+        total += held + 1
+    for r in admitted:
+        held, rem = future_slots(r)
+        live[r.rid] = [held, rem]
+        total += held
+    peak = total
+    while live:
+        for rid in [rid for rid, (_, rem) in live.items() if rem == 0]:
+            total -= live.pop(rid)[0]
+        for state in live.values():
+            state[0] += 1
+            state[1] -= 1
+            total += 1
+        peak = max(peak, total)
+    return peak
+
+
+def _running(i: int, prompt: int, new: int, done: int) -> Request:
+    r = _req(i, prompt, new)
+    r.output_ids = [0] * done  # `done` tokens sampled so far (1 after prefill)
+    return r
+
+
 def test_projected_peak_matches_simulation():
     rng = random.Random(1)
-    for _ in range(200):
-        reqs = [_req(i, rng.randint(1, 50), rng.randint(1, 60)) for i in range(rng.randint(1, 8))]
-        # simulate: after admission each request holds prompt_len slots, then one more per step until done
-        held = {r.rid: r.prompt_len for r in reqs}
-        left = {r.rid: r.params.max_new_tokens - 1 for r in reqs}
-        peak = sum(held.values())
-        while any(left.values()):
-            for rid in list(left):
-                if left[rid] == 0:
-                    held.pop(rid, None)
-                    continue
-                held[rid] += 1
-                left[rid] -= 1
-            peak = max(peak, sum(held.values()))
-        assert projected_peak(reqs) == peak
+    for _ in range(500):
+        running = []
+        for i in range(rng.randint(0, 6)):
+            new = rng.randint(2, 60)
+            running.append(_running(i, rng.randint(1, 50), new, rng.randint(1, new - 1)))
+        admitted = [_req(100 + i, rng.randint(1, 50), rng.randint(1, 60)) for i in range(rng.randint(0, 4))]
+        if running or admitted:
+            assert projected_peak(running, admitted) == _simulate_peak(running, admitted)
+
+
+def test_new_requests_lag_running_ones_by_a_step():
+    """The case that once over-admitted: running requests advance in the admission step, new ones only prefill."""
+    running = [_running(0, 9, 34, 28), _running(1, 27, 2, 1)]  # (held 36, 6 left) and (27, 1 left)
+    admitted = [_req(2, 3, 37), _req(3, 14, 23)]
+    assert projected_peak(running, admitted) == _simulate_peak(running, admitted)
 
 
 def test_never_over_admits_under_pressure():
