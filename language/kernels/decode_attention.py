@@ -11,12 +11,11 @@ import triton.language as tl
 
 from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision, load_rows
 from language.kernels.launch_utils import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     cdiv,
+    check_attention_operands,
     check_device,
     check_dtype,
-    check_inner_contiguous,
     check_out,
     check_shape,
     interpreting,
@@ -172,23 +171,11 @@ def decode_attention(
     device = check_device(
         q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, b_req_idx=b_req_idx, b_seq_len=b_seq_len
     )
-    check_dtype("q", q, FLOAT_DTYPES)
-    check_shape("q", q, (None, None, None))
-    batch, num_heads, head_dim = q.shape
-    check_shape("k_cache", k_cache, (None, None, head_dim))
-    num_kv_heads = k_cache.shape[1]
-    check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    assert k_cache.dtype == v_cache.dtype == q.dtype, (
-        f"q, k_cache, v_cache must share a dtype (got {q.dtype}, {k_cache.dtype}, {v_cache.dtype})"
-    )
-    assert num_heads % num_kv_heads == 0, f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
-    check_shape("req_to_token", req_to_token, (None, None))
-    check_dtype("req_to_token", req_to_token, INDEX_DTYPES)
+    num_heads, num_kv_heads, head_dim = check_attention_operands(q, k_cache, v_cache, req_to_token)
+    batch = q.shape[0]
     for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
         check_dtype(name, t, INDEX_DTYPES)
         check_shape(name, t, (batch,))
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("req_to_token", req_to_token)):
-        check_inner_contiguous(name, t)
     if max_seq_len is None:
         max_seq_len = req_to_token.shape[1]
     assert max_seq_len >= 1, f"max_seq_len must be positive, got {max_seq_len}"

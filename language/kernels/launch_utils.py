@@ -52,6 +52,29 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
     assert out.is_contiguous(), "out: must be contiguous"
 
 
+def check_attention_operands(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_token: torch.Tensor
+) -> tuple[int, int, int]:
+    """The checks both attention launchers share: q [*, Hq, D] and K/V caches [S, Hk, D] of one float dtype with
+    Hq a multiple of Hk, an integer slot table [R, L], rows read as contiguous. Returns (Hq, Hk, D)."""
+    check_dtype("q", q, FLOAT_DTYPES)
+    check_shape("q", q, (None, None, None))
+    _, num_heads, head_dim = q.shape
+    assert head_dim >= 1, "empty head dim"
+    check_shape("k_cache", k_cache, (None, None, head_dim))
+    num_kv_heads = k_cache.shape[1]
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    assert k_cache.dtype == v_cache.dtype == q.dtype, (
+        f"q, k_cache, v_cache must share a dtype (got {q.dtype}, {k_cache.dtype}, {v_cache.dtype})"
+    )
+    assert num_heads % num_kv_heads == 0, f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
+    check_shape("req_to_token", req_to_token, (None, None))
+    check_dtype("req_to_token", req_to_token, INDEX_DTYPES)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("req_to_token", req_to_token)):
+        check_inner_contiguous(name, t)
+    return num_heads, num_kv_heads, head_dim
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil division (triton.cdiv is a jit function: slow to call from Python on every launch)."""
     return -(-a // b)
