@@ -39,8 +39,6 @@ class TokenizedRequest:
     # When True the router holds the request back (it counts as waiting) until an ImagesReady for this rid arrives,
     # because the visual process is still writing its embeddings into the cache.
     wait_for_images: bool = False
-    positions: list[list[int]] | None = None  # M-RoPE positions [3][prompt_len] as plain lists; None: 0..L-1
-    position_delta: int = 0
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,8 @@ class Router:
             if self._embed_reader is None:
                 raise ValueError("this server has no image support (start it with --enable_multimodal)")
             items = [MultimodalItem(r.offset, self._embed_reader(r), r.key, r.grid_thw) for r in msg.images]
-        positions = torch.tensor(msg.positions, dtype=torch.long) if msg.positions is not None else None
-        return Request(msg.rid, list(msg.prompt_ids), msg.params, items, positions, msg.position_delta)
+        # Families with multi-axis positions (Qwen2-VL) derive them from the prompt and the image grids in the engine.
+        return Request(msg.rid, list(msg.prompt_ids), msg.params, items)
 
     def _reject(self, rid: str, prompt_tokens: int, error: str) -> None:
         self._own_outputs.append(TokenOutput(rid, [], [], True, "error", prompt_tokens, 0, error=error))

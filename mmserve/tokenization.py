@@ -28,8 +28,6 @@ class PreparedPrompt:
     prompt_ids: list[int]
     images: tuple[ImageRef, ...] = ()
     wait_for_images: bool = False
-    positions: list[list[int]] | None = None
-    position_delta: int = 0
 
 
 RunSync = Callable[..., Awaitable]  # run_sync(fn, *args): fn(*args) in the tokenizer thread pool
@@ -80,8 +78,6 @@ class RequestPreparer:
             params=params,
             images=prepared.images,
             wait_for_images=prepared.wait_for_images,
-            positions=prepared.positions,
-            position_delta=prepared.position_delta,
         )
 
     def release(self, rid: str) -> None:

@@ -61,11 +61,7 @@ class MultimodalPreparer:
             ImageRef(key, offset, n, mm_prompt.grid_thw[i] if mm_prompt.grid_thw else None)
             for i, (key, offset, n) in enumerate(zip(keys, mm_prompt.offsets, mm_prompt.num_tokens, strict=True))
         )
-        positions = mm_prompt.extra.get("positions")
-        if positions is not None and hasattr(positions, "tolist"):
-            positions = positions.tolist()
-        delta = int(mm_prompt.extra.get("position_delta", 0))
-        return PreparedPrompt(mm_prompt.token_ids, refs, False, positions, delta)  # images are ready: no wait
+        return PreparedPrompt(mm_prompt.token_ids, refs, False)  # images are ready: no wait
 
     def release(self, rid: str) -> None:
         entries = self._held.pop(rid, None)

@@ -23,7 +23,6 @@ class MultimodalPrompt:
     offsets: list[int]  # per image: index in token_ids of its first placeholder token
     num_tokens: list[int]  # per image: placeholder tokens (= embedding rows)
     grid_thw: list[tuple[int, int, int] | None] = field(default_factory=list)  # per image (Qwen2-VL), else empty
-    extra: dict = field(default_factory=dict)  # family-specific (e.g. M-RoPE positions)
 
 
 class PromptProcessor(Protocol):

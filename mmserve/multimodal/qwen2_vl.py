@@ -6,7 +6,6 @@ from __future__ import annotations
 from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from language.models.qwen2_vl_positions import mrope_positions
 from mmserve.multimodal.prompt import MultimodalPrompt, check_image_count, register_prompt_processor
 
 IMAGE_PAD = "<|image_pad|>"
@@ -68,13 +67,5 @@ class Qwen2VLPromptProcessor:
             token_ids += [self.image_token_id] * count
             prev = pad + 1
         token_ids += ids[prev:]
-        positions, delta = mrope_positions(
-            token_ids, grids, self.image_token_id, self.vision_start_token_id, self.merge_size
-        )
-        return MultimodalPrompt(
-            token_ids=token_ids,
-            offsets=offsets,
-            num_tokens=counts,
-            grid_thw=grids,
-            extra={"positions": positions.tolist(), "position_delta": delta},
-        )
+        # The grids travel with the image references; the engine derives the M-RoPE positions from them.
+        return MultimodalPrompt(token_ids=token_ids, offsets=offsets, num_tokens=counts, grid_thw=grids)

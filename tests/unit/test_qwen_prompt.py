@@ -1,4 +1,4 @@
-"""Qwen-family prompt processors: Qwen2-VL expansion equals transformers' Qwen2VLProcessor, with M-RoPE positions;
+"""Qwen-family prompt processors: Qwen2-VL expansion equals transformers' Qwen2VLProcessor, with the grids M-RoPE needs;
 Qwen-VL `<img>...</img>` spans become <img> + 256 <imgpad> + </img>, images resolved from the tags."""
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def test_qwen2_vl_matches_hf_processor(qwen2_vl_dir: str, prompt: str, sizes: li
         window = ours.token_ids[offset - 1 : offset + count + 1]
         assert window == [proc.vision_start_token_id] + [proc.image_token_id] * count + [window[-1]]
         assert window[-1] == tokenizer.convert_tokens_to_ids("<|vision_end|>")
-    positions, delta = mrope_positions(ours.token_ids, grids, proc.image_token_id, proc.vision_start_token_id)
-    assert ours.extra == {"positions": positions.tolist(), "position_delta": delta}
+    # What the engine derives M-RoPE positions from: each image run right after its vision start, one grid each.
+    positions, _ = mrope_positions(ours.token_ids, ours.grid_thw, proc.image_token_id, proc.vision_start_token_id)
+    assert positions.shape == (3, len(ours.token_ids))
 
 
 def test_qwen2_vl_count_mismatch(qwen2_vl_dir: str) -> None:
