@@ -1,6 +1,10 @@
 """The visual process's work, as a class the tests drive in-process: take encode jobs, preprocess them in the pool,
 run ready images through the vision model in batches, write the embeddings into the shared-memory cache, and report
-each key as done or failed."""
+each key as done or failed.
+
+A batch's embeddings leave the GPU in one asynchronous copy into a pinned host buffer (one sync for the batch, at
+full bus speed), and are then copied into their shared-memory segments on the CPU. Writing GPU tensors into the
+segments directly would be one synchronous, pageable copy per image."""
 
 from __future__ import annotations
 
@@ -9,11 +13,15 @@ import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
+import torch
+
 from cache.shm_store import write_embedding
 from mmserve.multimodal.image_io import BadImage
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualResult
 from visual.models.base import ImageInput
 from visual.preprocess import PreprocessPool
+from visual.staging import HostStaging
+from visual.stats import VisionStats
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +33,13 @@ class VisualEncoder:
         self.shm_prefix = shm_prefix
         self.max_batch = max_batch
         self._preprocessing: deque[tuple[str, Future[ImageInput]]] = deque()  # in arrival order
+        self._arrived: dict[str, float] = {}  # key -> perf_counter() at submit, for the latency figure
+        self._embeds = HostStaging()  # pinned on CUDA: the batch's embeddings on their way to shared memory
+        self.stats = VisionStats()
         self.images_encoded = 0
 
     def submit(self, job: EncodeJob) -> None:
+        self._arrived[job.key] = time.perf_counter()
         self._preprocessing.append((job.key, self.pool.submit(job.data)))
 
     def has_work(self) -> bool:
@@ -46,6 +58,8 @@ class VisualEncoder:
             if not fut.done() or len(batch) >= self.max_batch:
                 waiting.append((key, fut))
             elif (err := fut.exception()) is not None:
+                self._arrived.pop(key, None)
+                self.stats.failed += 1
                 results.append(EncodeFailed(key, str(err), bad_image=isinstance(err, BadImage)))
             else:
                 batch.append((key, fut.result()))
@@ -56,18 +70,69 @@ class VisualEncoder:
 
     def _encode(self, batch: list[tuple[str, ImageInput]]) -> list[VisualResult]:
         start = time.perf_counter()
+        arrived = [self._arrived.pop(key, start) for key, _ in batch]
         try:
             embeds = self.model.encode([image for _, image in batch])  # each [num_tokens, hidden] on the device
-            for (key, image), emb in zip(batch, embeds, strict=True):
+            for (_, image), emb in zip(batch, embeds, strict=True):
                 if emb.shape[0] != image.num_tokens:
                     raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
-                write_embedding(self.shm_prefix, key, emb)  # device -> shm: synchronous
+            host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
+            encoded = time.perf_counter()
+            for (key, _), emb in zip(batch, host, strict=True):
+                write_embedding(self.shm_prefix, key, emb)  # host -> shm: a memcpy
         except Exception as e:  # the model or the shared memory failed: these keys fail, the process goes on
             logger.exception("encoding %d images failed", len(batch))
+            self.stats.failed += len(batch)
             return [EncodeFailed(key, f"{type(e).__name__}: {e}", bad_image=False) for key, _ in batch]
+        done = time.perf_counter()
         self.images_encoded += len(batch)
-        logger.debug("encoded %d images in %.1f ms", len(batch), 1e3 * (time.perf_counter() - start))
+        self.stats.add_batch(
+            tower_s=encoded - start,
+            write_s=done - encoded,
+            decode_s=sum(im.decode_s for _, im in batch),
+            preprocess_s=sum(im.preprocess_s for _, im in batch),
+            latency_s=sum(done - t for t in arrived),
+            images=len(batch),
+        )
         return [EncodeDone(key, image.num_tokens) for key, image in batch]
+
+    def _to_host(self, embeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device embeddings -> host tensors: one non-blocking copy into the pinned staging buffer when they are
+        consecutive pieces of one tensor (what every family returns), then one wait for the batch."""
+        first = embeds[0]
+        if first.device.type == "cpu":
+            return embeds
+        rows = [e.shape[0] for e in embeds]
+        staging = self._embeds.take((sum(rows), *first.shape[1:]), first.dtype, first.device)  # [tokens, hidden]
+        packed = consecutive_view(embeds)
+        if packed is not None:
+            staging.copy_(packed, non_blocking=True)
+        else:  # separate tensors: still no sync in between
+            for dst, src in zip(torch.split(staging, rows), embeds, strict=True):
+                dst.copy_(src, non_blocking=True)
+        self._embeds.fence(first.device)
+        self._embeds.wait()
+        return list(torch.split(staging, rows))
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+
+
+def consecutive_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [sum of rows, ...] view over `parts` if they lie back to back in one storage (e.g. the pieces of
+    `torch.split` or `unbind(0)` of a contiguous tensor), else None."""
+    first = parts[0]
+    storage = first.untyped_storage().data_ptr()
+    expected = first.data_ptr()
+    for p in parts:
+        if (
+            not p.is_contiguous()
+            or p.dtype != first.dtype
+            or p.shape[1:] != first.shape[1:]
+            or p.untyped_storage().data_ptr() != storage
+            or p.data_ptr() != expected
+        ):
+            return None
+        expected += p.numel() * p.element_size()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())

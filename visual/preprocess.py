@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -42,8 +43,12 @@ def _init_worker(preprocessor: Preprocessor) -> None:
 
 def decode_and_preprocess(data: bytes, preprocessor: Preprocessor | None = None) -> ImageInput:
     """Image file bytes -> the model's input. Raises BadImage if the bytes do not decode."""
+    start = time.perf_counter()
     image = open_image(data, MAX_PIXELS)
-    return (preprocessor or _worker_preprocessor)(image)
+    decoded = time.perf_counter()
+    out = (preprocessor or _worker_preprocessor)(image)
+    out.decode_s, out.preprocess_s = decoded - start, time.perf_counter() - decoded
+    return out
 
 
 class PreprocessPool:

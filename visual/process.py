@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500
 _BUSY_WAIT_S = 0.005  # while images are preprocessing: how long a step waits before checking the socket again
+_STATS_LOG_S = 5.0  # how often a busy visual process logs its per-phase timing (as the router logs throughput)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
 
 
 def serve(encoder: VisualEncoder, jobs: zmq.Socket, results: zmq.Socket, alive) -> None:
+    last_log, logged = time.monotonic(), encoder.stats.copy()
     while alive():
         if jobs.poll(0 if encoder.has_work() else _IDLE_POLL_MS):
             while True:
@@ -82,6 +85,11 @@ def serve(encoder: VisualEncoder, jobs: zmq.Socket, results: zmq.Socket, alive) 
                 encoder.submit(job)
         for result in encoder.step(_BUSY_WAIT_S):
             results.send(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        now = time.monotonic()
+        if now - last_log >= _STATS_LOG_S:
+            if encoder.stats != logged:  # quiet while idle
+                logger.info("%s", encoder.stats.summary(logged, now - last_log))
+            last_log, logged = now, encoder.stats.copy()
 
 
 def run_visual_process(cfg: VisualProcessConfig, ready: Connection) -> None:

@@ -11,12 +11,15 @@ from PIL import Image
 
 from cache.shm_store import list_segments, new_prefix, read_embedding, unlink_all
 from mmserve.checkpoints.llava import build_llava_hf
+from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
 from mmserve.processes import spawn_child, stop_children, wait_ready
-from visual.encoder import VisualEncoder
+from visual.encoder import VisualEncoder, consecutive_view
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.llava import LlavaVisionModel
+from visual.models.qwen2_vl import Qwen2VLVisionModel
 from visual.preprocess import PreprocessPool
 from visual.process import VisualProcessConfig, run_visual_process
+from visual.stats import VisionStats, parse_stats_line
 
 CPU = torch.device("cpu")
 
@@ -62,9 +65,55 @@ def test_encoder_steps_write_the_cache(model_dir, prefix, workers):
     assert sorted(done) == ["a", "b", "c"] and all(r.num_tokens == 16 for r in done.values())
     assert [f.key for f in failed] == ["bad"] and failed[0].bad_image and "not a readable image" in failed[0].error
     assert encoder.images_encoded == 3
+    stats = encoder.stats
+    assert (stats.images, stats.failed) == (3, 1) and 2 <= stats.batches <= 3  # max_batch=2
+    assert stats.decode_s > 0 and stats.preprocess_s > 0 and stats.tower_s > 0 and stats.write_s > 0
+    assert stats.latency_s >= stats.tower_s + stats.write_s  # each image waited at least for its own batch
     for key, data in images.items():
         torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data))
     assert len(list_segments(prefix)) == 3
+
+
+def test_qwen2_vl_batches_of_different_grids(prefix, tmp_path):
+    """Variable-size images packed in one batch land in their own segments, equal to encoding each alone."""
+    model = Qwen2VLVisionModel.from_pretrained(build_qwen2_vl(str(tmp_path)), CPU, torch.float32)
+    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4)
+    images = {"a": png(150, 100, 0), "b": png(60, 200, 1), "c": png(333, 77, 2), "d": png(56, 56, 3)}
+    for key, data in images.items():
+        encoder.submit(EncodeJob(key, data))
+    results = []
+    while encoder.has_work():
+        results += encoder.step(timeout_s=30)
+    encoder.shutdown()
+    assert sorted(r.key for r in results if isinstance(r, EncodeDone)) == sorted(images)
+    for key, data in images.items():
+        torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data), rtol=1e-5, atol=1e-5)
+
+
+def test_consecutive_view():
+    flat = torch.arange(24.0).view(12, 2)
+    parts = list(torch.split(flat, [3, 5, 4]))
+    view = consecutive_view(parts)
+    assert view is not None and view.data_ptr() == flat.data_ptr() and torch.equal(view, flat)
+    stacked = torch.arange(24.0).view(3, 4, 2)
+    assert torch.equal(consecutive_view(list(stacked.unbind(0))), stacked.view(12, 2))
+    assert consecutive_view([parts[0], parts[2]]) is None  # a gap
+    assert consecutive_view([parts[1], parts[0]]) is None  # out of order
+    assert consecutive_view([torch.zeros(2, 2), torch.zeros(2, 2)]) is None  # separate storages
+
+
+def test_stats_line_round_trip():
+    stats = VisionStats()
+    before = stats.copy()
+    stats.add_batch(tower_s=0.1, write_s=0.02, decode_s=0.03, preprocess_s=0.05, latency_s=0.8, images=4)
+    stats.add_batch(tower_s=0.3, write_s=0.02, decode_s=0.01, preprocess_s=0.03, latency_s=0.4, images=2)
+    line = "2024-01-01 INFO visual: " + stats.summary(before, elapsed_s=2.0)
+    fields = parse_stats_line(line)
+    assert fields == {
+        "images": 6, "batches": 2, "images_per_batch": 3.0, "images_per_s": 3.0, "decode_ms": 6.7,
+        "preprocess_ms": 13.3, "latency_ms": 200.0, "tower_ms": 200.0, "write_ms": 20.0, "busy": 0.22, "failed": 0,
+    }  # fmt: skip
+    assert parse_stats_line("router: 12 steps") is None
 
 
 def test_visual_process_over_zmq_and_cleanup_after_kill(model_dir, prefix, tmp_path):

@@ -13,7 +13,9 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from visual.models.base import ImageInput, register_vision_model
+from visual.models.packed_attention import pack_index, use_packed_attention
 from visual.models.weights import load_prefixed_tensors
+from visual.staging import HostStaging
 
 # Published checkpoints name the tower `visual.*`; transformers >= 4.52 saves it as `model.visual.*`.
 VISION_PREFIXES = ("visual.", "model.visual.")
@@ -45,11 +47,13 @@ class Qwen2VLVisionModel:
         cache_salt: str,
     ) -> None:
         self.tower = tower.eval()
+        use_packed_attention(self.tower)  # the whole batch in one varlen attention call per block
         self.processor = processor
         self.cache_salt = cache_salt
         self.hidden_size: int = tower.config.hidden_size
         self.merge_size: int = tower.config.spatial_merge_size
         self._preprocessor = Qwen2VLPreprocessor(processor, self.merge_size)
+        self._pixels = HostStaging()  # pinned (on CUDA) host buffer the batch's pixels are gathered into
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> Qwen2VLVisionModel:
@@ -95,8 +99,17 @@ class Qwen2VLVisionModel:
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         device, dtype = self.tower.get_device(), self.tower.get_dtype()
-        pixels = torch.cat([im.pixel_values for im in images]).to(device=device, dtype=dtype)  # [patches, C*T*P*P]
-        grid_thw = torch.tensor([im.grid_thw for im in images], dtype=torch.long, device=device)  # [images, 3]
-        # One call for the batch: the tower separates images by their cumulative patch counts.
-        merged = self.tower(pixels, grid_thw=grid_thw).pooler_output  # [sum of tokens, hidden]
+        grids = [im.grid_thw for im in images]
+        index = pack_index(grids, self.merge_size)  # on the host: no per-image device work, no sync
+        # One gather into a (pinned) host buffer, one asynchronous upload, the cast on the device.
+        host = self._pixels.cat([im.pixel_values for im in images], device)  # [patches, C*T*P*P]
+        pixels = host.to(device, non_blocking=True).to(dtype)
+        self._pixels.fence(device)  # the next batch's gather waits for this upload
+        merged = self.tower(
+            pixels,
+            grid_thw=torch.tensor(grids),  # [images, 3]; unused by the tower when the index below is given
+            cu_seqlens=index.cu_seqlens.to(device, non_blocking=True),
+            max_seqlen=index.max_seqlen,
+            position_ids=index.position_ids.to(device, non_blocking=True),
+        ).pooler_output  # [sum of tokens, hidden]
         return list(torch.split(merged, [im.num_tokens for im in images]))

@@ -1,0 +1,162 @@
+"""Qwen2-VL's packed vision attention: the host-built index equals transformers' own, the tower with our attention
+function equals HF's eager and sdpa towers, transformers hands it the whole batch in one call per block, and the
+varlen kernel is called right whatever its signature (checked on CPU against a reference varlen attention)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers import AttentionInterface
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from visual.models.packed_attention import (
+    ATTN_IMPLEMENTATION,
+    call_varlen,
+    can_use_varlen,
+    pack_index,
+    packed_attention_forward,
+    sdpa_per_segment,
+)
+from visual.models.qwen2_vl import Qwen2VLVisionModel
+from visual.staging import HostStaging
+
+CPU = torch.device("cpu")
+GRIDS = [(1, 4, 6), (1, 8, 8), (2, 2, 4), (1, 10, 2)]  # (t, h, w) patch grids; t=2: two frames, two segments
+SIZES = [(150, 100), (60, 200), (333, 77), (56, 56)]  # (width, height) of test images: four different grids
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+
+
+def _image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def test_pack_index_equals_transformers() -> None:
+    index = pack_index(GRIDS, merge_size=2)
+    grid = torch.tensor(GRIDS)
+    assert index.cu_seqlens.dtype == torch.int32
+    assert torch.equal(index.cu_seqlens, get_vision_cu_seqlens(grid))
+    assert index.cu_seqlens.tolist() == [0, 24, 88, 96, 104, 124]
+    assert index.max_seqlen == 64
+    assert torch.equal(index.position_ids, get_vision_position_ids(grid, 2))
+
+
+def _hf_tower(model_dir: str, attn: str) -> Qwen2VisionTransformerPretrainedModel:
+    """HF's own tower with HF's attention, loaded with the same weights as ours."""
+    ours = Qwen2VLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    config = copy.deepcopy(ours.tower.config)
+    config._attn_implementation = attn  # the tower's config names ours
+    tower = Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32)
+    tower.load_state_dict(ours.tower.state_dict())
+    return tower.eval()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_tower_equals_hf(model_dir: str, attn: str) -> None:
+    vision = Qwen2VLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    assert all(b.attn.config._attn_implementation == ATTN_IMPLEMENTATION for b in vision.tower.blocks)
+    images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
+    assert len({im.grid_thw for im in images}) == len(images)
+    ours = vision.encode(images)
+    hf = _hf_tower(model_dir, attn)
+    with torch.inference_mode():
+        pixels = torch.cat([im.pixel_values for im in images])  # [patches, C*T*P*P]
+        theirs = hf(pixels, grid_thw=torch.tensor([im.grid_thw for im in images])).pooler_output
+    torch.testing.assert_close(torch.cat(ours), theirs, rtol=1e-5, atol=1e-5)
+    assert [e.shape[0] for e in ours] == [im.num_tokens for im in images]
+
+
+def test_transformers_sends_the_whole_batch_once_per_block(model_dir: str) -> None:
+    """The design rests on transformers' dispatch: a "flash" implementation is called once per block with the packed
+    batch and its cu_seqlens (a non-flash one once per image). Watch the calls our function receives."""
+    calls: list[tuple[int, list[int], int | None]] = []
+
+    def watching(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape[2], kwargs["cu_seq_lens_q"].tolist(), kwargs.get("max_length_q")))
+        return packed_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_flash_watch", watching)
+    vision = Qwen2VLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    expected = vision.encode([vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)])
+    vision.tower.config._attn_implementation = "test_flash_watch"
+    images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
+    got = vision.encode(images)
+    index = pack_index([im.grid_thw for im in images], vision.merge_size)
+    patches = sum(im.pixel_values.shape[0] for im in images)
+    assert calls == [(patches, index.cu_seqlens.tolist(), index.max_seqlen)] * len(vision.tower.blocks)
+    torch.testing.assert_close(torch.cat(got), torch.cat(expected), rtol=0, atol=0)
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> torch.Tensor:
+    """Varlen attention from its definition, in one call: a block-diagonal mask from the segment ids."""
+    tokens = torch.arange(q.shape[0])
+    seg_q = torch.searchsorted(cu_q[1:], tokens, right=True)
+    seg_k = torch.searchsorted(cu_k[1:], tokens, right=True)
+    mask = seg_q[:, None] == seg_k[None, :]  # [tokens, tokens]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale)
+    return out.transpose(0, 1)  # [tokens, heads, head_dim]
+
+
+def varlen_torch_2_9(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """torch 2.9's signature: no scale (always 1/sqrt(head_dim)), `is_causal`."""
+    assert not is_causal
+    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+
+
+def varlen_torch_later(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                       window_size=(-1, -1)):  # fmt: skip
+    """Later signatures: keyword-only `scale` and `window_size`; may return (out, lse)."""
+    assert window_size == (-1, -1)
+    out = reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale)
+    return out, torch.zeros(out.shape[:2])
+
+
+@pytest.mark.parametrize("kernel", [varlen_torch_2_9, varlen_torch_later], ids=["torch2.9", "later"])
+@pytest.mark.parametrize("scale", [16**-0.5, 0.3], ids=["default_scale", "other_scale"])
+def test_call_varlen_adapts_to_the_signature(kernel, scale: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    cu = pack_index(GRIDS, merge_size=2).cu_seqlens
+    q, k, v = (torch.randn(int(cu[-1]), 2, 16, generator=g) for _ in range(3))  # [tokens, heads, head_dim]
+    out = call_varlen(kernel, q, k, v, cu, int((cu[1:] - cu[:-1]).max()), scale)
+    expected = sdpa_per_segment(*(t.transpose(0, 1)[None] for t in (q, k, v)), cu, scale)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    if not math.isclose(scale, 16**-0.5):  # the scale matters here, so a dropped one would fail the check above
+        default = sdpa_per_segment(*(t.transpose(0, 1)[None] for t in (q, k, v)), cu, 16**-0.5)[0]
+        assert not torch.allclose(expected, default, atol=1e-3)
+
+
+def test_varlen_only_where_flash_runs() -> None:
+    q = torch.zeros(4, 2, 16)
+    assert not can_use_varlen(q, varlen_torch_later)  # CPU
+    assert not can_use_varlen(q, None)
+    if torch.cuda.is_available():
+        assert can_use_varlen(q.cuda().half(), varlen_torch_later)
+        assert not can_use_varlen(q.cuda(), varlen_torch_later)  # fp32
+        assert not can_use_varlen(torch.zeros(4, 2, 12, device="cuda", dtype=torch.half), varlen_torch_later)
+
+
+def test_host_staging_reuses_its_buffer() -> None:
+    staging = HostStaging()
+    a = staging.take((4, 3), torch.float32, CPU)
+    b = staging.take((2, 3), torch.float32, CPU)
+    assert b.data_ptr() == a.data_ptr()  # smaller: the same memory
+    c = staging.take((64, 3), torch.bfloat16, CPU)
+    assert c.shape == (64, 3) and c.dtype == torch.bfloat16
+    parts = [torch.randn(3, 5), torch.randn(2, 5)]
+    torch.testing.assert_close(staging.cat(parts, CPU), torch.cat(parts))
+    if torch.cuda.is_available():
+        pinned = staging.cat(parts, torch.device("cuda"))
+        assert pinned.is_pinned()
+        torch.testing.assert_close(pinned, torch.cat(parts))
