@@ -1,12 +1,22 @@
-"""HF transformers `generate` on the serving benchmark's work: same checkpoint, images, prompt and token counts."""
+"""HF transformers `generate` on the serving benchmark's work: the same checkpoint, loads, prompts, images and token
+counts as `serve_bench.py` (benchmarks/loads.py builds both). The model is loaded once; each load's requests run in
+left-padded batches of `batch`, greedy, exactly `new_tokens` new tokens (EOS off).
+
+Concurrent loads report req/s and output tok/s over the whole load (HF has no streaming, so no TTFT there; TPOT is
+the batch's wall time per token). Sequential loads (one_336, ...) run batch 1: TTFT is a `generate` of one new token,
+TPOT is (full generate - TTFT) / (new_tokens - 1), medians over the repeats."""
 
 from __future__ import annotations
 
+import io
+import statistics
 import time
+from collections.abc import Iterator
 
 import torch
 from PIL import Image
 
+from benchmarks.loads import Load, RequestSpec, requests_for
 from mmserve.tokenizers import load_tokenizer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -17,85 +27,117 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _llava_inputs(model_dir: str, prompt: str, images: list[Image.Image], tokenizer):
-    from transformers import CLIPImageProcessor, LlavaForConditionalGeneration
+class HFRunner:
+    def __init__(self, family: str, model_dir: str) -> None:
+        self.family = family
+        self.tokenizer = load_tokenizer(model_dir)
+        if family == "llava":
+            from transformers import CLIPImageProcessor, LlavaForConditionalGeneration
 
-    model = (
-        LlavaForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float16 if DEVICE == "cuda" else torch.float32
-        )
-        .to(DEVICE)
-        .eval()
-    )
-    image_token = model.config.image_token_id
-    pixels = CLIPImageProcessor.from_pretrained(model_dir)(images, return_tensors="pt").pixel_values
-    num = (model.config.vision_config.image_size // model.config.vision_config.patch_size) ** 2
-    head, tail = prompt.split("<image>")
-    ids = tokenizer(head).input_ids + [image_token] * num + tokenizer(tail, add_special_tokens=False).input_ids
-    batches = [{"input_ids": torch.tensor([ids]), "pixel_values": pixels[i : i + 1]} for i in range(len(images))]
-    return model, batches
+            cls, dtype = LlavaForConditionalGeneration, torch.float16
+            self.processor = CLIPImageProcessor.from_pretrained(model_dir)
+        else:
+            from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
 
+            cls, dtype = Qwen2VLForConditionalGeneration, torch.bfloat16
+            self.processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
+        self.model = cls.from_pretrained(model_dir, dtype=dtype if DEVICE == "cuda" else torch.float32)
+        self.model = self.model.to(DEVICE).eval()
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = self.pad
 
-def _qwen2_vl_inputs(model_dir: str, prompt: str, images: list[Image.Image], tokenizer):
-    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
-
-    model = (
-        Qwen2VLForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.bfloat16 if DEVICE == "cuda" else torch.float32
-        )
-        .to(DEVICE)
-        .eval()
-    )
-    proc = Qwen2VLImageProcessor.from_pretrained(model_dir)
-    batches = []
-    for image in images:
-        out = proc([image], return_tensors="pt")
-        n = int(out.image_grid_thw.prod()) // proc.merge_size**2
-        text = prompt.replace("<|image_pad|>", "<|image_pad|>" * n)
-        batches.append(
-            {
-                "input_ids": torch.tensor([tokenizer(text).input_ids]),
-                "pixel_values": out.pixel_values,
-                "image_grid_thw": out.image_grid_thw,
+    def item(self, spec: RequestSpec) -> dict:
+        """One request's model inputs: ids with the image placeholder expanded, and its pixel tensors."""
+        if spec.image_png is None:
+            return {"input_ids": torch.tensor([self.tokenizer(spec.prompt).input_ids])}
+        image = Image.open(io.BytesIO(spec.image_png)).convert("RGB")
+        if self.family == "llava":
+            cfg = self.model.config
+            num = (cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2
+            head, tail = spec.prompt.split("<image>")
+            tail_ids = self.tokenizer(tail, add_special_tokens=False).input_ids
+            ids = self.tokenizer(head).input_ids + [cfg.image_token_id] * num + tail_ids
+            return {
+                "input_ids": torch.tensor([ids]),
+                "pixel_values": self.processor([image], return_tensors="pt")["pixel_values"],
             }
-        )
-    return model, batches
+        out = self.processor([image], return_tensors="pt")
+        n = int(out.image_grid_thw.prod()) // self.processor.merge_size**2
+        text = spec.prompt.replace("<|image_pad|>", "<|image_pad|>" * n)
+        return {
+            "input_ids": torch.tensor([self.tokenizer(text).input_ids]),
+            "pixel_values": out.pixel_values,
+            "image_grid_thw": out.image_grid_thw,
+        }
+
+    def collate(self, items: list[dict]) -> dict:
+        """Left-pad input ids to one batch; image tensors concatenate."""
+        width = max(it["input_ids"].shape[1] for it in items)
+        ids = torch.full((len(items), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for i, it in enumerate(items):
+            n = it["input_ids"].shape[1]
+            ids[i, width - n :] = it["input_ids"][0]
+            mask[i, width - n :] = 1
+        batch = {"input_ids": ids, "attention_mask": mask}
+        for key in items[0]:
+            if key != "input_ids":
+                batch[key] = torch.cat([it[key] for it in items])
+        return {k: v.to(DEVICE) for k, v in batch.items()}
+
+    @torch.inference_mode()
+    def generate(self, items: list[dict], new_tokens: int) -> float:
+        """Seconds for one batched greedy generate of exactly `new_tokens` tokens (inputs built beforehand)."""
+        batch = self.collate(items)
+        _sync()
+        t0 = time.perf_counter()
+        self.model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        _sync()
+        return time.perf_counter() - t0
+
+    def run(self, load: Load, new_tokens: int, batch: int) -> dict:
+        specs, _ = requests_for(load, self.family)
+        items = [self.item(s) for s in specs]
+        self.generate(items[:2], 4)  # warm-up at this load's shapes
+        prompt_tokens = statistics.median(it["input_ids"].shape[1] for it in items)
+        if load.sequential:
+            ttft = [self.generate([it], 1) for it in items]
+            lat = [self.generate([it], new_tokens) for it in items]
+            tpot = [(lt - ft) / max(1, new_tokens - 1) for lt, ft in zip(lat, ttft, strict=True)]
+            wall = sum(lat)
+            return {
+                "num_requests": len(items),
+                "req_per_s": len(items) / wall,
+                "out_tok_per_s": len(items) * new_tokens / wall,
+                "ttft_p50_s": statistics.median(ttft),
+                "tpot_p50_ms": statistics.median(tpot) * 1e3,
+                "tpot_method": "generate_1_vs_n",
+                "wall_s": wall,
+                "prompt_tokens_p50": prompt_tokens,
+                "sequential": True,
+            }
+        step_walls = [self.generate(items[i : i + batch], new_tokens) for i in range(0, len(items), batch)]
+        wall = sum(step_walls)
+        return {
+            "num_requests": len(items),
+            "req_per_s": len(items) / wall,
+            "out_tok_per_s": len(items) * new_tokens / wall,
+            "ttft_p50_s": None,
+            "tpot_p50_ms": statistics.median(step_walls) / new_tokens * 1e3,
+            "tpot_method": "batch_wall_per_token",
+            "wall_s": wall,
+            "prompt_tokens_p50": prompt_tokens,
+            "hf_batch": batch,
+        }
 
 
-def _collate(items: list[dict], pad_id: int) -> dict:
-    """Left-pad input ids to one batch; image tensors concatenate."""
-    width = max(it["input_ids"].shape[1] for it in items)
-    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(items), width), dtype=torch.long)
-    for i, it in enumerate(items):
-        n = it["input_ids"].shape[1]
-        ids[i, width - n :] = it["input_ids"][0]
-        mask[i, width - n :] = 1
-    batch = {"input_ids": ids, "attention_mask": mask}
-    for key in items[0]:
-        if key != "input_ids":
-            batch[key] = torch.cat([it[key] for it in items])
-    return batch
-
-
-@torch.inference_mode()
-def run_hf(family: str, model_dir: str, prompt: str, images: list[Image.Image], new_tokens: int, batch: int) -> dict:
-    tokenizer = load_tokenizer(model_dir)
-    build = {"llava": _llava_inputs, "qwen2_vl": _qwen2_vl_inputs}[family]
-    model, items = build(model_dir, prompt, images, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = pad
-
-    def generate(chunk: list[dict]) -> None:
-        inputs = {k: v.to(DEVICE) for k, v in _collate(chunk, pad).items()}
-        model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-
-    generate(items[:2])  # warm-up
-    _sync()
-    t0 = time.perf_counter()
-    for i in range(0, len(items), batch):
-        generate(items[i : i + batch])
-    _sync()
-    wall = time.perf_counter() - t0
-    return {"req_per_s": len(items) / wall, "out_tok_per_s": len(items) * new_tokens / wall, "wall_s": wall}
+def run_hf_loads(family: str, model_dir: str, loads: list[Load], new_tokens: int, batch: int) -> Iterator[dict]:
+    """One result dict per load (the model is loaded once); a load that fails (e.g. out of memory) says so."""
+    runner = HFRunner(family, model_dir)
+    for load in loads:
+        try:
+            yield {"load": load.name, **runner.run(load, new_tokens, batch)}
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            yield {"load": load.name, "error": f"out of memory: {str(e)[:200]}"}

@@ -1,171 +1,239 @@
-"""Serving benchmark: N concurrent image requests against a real mmserve server, then HF transformers `generate`
-on the same model, images and prompts in the same run.
+"""Serving benchmark (issue 13): the named loads against a running server that speaks LightLLM's `/generate_stream`
+(mmserve or LightLLM itself, `--url`), or against an mmserve server this script starts (`--model_dir`, no `--url`).
+One JSON line per load on stdout; progress bars and logs on stderr.
 
-    python benchmarks/serve_bench.py --family llava --model_dir /tmp/llava7b --num_requests 64 --sizes 336x336
-    python benchmarks/serve_bench.py --family qwen2_vl --model_dir /tmp/qwen2vl7b --num_requests 32 \
-        --sizes 336x336,448x672,896x896,640x480
+    python benchmarks/serve_bench.py --url http://127.0.0.1:18090 --name lightllm --loads img336_x64,one_336
+    python benchmarks/serve_bench.py --model_dir /tmp/q7 --startup --hf --hf_loads img336_x64,img896_x64
+    python benchmarks/serve_bench.py --url http://127.0.0.1:18123 --num_requests 4 --repeats 2 --max_new_tokens 8
 
-Every request has its own random image (no cache hits), greedy, `max_new_tokens` new tokens with EOS ignored, sent
-as base64 PNG over `/generate_stream`; first-token time is the first streamed piece."""
+Loads (benchmarks/loads.py): img336_x64, img896_x64, img896_same_x64, one_336, one_896, img336_x256, text_x64,
+text_one, text_x256. 128 new tokens, greedy, `ignore_eos`, streamed; token counts from the final event's
+`count_output_tokens`; TTFT is the first event's arrival; TPOT as benchmarks/bench_stats.py explains."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
-import numpy as np
-from PIL import Image
 
-IMAGE_MARK = {"llava": "<image>\n", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
-PROMPTS = {
-    "llava": "USER: <image>\nDescribe this picture in detail. ASSISTANT:",
-    "qwen2_vl": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture in detail."
-    "<|im_end|>\n<|im_start|>assistant\n",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/serve_bench.py` from anywhere
 
+from benchmarks.bench_stats import RequestResult, summarize  # noqa: E402
+from benchmarks.loads import FAMILIES, Load, RequestSpec, requests_for, select_loads, warmup_requests  # noqa: E402
 
-def make_images(n: int, sizes: list[tuple[int, int]], seed: int) -> list[Image.Image]:
-    rng = np.random.default_rng(seed)
-    images = []
-    for i in range(n):
-        w, h = sizes[i % len(sizes)]
-        images.append(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
-    return images
+try:
+    from tqdm import tqdm
+except ImportError:  # progress bars are a nicety
+    tqdm = None
 
 
-def png_b64(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
+def log(msg: str) -> None:
+    print(f"[serve_bench] {msg}", file=sys.stderr, flush=True)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, image_b64: str, new_tokens: int) -> dict:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
-    if image_b64:
-        body["multimodal_params"] = {"images": [{"type": "base64", "data": image_b64}]}
+def event_count(event: dict) -> int | None:
+    """Cumulative output tokens of a stream event: top level in mmserve's events, under "token" in LightLLM's."""
+    count = event.get("count_output_tokens")
+    if count is None and isinstance(event.get("token"), dict):
+        count = event["token"].get("count_output_tokens")
+    return count
+
+
+def event_prompt_tokens(event: dict) -> int | None:
+    value = event.get("prompt_tokens")
+    if value is None and isinstance(event.get("token"), dict):
+        value = event["token"].get("prompt_tokens")
+    return value
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:
+    r = RequestResult()
     t0 = time.perf_counter()
-    first, count = None, 0
-    async with client.stream("POST", url + "/generate_stream", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            event = json.loads(line[5:])
-            if first is None:
-                first = time.perf_counter() - t0
-            if event.get("finished"):
-                count = event["count_output_tokens"]
-    total = time.perf_counter() - t0
-    return {"ttft": first, "latency": total, "tokens": count}
+    try:
+        headers = {"Content-Type": "application/json"}
+        async with client.stream("POST", url + "/generate_stream", content=body, headers=headers) as resp:
+            r.headers = time.perf_counter() - t0
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                now = time.perf_counter() - t0
+                event = json.loads(line[5:])
+                if "error" in event:
+                    r.error = str(event["error"])
+                    break
+                r.events.append((now, event_count(event)))
+                if r.prompt_tokens is None:
+                    r.prompt_tokens = event_prompt_tokens(event)
+                if event.get("finished"):
+                    r.tokens = event_count(event) or 0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    r.latency = time.perf_counter() - t0
+    if r.error is None and not r.tokens:
+        r.error = "stream ended without a finished event"
+    return r
 
 
-async def run_load(url: str, prompt: str, images_b64: list[str], new_tokens: int) -> tuple[list[dict], float]:
-    limits = httpx.Limits(max_connections=len(images_b64) + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+async def run_concurrent(url: str, bodies: list[bytes], desc: str, timeout: float) -> tuple[list[RequestResult], float]:
+    """All requests at once; wall time from the first send to the last stream's end."""
+    limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
+    bar = tqdm(total=len(bodies), desc=desc, file=sys.stderr, leave=False) if tqdm else None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def tracked(body: bytes) -> RequestResult:
+            res = await one_request(client, url, body)
+            if bar is not None:
+                bar.update(1)
+            return res
+
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, url, prompt, b, new_tokens) for b in images_b64))
-        return results, time.perf_counter() - t0
+        results = await asyncio.gather(*(tracked(b) for b in bodies))
+        wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return list(results), wall
 
 
-def start_server(args) -> tuple[subprocess.Popen, float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "mmserve.api_server",
-        "--model_dir",
-        args.model_dir,
-        "--port",
-        str(args.port),
-        "--enable_multimodal",
-        "--cache_capacity",
-        "512",
-        "--max_total_token_num",
-        str(args.max_total_token_num),
-    ]
+async def run_sequential(url: str, bodies: list[bytes], desc: str, timeout: float) -> tuple[list[RequestResult], float]:
+    results, wall = [], 0.0
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        for body in tqdm(bodies, desc=desc, file=sys.stderr, leave=False) if tqdm else bodies:
+            t0 = time.perf_counter()
+            results.append(await one_request(client, url, body))
+            wall += time.perf_counter() - t0
+    return results, wall
+
+
+def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
+    specs, warm = requests_for(load, family, args.question_words)
+    bodies = [s.body(args.max_new_tokens) for s in specs]
+    if warm is not None:  # the image is seen once before: the timed requests hit the embedding cache
+        res, _ = asyncio.run(run_sequential(url, [warm.body(args.max_new_tokens)], "cache warm", args.timeout))
+        if res[0].error:
+            log(f"{load.name}: the cache-warming request failed: {res[0].error}")
+    runner = run_sequential if load.sequential else run_concurrent
+    results, wall = asyncio.run(runner(url, bodies, load.name, args.timeout))
+    summary = summarize(results, wall, sequential=load.sequential)
+    if summary["output_tokens_min"] != args.max_new_tokens:
+        summary["short_requests_caveat"] = f"a request got {summary['output_tokens_min']} < {args.max_new_tokens}"
+    return summary
+
+
+def warm_up(url: str, loads: list[Load], family: str, args: argparse.Namespace) -> None:
+    specs: list[RequestSpec] = warmup_requests(loads, family, args.question_words)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
+    results, _ = asyncio.run(run_concurrent(url, [s.body(16) for s in specs], "warm-up", args.timeout))
+    errors = [r.error for r in results if r.error]
+    log(
+        f"warm-up: {len(specs)} requests in {time.perf_counter() - t0:.1f} s"
+        + (f", errors: {errors}" if errors else "")
+    )
+    if len(errors) == len(results):
+        raise SystemExit(f"every warm-up request failed, e.g. {errors[0]}")
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, float]:
+    """Start mmserve as a user would (issue 13's flags); returns (process, url, seconds from start to /health OK)."""
+    cmd = [sys.executable, "-m", "mmserve.api_server", "--host", "127.0.0.1", "--port", str(args.port)]
+    if args.model_dir:
+        cmd += ["--model_dir", args.model_dir]
+    cmd += ["--enable_multimodal", "--cache_capacity", "256", "--data_type", args.data_type]
+    cmd += ["--mem_fraction", str(args.mem_fraction), *args.server_args.split()]
     url = f"http://127.0.0.1:{args.port}"
-    while time.perf_counter() - t0 < 600:
+    log("starting: " + " ".join(cmd))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, start_new_session=True)
+    while time.perf_counter() - t0 < args.startup_timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
+            raise SystemExit(f"server exited with {proc.returncode} before it was healthy")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, time.perf_counter() - t0
+                return proc, url, time.perf_counter() - t0
         except httpx.HTTPError:
             pass
-        time.sleep(1)
-    raise RuntimeError("server did not become healthy")
+        time.sleep(0.25)
+    stop_server(proc)
+    raise SystemExit("server did not become healthy")
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q))
-
-
-def bench_server(args, prompt: str, images: list[Image.Image]) -> dict:
-    proc, startup = start_server(args)
-    url = f"http://127.0.0.1:{args.port}"
-    try:
-        warm = make_images(4, [images[0].size], seed=999)
-        asyncio.run(run_load(url, prompt, [png_b64(i) for i in warm], 8))
-        results, wall = asyncio.run(run_load(url, prompt, [png_b64(i) for i in images], args.max_new_tokens))
-        if args.also_text_only:  # the same load without images: separates the visual pipeline from the engine
-            text_prompt = prompt.replace(IMAGE_MARK[args.family], "")
-            text_results, text_wall = asyncio.run(run_load(url, text_prompt, [""] * len(images), args.max_new_tokens))
-            print("text-only:", json.dumps(summarize(text_results, text_wall)), flush=True)
-    finally:
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    assert all(r["tokens"] == args.max_new_tokens for r in results), "a request ended early"
-    return {"startup_s": round(startup, 1), **summarize(results, wall)}
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
-def summarize(results: list[dict], wall: float) -> dict:
-    ttft = [r["ttft"] for r in results]
-    tpot = [(r["latency"] - r["ttft"]) / max(1, r["tokens"] - 1) for r in results]
-    return {
-        "req_per_s": len(results) / wall,
-        "out_tok_per_s": sum(r["tokens"] for r in results) / wall,
-        "ttft_p50_s": pct(ttft, 50),
-        "ttft_p99_s": pct(ttft, 99),
-        "tpot_p50_ms": statistics.median(tpot) * 1e3,
-        "wall_s": wall,
-    }
+def emit(line: dict) -> None:
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in line.items()}), flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--family", choices=sorted(PROMPTS), required=True)
-    ap.add_argument("--model_dir", required=True)
-    ap.add_argument("--num_requests", type=int, default=64)
-    ap.add_argument("--sizes", default="336x336")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default=None, help="a running server; omitted: start mmserve here")
+    ap.add_argument("--name", default=None, help='"server" in the JSON lines (default: mmserve)')
+    ap.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
+    ap.add_argument("--model_dir", default=None, help="checkpoint for the server started here, and for --hf")
+    ap.add_argument("--loads", default="all", help="comma-separated load names, or all")
+    ap.add_argument("--num_requests", type=int, default=None, help="override every concurrent load's count")
+    ap.add_argument("--repeats", type=int, default=None, help="override the sequential loads' repeats (5)")
+    ap.add_argument("--counts", default=None, help='per-load counts, "img336_x256=128,one_336=3"')
     ap.add_argument("--max_new_tokens", type=int, default=128)
-    ap.add_argument("--max_total_token_num", type=int, default=100_000)
+    ap.add_argument("--question_words", type=int, default=64, help="words in each question")
+    ap.add_argument("--no_warmup", action="store_true")
+    ap.add_argument("--timeout", type=float, default=600, help="per request, s")
+    ap.add_argument("--startup", action="store_true", help="report start-to-healthy of the server started here")
+    ap.add_argument("--startup_timeout", type=float, default=600)
     ap.add_argument("--port", type=int, default=18080)
-    ap.add_argument("--hf", action="store_true", help="also run HF transformers generate on the same work")
+    ap.add_argument("--data_type", default="bf16")
+    ap.add_argument("--mem_fraction", type=float, default=0.85)
+    ap.add_argument("--server_args", default="", help="more flags for the server started here")
+    ap.add_argument("--hf", action="store_true", help="then HF transformers generate on the same work")
+    ap.add_argument("--hf_loads", default="img336_x64,img896_x64", help="loads for --hf (all: every one)")
     ap.add_argument("--hf_batch", type=int, default=64)
-    ap.add_argument("--also_text_only", action="store_true", help="then the same load without images")
-    args = ap.parse_args()
-    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
-    images = make_images(args.num_requests, sizes, seed=0)
-    prompt = PROMPTS[args.family]
-    ours = bench_server(args, prompt, images)
-    print("mmserve:", json.dumps({k: round(v, 4) for k, v in ours.items()}), flush=True)
-    if args.hf:
-        from benchmarks.hf_baseline import run_hf
+    return ap.parse_args(argv)
 
-        hf = run_hf(args.family, args.model_dir, prompt, images, args.max_new_tokens, args.hf_batch)
-        print("hf:", json.dumps({k: round(v, 4) for k, v in hf.items()}), flush=True)
-        print(f"speed-up (req/s): {ours['req_per_s'] / hf['req_per_s']:.2f}x")
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    loads = select_loads(args.loads, args.num_requests, args.repeats, args.counts)
+    name = args.name or "mmserve"
+    common = {"server": name, "family": args.family, "max_new_tokens": args.max_new_tokens}
+    proc = None
+    url = args.url.rstrip("/") if args.url else None
+    if loads and url is None:
+        proc, url, startup = start_server(args)
+        if args.startup:
+            emit({**common, "load": "start_to_healthy", "startup_s": startup})
+    try:
+        if loads and not args.no_warmup:
+            warm_up(url, loads, args.family, args)
+        for load in loads:
+            emit({**common, "load": load.name, **run_load(url, load, args.family, args)})
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    if args.hf:
+        if not args.model_dir:
+            raise SystemExit("--hf needs --model_dir")
+        from benchmarks.hf_baseline import run_hf_loads
+
+        hf_loads = select_loads(args.hf_loads, args.num_requests, args.repeats, args.counts)
+        for line in run_hf_loads(args.family, args.model_dir, hf_loads, args.max_new_tokens, args.hf_batch):
+            emit({**common, "server": "hf", **line})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""Figures from streamed responses: percentiles, time to first token, time per output token.
+
+A server may stream one event per output token (LightLLM v1.2.0 does) or one per non-empty text piece (mmserve: ids
+that decode to no text yet ride along with the next piece, and a random-weight model emits many such ids). TPOT is
+read from the events' arrival times only when every request got exactly one event per token; otherwise it is
+(latency - TTFT) / (tokens - 1). TTFT is always the arrival of the first event; when a first event carried more than
+one token the first token came earlier than that, and the summary says so (`ttft_caveat`)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+PER_EVENT = "per_event"
+LATENCY_MINUS_TTFT = "latency_minus_ttft"
+
+
+@dataclass
+class RequestResult:
+    latency: float = 0.0  # s from sending to the end of the stream
+    headers: float | None = None  # s from sending to the response headers (mmserve sends them at the first token)
+    events: list[tuple[float, int | None]] = field(default_factory=list)  # (s since sending, cumulative tokens)
+    tokens: int = 0  # count_output_tokens of the final event
+    prompt_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.events[0][0] if self.events else None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), q in 0..100."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def one_event_per_token(r: RequestResult) -> bool:
+    """True when the stream had exactly one event per output token: as many events as tokens, and, where the events
+    carry cumulative counts, those counts step 1, 2, ..., N."""
+    if r.tokens < 1 or len(r.events) != r.tokens:
+        return False
+    counts = [c for _, c in r.events]
+    return all(c is None for c in counts) or counts == list(range(1, r.tokens + 1))
+
+
+def tpot_method(results: list[RequestResult]) -> str:
+    ok = [r for r in results if r.error is None and r.tokens > 1]
+    return PER_EVENT if ok and all(one_event_per_token(r) for r in ok) else LATENCY_MINUS_TTFT
+
+
+def request_tpot(r: RequestResult, method: str) -> float | None:
+    """Seconds per output token after the first, for one request."""
+    if r.error is not None or r.tokens < 2 or not r.events:
+        return None
+    if method == PER_EVENT:
+        return (r.events[-1][0] - r.events[0][0]) / (r.tokens - 1)
+    return (r.latency - r.events[0][0]) / (r.tokens - 1)
+
+
+def inter_event_gaps(results: list[RequestResult]) -> list[float]:
+    return [b[0] - a[0] for r in results if r.error is None for a, b in zip(r.events, r.events[1:], strict=False)]
+
+
+def first_event_tokens(r: RequestResult) -> int | None:
+    """Tokens the first event carried (its cumulative count), or None where the server does not say."""
+    return r.events[0][1] if r.events else None
+
+
+def summarize(results: list[RequestResult], wall: float, sequential: bool = False) -> dict:
+    """One load's figures. `sequential`: requests ran one at a time, so TTFT/TPOT "p50" are medians of the repeats."""
+    ok = [r for r in results if r.error is None and r.events]
+    method = tpot_method(ok)
+    ttft = [r.ttft for r in ok]
+    tpot = [t for t in (request_tpot(r, method) for r in ok) if t is not None]
+    tokens = sum(r.tokens for r in ok)
+    out: dict = {
+        "num_requests": len(results),
+        "req_per_s": len(ok) / wall if wall > 0 else math.nan,
+        "out_tok_per_s": tokens / wall if wall > 0 else math.nan,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_ms": percentile(tpot, 50) * 1e3,
+        "tpot_method": method,
+        "latency_p50_s": percentile([r.latency for r in ok], 50),
+        "wall_s": wall,
+    }
+    if method == PER_EVENT:
+        out["itl_p50_ms"] = percentile(inter_event_gaps(ok), 50) * 1e3
+    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    if prompts:
+        out["prompt_tokens_p50"] = statistics.median(prompts)
+    out["output_tokens_min"] = min((r.tokens for r in ok), default=0)
+    late = [n for n in (first_event_tokens(r) for r in ok) if n is not None and n > 1]
+    if late:
+        out["ttft_caveat"] = (
+            f"in {len(late)} of {len(ok)} requests the first event carried >1 tokens (up to {max(late)}): "
+            "the server sent nothing for tokens without text, so TTFT there is late"
+        )
+        # mmserve answers 200 only once the first token is out, so there its response headers time the first token
+        heads = [r.headers for r in ok if r.headers is not None]
+        if heads:
+            out["headers_p50_s"] = percentile(heads, 50)
+            out["headers_p99_s"] = percentile(heads, 99)
+    if sequential:
+        out["sequential"] = True
+    errors = [r.error for r in results if r.error is not None]
+    if errors:
+        out["errors"] = len(errors)
+        out["first_error"] = errors[0][:300]
+    return out

@@ -1,0 +1,161 @@
+"""The serving loads of issue 13, shared by `serve_bench.py` (any server speaking LightLLM's `/generate_stream`) and
+`hf_baseline.py` (HF transformers `generate` on the same work): names, request counts, prompts and images.
+
+Everything is deterministic (seeded), so two servers measured in two processes get byte-identical requests. Every
+request carries its own random image (no cache hits) unless the load says otherwise; images of different loads never
+repeat either, so no load warms the cache for the next."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from dataclasses import dataclass, replace
+
+import numpy as np
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    num: int  # concurrent requests, or sequential repeats when `sequential`
+    size: int | None  # square image side in px; None: text only
+    same_image: bool = False  # all requests share one image, sent once before the timed part to warm the cache
+    sequential: bool = False  # one request alone, `num` times in a row; medians reported
+
+    @property
+    def concurrency(self) -> int:
+        return 1 if self.sequential else self.num
+
+
+LOADS: dict[str, Load] = {
+    load.name: load
+    for load in (
+        Load("img336_x64", 64, 336),
+        Load("img896_x64", 64, 896),
+        Load("img896_same_x64", 64, 896, same_image=True),
+        Load("one_336", 5, 336, sequential=True),
+        Load("one_896", 5, 896, sequential=True),
+        Load("img336_x256", 256, 336),
+        Load("text_x64", 64, None),
+        Load("text_one", 5, None, sequential=True),
+        Load("text_x256", 256, None),
+    )
+}
+
+# Common English words; each is one token for the byte-level BPE that `.lightllm/make_qwen2vl_7b.py` trains, so a
+# question of 64 words is 64 tokens there (the issue's 249-token prompt at 336 px: 144 image + 105 text tokens).
+WORDS = (
+    "the of and to in is was for on that with as by at from it an are which this be or had not but one have they "
+    "you all there been has more also when who will would can time first new after two some other into up than only "
+    "over most out then made such where about many between these may world through under while later both part three "
+    "well known before work early people used year school group house history music water light river north south "
+    "east west small large high long great old young black white red green blue town road street market field image "
+    "picture photo color shape animal tree flower mountain sea sky cloud stone glass paper book table chair window "
+    "door garden bridge train car boat horse dog cat bird fish apple bread tea morning evening night summer winter"
+).split()
+
+SYSTEM = "You are a helpful assistant."
+IMAGE_MARK = {"llava": "<image>\n", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+FAMILIES = tuple(IMAGE_MARK)
+
+
+def select_loads(
+    names: str | None, num_requests: int | None = None, repeats: int | None = None, counts: str | None = None
+) -> list[Load]:
+    """`names`: comma-separated load names (None or "all": every load, in the order above; "" or "none": none).
+    `num_requests` replaces the count of every concurrent load, `repeats` that of every sequential one, `counts`
+    ("name=N,...") one load's."""
+    if names is not None and names.strip() in ("", "none"):
+        return []
+    chosen = list(LOADS) if names in (None, "all") else [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in chosen if n not in LOADS]
+    if unknown:
+        raise ValueError(f"unknown load(s) {unknown}; known: {', '.join(LOADS)}")
+    per_load: dict[str, int] = {}
+    for item in (counts or "").split(","):
+        if item.strip():
+            name, _, value = item.partition("=")
+            if name.strip() not in LOADS:
+                raise ValueError(f"--counts: unknown load {name!r}")
+            per_load[name.strip()] = int(value)
+    out = []
+    for name in chosen:
+        load = LOADS[name]
+        if load.sequential and repeats is not None:
+            load = replace(load, num=repeats)
+        elif not load.sequential and num_requests is not None:
+            load = replace(load, num=num_requests)
+        if name in per_load:
+            load = replace(load, num=per_load[name])
+        out.append(load)
+    return out
+
+
+def question(seed: int, n_words: int = 64) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def build_prompt(family: str, text: str, with_image: bool) -> str:
+    mark = IMAGE_MARK[family] if with_image else ""
+    if family == "llava":
+        return f"USER: {mark}{text} ASSISTANT:"
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{mark}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def random_png(seed: int, size: int) -> bytes:
+    """Uniform random RGB noise: distinct, incompressible; compress_level 1 because deflate cannot win anyway."""
+    arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    prompt: str
+    image_png: bytes | None
+
+    def body(self, max_new_tokens: int) -> bytes:
+        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the image as base64."""
+        data: dict = {"inputs": self.prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        if self.image_png is not None:
+            b64 = base64.b64encode(self.image_png).decode()
+            data["multimodal_params"] = {"images": [{"type": "base64", "data": b64}]}
+        return json.dumps(data).encode()
+
+
+def _load_index(load: Load) -> int:
+    return list(LOADS).index(load.name) + 1
+
+
+def requests_for(load: Load, family: str, n_words: int = 64) -> tuple[list[RequestSpec], RequestSpec | None]:
+    """(timed requests, the cache-warming request sent before them or None). Question i of every load is the same
+    text (so text_x64 is img336_x64 with the image removed); image seeds are unique per load and request."""
+    base = _load_index(load) * 100_000
+    with_image = load.size is not None
+    shared = random_png(base + 99_999, load.size) if load.same_image and with_image else None
+    specs = []
+    for i in range(load.num):
+        image = None
+        if with_image:
+            image = shared if shared is not None else random_png(base + i, load.size)
+        specs.append(RequestSpec(build_prompt(family, question(i, n_words), with_image), image))
+    warm = None
+    if shared is not None:  # the first question about the image: not one of the timed 64
+        warm = RequestSpec(build_prompt(family, question(99_999, n_words), True), shared)
+    return specs, warm
+
+
+def warmup_requests(loads: list[Load], family: str, n_words: int = 64) -> list[RequestSpec]:
+    """Two requests of each kind the loads use (text, and each image size), with images no load uses."""
+    kinds = sorted({load.size or 0 for load in loads})
+    out = []
+    for k, size in enumerate(kinds):
+        for j in range(2):
+            image = random_png(900_000 + 10 * k + j, size) if size else None
+            out.append(RequestSpec(build_prompt(family, question(900_000 + j, n_words), size > 0), image))
+    return out
