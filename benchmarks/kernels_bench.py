@@ -1,19 +1,24 @@
 """Micro-benchmarks of the attention kernels against torch SDPA on equivalent dense tensors (H100, 7B shapes).
 
-Usage: python benchmarks/kernels_bench.py [--sweep]
---sweep also times a few alternative tile configurations (to pick the launchers' defaults)."""
+Usage: python benchmarks/kernels_bench.py [--sweep] [--only prefill|decode|elementwise] [--baseline DIR]
+The prefill table (bf16, the serving loads' prompt shapes, Qwen2-VL-7B and LLaVA-7B heads) compares with SDPA's
+flash backend; --baseline DIR adds a column for an older prefill kernel kept in DIR (old_prefill_attention.py).
+--sweep also times alternative tile configurations (to fill the launchers' tables)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
-from language.kernels import decode_attention, prefill_attention, rms_norm, silu_and_mul, store_kv
+from language.kernels import decode_attention, rms_norm, silu_and_mul, store_kv
 
 # The package rebinds these names to the dispatching functions, so fetch the modules themselves.
 decode_module = importlib.import_module("language.kernels.decode_attention")
@@ -47,31 +52,73 @@ def slot_table(batch: int, seq_len: int, scattered: bool) -> torch.Tensor:
     return slots.view(batch, seq_len).int()
 
 
-def bench_prefill(batch: int, seq_len: int, num_heads: int, num_kv_heads: int, scattered: bool) -> None:
+PREFILL_SHAPES = ((64, 249), (64, 1129), (8, 4096), (1, 1129))  # (sequences, tokens each): the serving loads' prompts
+PREFILL_HEADS = (("Qwen2-VL-7B", 28, 4), ("LLaVA-7B", 32, 32))  # (model, query heads, KV heads), head dim 128
+PREFILL_DTYPE = torch.bfloat16
+# Candidate tiles for --sweep: (BLOCK_M, BLOCK_N, num_warps, num_stages); each also with and without GQA packing.
+PREFILL_SWEEP = ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2))
+
+
+def prefill_case(batch: int, seq_len: int, num_heads: int, num_kv_heads: int) -> tuple[Callable, Callable, Callable]:
+    """(ours(module), sdpa(), max|diff|(module)) for `batch` sequences of `seq_len` new tokens, no prefix, K/V in
+    scattered slots; SDPA (flash backend) runs on the same values as dense [B, H, L, D] tensors."""
     tokens = batch * seq_len
-    q = torch.randn(tokens, num_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
-    k_cache = torch.randn(tokens, num_kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q = torch.randn(tokens, num_heads, HEAD_DIM, device="cuda", dtype=PREFILL_DTYPE)
+    k_cache = torch.randn(tokens, num_kv_heads, HEAD_DIM, device="cuda", dtype=PREFILL_DTYPE)
     v_cache = torch.randn_like(k_cache)
-    req_to_token = slot_table(batch, seq_len, scattered)
+    req_to_token = slot_table(batch, seq_len, scattered=True)
     b_req_idx = torch.arange(batch, device="cuda", dtype=torch.int32)
     b_len = torch.full((batch,), seq_len, device="cuda", dtype=torch.int32)
     b_start = b_req_idx * seq_len
     scale = HEAD_DIM**-0.5
-    ours = lambda: prefill_attention(
-        q, k_cache, v_cache, req_to_token, b_req_idx, b_start, b_len, b_len, scale, max_q_len=seq_len
-    )
-    # Dense equivalent: [B, H, L, D], K/V gathered by the same slots.
+    out = torch.empty_like(q)
+    args = (q, k_cache, v_cache, req_to_token, b_req_idx, b_start, b_len, b_len, scale)
+
+    def ours(module) -> Callable:
+        return lambda: module.prefill_attention(*args, max_q_len=seq_len, out=out)
+
     slots = req_to_token.long()
     qd = q.view(batch, seq_len, num_heads, HEAD_DIM).transpose(1, 2).contiguous()
-    kd = k_cache[slots].transpose(1, 2).contiguous()
+    kd = k_cache[slots].transpose(1, 2).contiguous()  # [B, Hk, L, D]
     vd = v_cache[slots].transpose(1, 2).contiguous()
-    sdpa = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
-    err = (ours().view(batch, seq_len, num_heads, HEAD_DIM).transpose(1, 2) - sdpa()).abs().max().item()
-    flops = 4 * batch * num_heads * seq_len * seq_len / 2 * HEAD_DIM  # causal: half of QK^T and PV
-    nbytes = (2 * q.numel() + 2 * tokens * num_kv_heads * HEAD_DIM) * q.element_size()
-    layout = "scattered" if scattered else "contiguous"
-    name = f"prefill {batch}x{seq_len} Hq={num_heads} Hk={num_kv_heads} D={HEAD_DIM} {layout} slots"
-    report(name, ms(ours), ms(sdpa), flops, nbytes, err)
+
+    def sdpa() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # fail rather than fall back to a slower backend
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True)
+
+    expected = sdpa()
+
+    def max_diff(module) -> float:
+        got = ours(module)().view(batch, seq_len, num_heads, HEAD_DIM).transpose(1, 2)
+        return (got.float() - expected.float()).abs().max().item()
+
+    return ours, sdpa, max_diff
+
+
+def prefill_flops(batch: int, seq_len: int, num_heads: int) -> float:
+    return 4 * batch * num_heads * HEAD_DIM * seq_len * (seq_len + 1) / 2  # causal: QK^T and PV over the triangle
+
+
+def bench_prefill_table(baseline=None) -> None:
+    """Markdown table: our kernel (and optionally an older one) against SDPA flash, bf16, scattered slots."""
+    print(f"\nprefill attention, {PREFILL_DTYPE}, D={HEAD_DIM}, causal, K/V through scattered slots; SDPA flash dense")
+    before = " ms before |" if baseline else ""
+    print(f"| model (Hq/Hk) | batch x tokens | ms ours |{before} ms SDPA | ours/SDPA | TFLOP/s ours | TFLOP/s SDPA |"
+          " max abs diff |")  # fmt: skip
+    print("|---|---|---|" + ("---|" if baseline else "") + "---|---|---|---|---|")
+    for model, num_heads, num_kv_heads in PREFILL_HEADS:
+        for batch, seq_len in PREFILL_SHAPES:
+            ours, sdpa, max_diff = prefill_case(batch, seq_len, num_heads, num_kv_heads)
+            t_ours, t_sdpa = ms(ours(prefill_module)), ms(sdpa)
+            t_before = f" {ms(ours(baseline)):.3f} |" if baseline else ""
+            flops = prefill_flops(batch, seq_len, num_heads)
+            print(
+                f"| {model} ({num_heads}/{num_kv_heads}) | {batch} x {seq_len} | {t_ours:.3f} |{t_before} {t_sdpa:.3f}"
+                f" | {t_ours / t_sdpa:.2f} | {flops / t_ours / 1e9:.0f} | {flops / t_sdpa / 1e9:.0f}"
+                f" | {max_diff(prefill_module):.1e} |",
+                flush=True,
+            )
+            torch.cuda.empty_cache()
 
 
 def bench_decode(batch: int, seq_len: int, num_heads: int, num_kv_heads: int, graph_only: bool = False) -> None:
@@ -132,24 +179,29 @@ def bench_elementwise() -> None:
 
 
 def sweep_prefill() -> None:
+    """Every PREFILL_SWEEP tile on every table shape, GQA packing on and off: one markdown table per shape."""
     default = prefill_module._launch_config
-    for block_m, block_n, warps, stages in (
-        (128, 128, 8, 3),
-        (128, 128, 8, 2),
-        (128, 64, 8, 4),
-        (128, 64, 4, 3),
-        (64, 64, 4, 3),
-        (64, 128, 4, 3),
-        (128, 32, 4, 4),
-    ):
-        config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        prefill_module._launch_config = lambda head_dim, max_q_len, config=config: config
-        print(f"-- sweep prefill {config}")
-        try:
-            bench_prefill(64, 640, 32, 32, scattered=True)
-        except Exception as exc:  # e.g. a tile that needs more shared memory than the SM has
-            print(f"   failed: {type(exc).__name__}: {str(exc)[:200]}")
-    prefill_module._launch_config = default
+    for model, num_heads, num_kv_heads in PREFILL_HEADS:
+        packs = (1, 0) if num_heads > num_kv_heads else (0,)
+        for batch, seq_len in PREFILL_SHAPES:
+            ours, sdpa, max_diff = prefill_case(batch, seq_len, num_heads, num_kv_heads)
+            flops = prefill_flops(batch, seq_len, num_heads)
+            print(
+                f"\n-- sweep prefill {model} ({num_heads}/{num_kv_heads}) {batch} x {seq_len}: SDPA {ms(sdpa):.3f} ms"
+            )
+            print("| BLOCK_M | BLOCK_N | warps | stages | GQA pack | ms | TFLOP/s | max abs diff |")
+            print("|---|---|---|---|---|---|---|---|")
+            for (block_m, block_n, warps, stages), pack in ((c, p) for c in PREFILL_SWEEP for p in packs):
+                config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, PACK_GQA=pack)
+                prefill_module._launch_config = lambda head_dim, max_q_len, config=config: dict(config)
+                row = f"| {block_m} | {block_n} | {warps} | {stages} | {pack} |"
+                try:
+                    t = ms(ours(prefill_module))
+                    print(f"{row} {t:.3f} | {flops / t / 1e9:.0f} | {max_diff(prefill_module):.1e} |", flush=True)
+                except Exception as exc:  # e.g. a tile that needs more shared memory than the SM has
+                    print(f"{row} failed: {type(exc).__name__}: {str(exc)[:120]} |", flush=True)
+            prefill_module._launch_config = default
+            torch.cuda.empty_cache()
 
 
 def sweep_decode() -> None:
@@ -175,22 +227,34 @@ def sweep_decode() -> None:
     decode_module._launch_config, decode_module._PROGRAMS_PER_SM = default, default_per_sm
 
 
+def load_baseline(directory: str | None):
+    """The older prefill kernel kept (outside git) in `directory` as old_prefill_attention.py, or None."""
+    if directory is None:
+        return None
+    sys.path.insert(0, directory)
+    return importlib.import_module("old_prefill_attention")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--only", choices=("prefill", "decode", "elementwise"))
+    parser.add_argument("--baseline", help="folder holding an older old_prefill_attention.py to time beside ours")
     args = parser.parse_args()
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, dtype {DTYPE}")
-    for scattered in (False, True):
-        bench_prefill(64, 640, 32, 32, scattered)
-    bench_prefill(64, 640, 28, 4, scattered=True)
-    for num_heads, num_kv_heads in ((32, 32), (28, 4)):
-        for batch in (1, 64):
-            bench_decode(batch, 1024, num_heads, num_kv_heads)
-    bench_elementwise()
-    if not args.sweep:
-        return
-    sweep_prefill()
-    sweep_decode()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.only in (None, "prefill"):
+        bench_prefill_table(load_baseline(args.baseline))
+        if args.sweep:
+            sweep_prefill()
+    if args.only in (None, "decode"):
+        print(f"\ndecode attention, {DTYPE}")
+        for num_heads, num_kv_heads in ((32, 32), (28, 4)):
+            for batch in (1, 64):
+                bench_decode(batch, 1024, num_heads, num_kv_heads)
+        if args.sweep:
+            sweep_decode()
+    if args.only in (None, "elementwise"):
+        bench_elementwise()
 
 
 if __name__ == "__main__":

@@ -75,21 +75,25 @@ def attend_key_tile(
     if DOT_FP32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
     if CAUSAL:
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+    # The scale (> 0, checked by the launchers) commutes with the max, so it is applied once per score inside the
+    # exponent's argument (one FMA) instead of as a separate multiply over the whole tile.
     # Every row sees key 0 in the first tile, so m_new is finite from then on and no row divides -inf by -inf.
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_ptrs = v_head_ptr + slots[:, None] * stride_v_slot + offs_d[None, :]
+    v_ptrs = v_head_ptr + slots[:, None] * stride_v_slot + offs_d[None, :]  # the K tile's slots, reused
     v = load_rows(v_ptrs, n_mask, d_mask, MASK_ROWS=MASKED, EVEN_D=EVEN_D)
     p = p.to(v.dtype)  # the tensor cores take P in the input dtype, as in every flash kernel
     if DOT_FP32:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    # Accumulate into the rescaled acc inside the dot (the MMA's own accumulator), not through a separate add.
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i

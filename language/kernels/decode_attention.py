@@ -176,6 +176,7 @@ def decode_attention(
     for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
         check_dtype(name, t, INDEX_DTYPES)
         check_shape(name, t, (batch,))
+    assert scale > 0, f"scale must be positive, got {scale}"  # the kernel applies it after the row max
     if max_seq_len is None:
         max_seq_len = req_to_token.shape[1]
     assert max_seq_len >= 1, f"max_seq_len must be positive, got {max_seq_len}"

@@ -1,5 +1,10 @@
 """Causal flash attention over packed ("nopad") prefill sequences whose K/V are already in the token-slot cache,
-possibly behind a cached prefix. One program per (query tile, sequence, query head)."""
+possibly behind a cached prefix. One program per (tile of query rows, sequence, group of PACK query heads).
+
+GQA packing: with PACK = GROUP the query heads that share a KV head are stacked into one tile's rows (row r of the
+flattened [q_len * PACK] index is query position r // PACK of head r % PACK), so each gathered K/V tile feeds all of
+them at once instead of being fetched GROUP times by GROUP programs, and a tile spans only BLOCK_M / PACK positions,
+which narrows the causal diagonal band that is computed and then masked away."""
 
 from __future__ import annotations
 
@@ -40,34 +45,42 @@ def _prefill_attention_kernel(
     stride_v_slot,
     stride_v_h,
     stride_req,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
+    PACK: tl.constexpr,  # query heads stacked into one tile's rows: 1 or GROUP
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows (query position x packed head) per tile
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    head_block = tl.program_id(2)
     q_len = tl.load(b_q_len_ptr + seq)
-    if m_block * BLOCK_M >= q_len:  # the grid covers the longest sequence; shorter ones stop early
+    num_rows = q_len * PACK
+    # Heaviest tile first (the one nearest the sequence's end sees the most keys): a program that starts late on a
+    # long tile would otherwise set the tail of the launch. The grid covers the longest sequence; others stop early.
+    m_block = tl.cdiv(num_rows, BLOCK_M) - 1 - tl.program_id(0)
+    if m_block < 0:
         return
     seq_len = tl.load(b_seq_len_ptr + seq)
     q_start = tl.load(b_q_start_ptr + seq).to(tl.int64)
     req = tl.load(b_req_idx_ptr + seq).to(tl.int64)
-    kv_head = head // GROUP
+    kv_head = (head_block * PACK) // GROUP
     prefix_len = seq_len - q_len
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] flattened (position, packed head) rows
+    pos = offs_m // PACK  # query index within the sequence
+    heads = head_block * PACK + offs_m % PACK  # query head of each row
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    m_mask = offs_m < q_len
-    q_rows = (q_start + offs_m)[:, None] * stride_q_n + head * stride_q_h + offs_d[None, :]
-    q = load_rows(q_ptr + q_rows, m_mask, d_mask, MASK_ROWS=True, EVEN_D=EVEN_D)
-    q_pos = prefix_len + offs_m  # absolute positions of this tile's queries
+    m_mask = offs_m < num_rows
+    tokens = q_start + pos  # [BLOCK_M] int64 rows of q/out
+    q_rows = tokens[:, None] * stride_q_n + heads[:, None] * stride_q_h + offs_d[None, :]
+    q = load_rows(q_ptr + q_rows, m_mask, d_mask, MASK_ROWS=True, EVEN_D=EVEN_D)  # [BLOCK_M, BLOCK_D]
+    q_pos = prefix_len + pos  # absolute positions of this tile's queries
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -76,9 +89,9 @@ def _prefill_attention_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_k_h
     v_head_ptr = v_cache_ptr + kv_head * stride_v_h
 
-    # Key tiles every query of this tile sees in full (keys <= the first query's position): no masks at all.
-    first_visible_end = prefix_len + m_block * BLOCK_M + 1
-    full_end = (first_visible_end // BLOCK_N) * BLOCK_N
+    # Key tiles every query of this tile sees in full (keys <= the first row's position): no masks at all.
+    first_pos = prefix_len + (m_block * BLOCK_M) // PACK
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
@@ -86,9 +99,9 @@ def _prefill_attention_kernel(
             MASKED=False, CAUSAL=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
             DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
-    # The diagonal band: causal mask; tiles past the last query's position are skipped entirely.
-    causal_end = tl.minimum(seq_len, prefix_len + (m_block + 1) * BLOCK_M)
-    for start_n in range(full_end, causal_end, BLOCK_N):
+    # The diagonal band, up to the last real row's position: causal mask; later key tiles are skipped entirely.
+    last_pos = prefix_len + tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // PACK, q_len - 1)
+    for start_n in range(full_end, last_pos + 1, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
             stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
@@ -96,23 +109,31 @@ def _prefill_attention_kernel(
             DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
 
-    out = acc / l_i[:, None]
-    num_heads = tl.num_programs(2)
-    out_rows = (q_start + offs_m)[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :]
-    out = out.to(out_ptr.dtype.element_ty)
+    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+    out_rows = tokens[:, None] * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
     if EVEN_D:
         tl.store(out_ptr + out_rows, out, mask=m_mask[:, None])
     else:
         tl.store(out_ptr + out_rows, out, mask=m_mask[:, None] & d_mask[None, :])
 
 
+# Launch configurations for compiled kernels, first match wins: (max head_dim, max of max_q_len, config). An explicit
+# table rather than triton.autotune, which would time every candidate at server start. Measured on an H100
+# (docs/kernels_gpu_run.md). PACK_GQA: stack the GQA group's heads into one tile (see the module docstring).
+_CONFIG_TABLE: tuple[tuple[int, int, dict[str, int]], ...] = (
+    (64, 1 << 30, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, PACK_GQA=1)),
+    (128, 1 << 30, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, PACK_GQA=1)),
+    (1 << 30, 1 << 30, dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, PACK_GQA=1)),
+)
+
+
 def _launch_config(head_dim: int, max_q_len: int) -> dict[str, int]:
     if interpreting():  # small tiles keep the interpreter fast and exercise several tiles per sequence
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    # Measured on H200 at 64 x 640 tokens, D 128 (docs/kernels_gpu_run.md): 4 warps beat 8 by ~20 %, and 64-key tiles
-    # beat 32 and 128.
-    block_m = 64 if max_q_len <= 64 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1, PACK_GQA=1)
+    for max_head_dim, max_len, config in _CONFIG_TABLE:
+        if head_dim <= max_head_dim and max_q_len <= max_len:
+            return dict(config)
+    raise AssertionError("unreachable: the table's last row matches everything")
 
 
 def prefill_attention(
@@ -146,6 +167,7 @@ def prefill_attention(
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     check_out(out, (num_tokens, num_heads, head_dim), q.dtype, device)
+    assert scale > 0, f"scale must be positive, got {scale}"  # the kernel applies it after the row max
     if max_q_len is None:
         max_q_len = int(b_q_len.max()) if batch > 0 else 0
     if num_tokens == 0 or batch == 0 or max_q_len == 0:
@@ -153,13 +175,15 @@ def prefill_attention(
     b_req_idx, b_q_start, b_q_len, b_seq_len = (t.contiguous() for t in (b_req_idx, b_q_start, b_q_len, b_seq_len))
 
     config = _launch_config(head_dim, max_q_len)
+    group = num_heads // num_kv_heads
+    pack = group if config.pop("PACK_GQA") else 1
     block_d = pow2_at_least(head_dim, 16)
-    grid = (cdiv(max_q_len, config["BLOCK_M"]), batch, num_heads)
+    grid = (cdiv(max_q_len * pack, config["BLOCK_M"]), batch, num_heads // pack)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, b_req_idx, b_q_start, b_q_len, b_seq_len,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        NUM_HEADS=num_heads, GROUP=group, PACK=pack, HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **config,
     )  # fmt: skip
     return out
