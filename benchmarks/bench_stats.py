@@ -4,7 +4,9 @@ A server may stream one event per output token (LightLLM v1.2.0 does) or one per
 that decode to no text yet ride along with the next piece, and a random-weight model emits many such ids). TPOT is
 read from the events' arrival times only when every request got exactly one event per token; otherwise it is
 (latency - TTFT) / (tokens - 1). TTFT is always the arrival of the first event; when a first event carried more than
-one token the first token came earlier than that, and the summary says so (`ttft_caveat`)."""
+one token the first token came earlier than that, and the summary says so (`ttft_caveat`), adding the response
+headers' arrival (`headers_p50_s`; mmserve answers 200 only once the first token is out, so for mmserve that is the
+first token's time, while LightLLM answers at once) and the TPOT counted from it (`tpot_from_headers_p50_ms`)."""
 
 from __future__ import annotations
 
@@ -103,10 +105,12 @@ def summarize(results: list[RequestResult], wall: float, sequential: bool = Fals
             "the server sent nothing for tokens without text, so TTFT there is late"
         )
         # mmserve answers 200 only once the first token is out, so there its response headers time the first token
-        heads = [r.headers for r in ok if r.headers is not None]
-        if heads:
-            out["headers_p50_s"] = percentile(heads, 50)
-            out["headers_p99_s"] = percentile(heads, 99)
+        timed = [r for r in ok if r.headers is not None]
+        if timed:
+            out["headers_p50_s"] = percentile([r.headers for r in timed], 50)
+            out["headers_p99_s"] = percentile([r.headers for r in timed], 99)
+            per_tok = [(r.latency - r.headers) / (r.tokens - 1) for r in timed if r.tokens > 1]
+            out["tpot_from_headers_p50_ms"] = percentile(per_tok, 50) * 1e3
     if sequential:
         out["sequential"] = True
     errors = [r.error for r in results if r.error is not None]

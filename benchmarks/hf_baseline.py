@@ -96,8 +96,8 @@ class HFRunner:
         _sync()
         return time.perf_counter() - t0
 
-    def run(self, load: Load, new_tokens: int, batch: int) -> dict:
-        specs, _ = requests_for(load, self.family)
+    def run(self, load: Load, new_tokens: int, batch: int, n_words: int = 64) -> dict:
+        specs, _ = requests_for(load, self.family, n_words)
         items = [self.item(s) for s in specs]
         self.generate(items[:2], 4)  # warm-up at this load's shapes
         prompt_tokens = statistics.median(it["input_ids"].shape[1] for it in items)
@@ -132,12 +132,14 @@ class HFRunner:
         }
 
 
-def run_hf_loads(family: str, model_dir: str, loads: list[Load], new_tokens: int, batch: int) -> Iterator[dict]:
+def run_hf_loads(
+    family: str, model_dir: str, loads: list[Load], new_tokens: int, batch: int, n_words: int = 64
+) -> Iterator[dict]:
     """One result dict per load (the model is loaded once); a load that fails (e.g. out of memory) says so."""
     runner = HFRunner(family, model_dir)
     for load in loads:
         try:
-            yield {"load": load.name, **runner.run(load, new_tokens, batch)}
+            yield {"load": load.name, **runner.run(load, new_tokens, batch, n_words)}
         except torch.cuda.OutOfMemoryError as e:
             torch.cuda.empty_cache()
             yield {"load": load.name, "error": f"out of memory: {str(e)[:200]}"}

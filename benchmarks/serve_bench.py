@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.hf_baseline import run_hf_loads
 
         hf_loads = select_loads(args.hf_loads, args.num_requests, args.repeats, args.counts)
-        for line in run_hf_loads(args.family, args.model_dir, hf_loads, args.max_new_tokens, args.hf_batch):
+        for line in run_hf_loads(
+            args.family, args.model_dir, hf_loads, args.max_new_tokens, args.hf_batch, args.question_words
+        ):
             emit({**common, "server": "hf", **line})
 
 

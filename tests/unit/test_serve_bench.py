@@ -82,6 +82,7 @@ def test_late_first_event_is_flagged() -> None:
     s = summarize([late, per_token(0.1, 0.01, 128)], wall=2.0)
     assert "ttft_caveat" in s and "1 of 2" in s["ttft_caveat"]
     assert s["headers_p50_s"] == pytest.approx(0.3)  # the per-token stream gave no headers time
+    assert s["tpot_from_headers_p50_ms"] == pytest.approx((2.0 - 0.3) / 127 * 1e3)
 
 
 def test_summary_throughput_and_errors() -> None:

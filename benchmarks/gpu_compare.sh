@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Issue 13's serving comparison on the GPU host: mmserve, then (optionally) LightLLM v1.2.0 and HF transformers, on
+# one Qwen2-VL-7B-shaped random bf16 checkpoint, with the same client (benchmarks/serve_bench.py) and loads.
+#
+# Before: ../shared/gpu/wheels.sh (-> .whl) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both.
+# On the GPU host, from the repo root, begin the command with the wheels header:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || exit 1; bash benchmarks/gpu_compare.sh [flags]
+# Flags:
+#   --lightllm        also LightLLM (bash .lightllm/serve.sh CKPT PORT): ~3 min start-up + ~1 min of loads
+#   --hf              also HF transformers generate on --hf_loads (default img336_x64,img896_x64): ~1.5 min
+#   --no_mmserve      skip our server (e.g. a second call for LightLLM only)
+#   --loads LIST      server loads (default all); --hf_loads LIST; --ckpt DIR (default /tmp/q2vl7b)
+#   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
+# Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
+# logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
+# a config.json, e.g. a second call on the same warm machine), mmserve ~2 min, so mmserve + HF fit one 10-minute call;
+# run --lightllm --no_mmserve as a second call if all three together run past it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+lightllm=0; hf=0; mmserve=1; loads=all; hf_loads=img336_x64,img896_x64; ckpt=/tmp/q2vl7b; bench_args=""
+port=18080; lport=18090
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --lightllm) lightllm=1 ;;
+    --hf) hf=1 ;;
+    --no_mmserve) mmserve=0 ;;
+    --loads) loads=$2; shift ;;
+    --hf_loads) hf_loads=$2; shift ;;
+    --ckpt) ckpt=$2; shift ;;
+    --bench_args) bench_args=$2; shift ;;
+    *) echo "unknown flag $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+logs=${OUT:-/tmp}
+jsonl=${OUT:+$OUT/bench.jsonl}
+export TOKENIZERS_PARALLELISM=false
+t_start=$(date +%s)
+say() { echo "[gpu_compare +$(( $(date +%s) - t_start ))s] $*" >&2; }
+collect() { if [ -n "$jsonl" ]; then tee -a "$jsonl"; else cat; fi; }
+bench() {  # bench LOGNAME ARGS...: serve_bench with its JSON lines collected, its stderr in a log
+  local name=$1; shift
+  # shellcheck disable=SC2086
+  python3 benchmarks/serve_bench.py --family qwen2_vl "$@" $bench_args 2> "$logs/$name.log" | collect
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
+  return "$rc"
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
+echo "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)\"," \
+  "\"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)\"}" | collect
+
+if [ ! -f "$ckpt/config.json" ]; then
+  say "building a Qwen2-VL-7B-shaped checkpoint in $ckpt"
+  if [ -f .lightllm/make_qwen2vl_7b.py ]; then  # the layout both servers and HF read
+    python3 .lightllm/make_qwen2vl_7b.py "$ckpt" >&2 || exit 1
+  else
+    python3 -m mmserve.checkpoints.qwen2_vl --out "$ckpt" --shape 7b >&2 || exit 1
+  fi
+fi
+
+status=0
+if [ "$mmserve" = 1 ]; then
+  say "mmserve: start (issue 13's flags) -> healthy, then loads $loads"
+  bench mmserve_bench --name mmserve --model_dir "$ckpt" --startup --loads "$loads" --port "$port" || status=1
+fi
+
+if [ "$lightllm" = 1 ]; then
+  if [ ! -f .lightllm/serve.sh ]; then
+    say "no .lightllm: run ../shared/lightllm/serve.sh --install here and carry .lightllm"; status=1
+  else
+    say "LightLLM: start -> healthy"
+    t0=$(date +%s.%N)
+    if bash .lightllm/serve.sh "$ckpt" "$lport" >&2; then
+      startup=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$t0" "$(date +%s.%N)")
+      echo "{\"server\": \"lightllm\", \"load\": \"start_to_healthy\", \"startup_s\": $startup," \
+        "\"note\": \"serve.sh: includes its wheel install; /health polled every 2 s\"}" | collect
+      bench lightllm_bench --name lightllm --url "http://127.0.0.1:$lport" --loads "$loads" || status=1
+    else
+      status=1
+    fi
+    bash .lightllm/serve.sh --stop >&2
+  fi
+fi
+
+if [ "$hf" = 1 ]; then
+  say "HF transformers generate on $hf_loads"
+  bench hf_bench --model_dir "$ckpt" --loads none --hf --hf_loads "$hf_loads" || status=1
+fi
+say "done (status $status)"
+exit "$status"
