@@ -134,9 +134,10 @@ def packed_attention_forward(
 
 def _tokens_major(t: torch.Tensor) -> torch.Tensor:
     """[1, heads, tokens, head_dim] -> [tokens, heads, head_dim]; VisionAttention built it by transposing exactly
-    this layout, so this is a view. Flash needs the last dim contiguous."""
+    this layout, so q and k come back as contiguous views. v is a strided slice of the fused qkv output: copied,
+    since the varlen kernel's stride requirements differ across torch builds (a copy costs ~0.1 ms per block)."""
     t = t[0].transpose(0, 1)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def use_packed_attention(tower: torch.nn.Module) -> None:
