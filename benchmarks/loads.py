@@ -107,10 +107,10 @@ def build_prompt(family: str, text: str, with_image: bool) -> str:
 
 
 def random_png(seed: int, size: int) -> bytes:
-    """Uniform random RGB noise: distinct, incompressible; compress_level 1 because deflate cannot win anyway."""
+    """Uniform random RGB noise: distinct, incompressible; stored (compress_level 0): deflate cannot shrink noise."""
     arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(arr, "RGB").save(buf, format="PNG", compress_level=1)
+    Image.fromarray(arr, "RGB").save(buf, format="PNG", compress_level=0)
     return buf.getvalue()
 
 
