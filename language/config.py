@@ -14,14 +14,23 @@ class EngineConfig:
     mem_fraction: float = 0.9
     running_max_req_size: int = 1000
     max_req_total_len: int | None = None  # prompt + new tokens of one request; None: the model's context length
-    max_prefill_tokens: int = 8192  # prompt tokens prefilled in one step (bounds activation memory)
+    # Prompt tokens prefilled per step (LightLLM's --chunked_prefill_size): longer prompts are split across steps,
+    # so running requests keep decoding while they prefill, and activation memory stays bounded.
+    chunked_prefill_size: int = 4096
+    chunked_prefill: bool = True  # False: whole prompts (a long one still runs alone in its step)
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eos_id: tuple[int, ...] | None = None  # overrides the checkpoint's EOS ids
     trust_remote_code: bool = False
     cuda_graph: bool = True  # capture decode steps on GPU
-    cuda_graph_max_batch: int = 256
+    cuda_graph_max_batch: int = 256  # LightLLM's --graph_max_batch_size
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be >= 1")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError("graph_max_batch_size must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -1,85 +1,111 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, captured once, replayed with the step's inputs
-copied into static buffers. Decode is launch-bound at small batch; a replay costs one launch."""
+"""CUDA graphs for decode steps: one graph per batch size class, captured once, replayed with the step's inputs
+copied into static buffers in one transfer. Decode is launch-bound at small batch; a replay costs one launch.
+
+The graph also does the step's device-side bookkeeping: it reads each row's input id from `last_token` (the
+previous step's sample, still on the device) and records the stored token's slot in the request-to-slots table."""
 
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from language.forward_batch import ForwardBatch
+from language.step_inputs import DecodeRows
 
 if TYPE_CHECKING:
     from language.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
+
+# Columns of the static input buffer [max_bs, 4]: batch-major, so the first bs rows are one contiguous copy.
+_REQ_IDX, _COL, _POSITION, _SLOT = range(4)
+
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
-    return sorted({s for s in sizes if s <= max_batch})
+    """Every size up to 8, then steps of 8 to 64 and of 16 beyond (LightLLM's split/grow scheme): a batch pads
+    to the next size, wasting at most 15 rows."""
+    sizes = list(range(1, 9)) + list(range(16, 65, 8)) + list(range(80, max_batch + 1, 16))
+    return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_batch: int):
         self.model = runner.model
-        kv = runner.kv
+        self.kv = kv = runner.kv
+        self.last_token = runner.last_token
         self.sizes = graph_batch_sizes(min(max_batch, kv.num_free_rows()))
         n, dev = self.sizes[-1], runner.device
-        dims = self.model.position_dims
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros((dims, n) if dims > 1 else (n,), dtype=torch.int64, device=dev)
-        self.out_slots = torch.full((n,), kv.dummy_slot, dtype=torch.int64, device=dev)
-        self.req_idx = torch.full((n,), kv.dummy_row, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.arange = torch.arange(n, dtype=torch.int32, device=dev)
-        self.kv = kv
+        self._host = [torch.empty((n, 4), dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._turn = 0
+        self.static = torch.empty((n, 4), dtype=torch.int64, device=dev)  # [max_bs, 4]
+        self._padding_row = np.array([0, 0, 0, 0], dtype=np.int64)
+        self._padding_row[_REQ_IDX], self._padding_row[_SLOT] = kv.dummy_row, kv.dummy_slot
+        self._fill_padding(self.static, 0)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self._capture_all()
 
     def can_run(self, n: int) -> bool:
-        return n <= self.sizes[-1]
+        return 0 < n <= self.sizes[-1]
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        return ForwardBatch(
-            is_prefill=False,
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[..., :bs],
-            out_slots=self.out_slots[:bs],
-            req_idx=self.req_idx[:bs],
-            seq_lens=self.seq_lens[:bs],
-            q_starts=self.arange[:bs],
-            q_lens=torch.ones_like(self.arange[:bs]),
-            logits_idx=self.arange[:bs].long(),
-            max_q_len=1,
+    def _fill_padding(self, buf: torch.Tensor, start: int) -> None:
+        # Padding rows point at the dummy row/slot, never at a live request.
+        buf[start:, _REQ_IDX] = self.kv.dummy_row
+        buf[start:, _COL] = 0
+        buf[start:, _POSITION] = 0
+        buf[start:, _SLOT] = self.kv.dummy_slot
+
+    def _run(self, bs: int) -> torch.Tensor:
+        req_idx, col = self.static[:bs, _REQ_IDX], self.static[:bs, _COL]  # [bs] each (strided views)
+        slots, position = self.static[:bs, _SLOT], self.static[:bs, _POSITION]
+        self.kv.req_to_token[req_idx, col] = slots.to(torch.int32)
+        dims = self.model.position_dims
+        batch = ForwardBatch(
+            input_ids=self.last_token[req_idx],
+            positions=position if dims == 1 else position[None, :].expand(dims, bs),
+            out_slots=slots,
+            num_decode=bs,
+            req_idx=req_idx,
+            seq_lens=col + 1,
+            q_starts=col[:0],
+            q_lens=col[:0],
+            max_q_len=0,
             kv=self.kv,
         )
+        return self.model(batch)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        t0 = time.perf_counter()
         pool = None
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            batch = self._static_batch(bs)
-            self.model(batch)  # warm-up: compiles the kernels outside the capture
+        for i, bs in enumerate(reversed(self.sizes)):  # largest first, so smaller graphs reuse its memory pool
+            self._run(bs)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self.model(batch)
+                self.logits[bs] = self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
+            if i % 8 == 7 or bs == self.sizes[0]:
+                logger.info("captured %d/%d decode graphs (%.1f s)", i + 1, len(self.sizes), time.perf_counter() - t0)
         torch.cuda.synchronize()
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        n = batch.num_seqs
+    def replay(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [n, vocab], table rows [n] on the device)."""
+        n = len(rows.reqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[..., :n].copy_(batch.positions)
-        self.out_slots[:n].copy_(batch.out_slots)
-        self.req_idx[:n].copy_(batch.req_idx)
-        self.seq_lens[:n].copy_(batch.seq_lens)
-        # Padding rows point at the dummy row/slot, never at a live request.
-        self.out_slots[n:bs].fill_(self.kv.dummy_slot)
-        self.req_idx[n:bs].fill_(self.kv.dummy_row)
-        self.seq_lens[n:bs].fill_(1)
+        self._turn ^= 1
+        host = self._host[self._turn]
+        values = host.numpy()
+        values[:n, _REQ_IDX], values[:n, _COL] = rows.req_idx, rows.col
+        values[:n, _POSITION], values[:n, _SLOT] = rows.position, rows.slot
+        if n < bs:
+            values[n:bs] = self._padding_row
+        self.static[:bs].copy_(host[:bs], non_blocking=True)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[bs][:n], self.static[:n, _REQ_IDX]

@@ -13,11 +13,11 @@ import torch
 from language.config import EngineConfig, LMConfig, resolve_device, resolve_dtype
 from language.kv_cache import KVCache
 from language.loader import architecture, iter_weights, read_config
-from language.model_runner import ModelRunner
+from language.model_runner import InflightStep, ModelRunner
 from language.models import model_class
 from language.request import Request, RequestOutput, RequestStatus
-from language.sampler import SamplingBatch, sample
-from language.scheduler import Scheduler
+from language.scheduler import Scheduler, StepPlan
+from language.step_inputs import stage
 from language.warmup import warmup
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,8 @@ class StepCounters:
     busy_s: float = 0.0  # wall time inside step() that ran a batch
 
     def summary(self, since: StepCounters, elapsed_s: float) -> str:
+        """Throughput since an earlier snapshot. `busy` is host time inside step(), which with the overlapped
+        loop includes waiting for the device."""
         steps = self.steps - since.steps
         busy = self.busy_s - since.busy_s
         return (
@@ -94,6 +96,11 @@ def kv_capacity(cfg: EngineConfig, lm: LMConfig, dtype: torch.dtype, device: tor
 
 
 class EngineCore:
+    """Schedules, launches and collects steps. The loop is overlapped: `step()` stages step N+1 on the host while
+    step N runs on the device, then reads N's samples back (the only wait), drops any request that N finished
+    from N+1, launches N+1 and returns N's outputs. Requests with penalties or seeds need their full history on
+    the host, so a step holding one reads the previous step back before staging."""
+
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         device = resolve_device(cfg.device)
@@ -104,7 +111,11 @@ class EngineCore:
         max_req_len = min(cfg.max_req_total_len or lm.max_position, lm.max_position)
         max_reqs = cfg.running_max_req_size
         self.kv = KVCache(lm.num_layers, num_slots, lm.num_kv_heads, lm.head_dim, max_reqs, max_req_len, dtype, device)
-        self.scheduler = Scheduler(num_slots, max_reqs, max(cfg.max_prefill_tokens, max_req_len))
+        if cfg.chunked_prefill:
+            budget = cfg.chunked_prefill_size
+        else:  # whole prompts: the budget only limits how many join one step
+            budget = max(cfg.chunked_prefill_size, max_req_len)
+        self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv, device, cfg.cuda_graph, cfg.cuda_graph_max_batch)
         self.model_info = ModelInfo(
             architecture=lm.architecture,
@@ -116,11 +127,12 @@ class EngineCore:
             max_total_token_num=num_slots,
             max_req_total_len=max_req_len,
         )
-        if device.type == "cuda":
-            warmup(self.runner, self.model, lm.hidden_size)
         self.counters = StepCounters()
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._inflight: InflightStep | None = None
+        if device.type == "cuda":
+            warmup(self)
         logger.info("engine ready: %s on %s (%s), %d KV slots", lm.architecture, device, dtype, num_slots)
 
     # ---- requests in ----
@@ -144,6 +156,8 @@ class EngineCore:
         self.scheduler.add(req)
 
     def abort(self, rid: str) -> None:
+        """Finish a request now. If a step in flight still writes its cache, its slots are reused only by later
+        steps, which the device runs after that one; its sample is ignored when the step is read back."""
         req = self._requests.get(rid)
         if req is None:
             return
@@ -152,30 +166,39 @@ class EngineCore:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        """Launch the next step and return what the previous one produced (and any aborts)."""
         outputs, self._aborted = self._aborted, []
-        sched = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
-        batch = sched.decode + sched.prefill
-        if not batch:
-            return outputs
         t0 = time.perf_counter()
-        logits = []
-        if sched.decode:
-            logits.append(self.runner.decode(sched.decode))
-        if sched.prefill:
-            logits.append(self.runner.prefill(sched.prefill))
-        sb = SamplingBatch.build(batch, self.model_info.vocab_size, self.model_info.device)
-        next_ids, logprobs = sample(torch.cat(logits) if len(logits) > 1 else logits[0], sb)
-        for req, token, logprob in zip(batch, next_ids.tolist(), logprobs.tolist(), strict=True):
-            outputs.append(self._append_token(req, token, logprob))
+        plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
+        if self._inflight is not None and _needs_history(plan):
+            outputs += self._collect()
+        staged = stage(plan, self.kv, self.model.position_dims) if plan else None
+        if self._inflight is not None:
+            outputs += self._collect()
+        if staged is not None:
+            staged.drop_finished()
+            if staged.num_seqs:
+                self._inflight = self.runner.launch(staged)
+        if plan or outputs:
+            self.counters.busy_s += time.perf_counter() - t0
+        return outputs
+
+    def _collect(self) -> list[RequestOutput]:
+        """Wait for the step in flight and hand its samples to their requests."""
+        inflight, self._inflight = self._inflight, None
+        ids, logprobs = inflight.wait()
+        outputs = []
+        for req, row in inflight.sampled:
+            if not req.finished:  # an abort may have come while the step ran
+                outputs.append(self._append_token(req, ids[row], logprobs[row]))
         c = self.counters
         c.steps += 1
-        c.prefill_tokens += sum(r.prompt_len for r in sched.prefill)
-        c.decode_tokens += len(sched.decode)
-        c.busy_s += time.perf_counter() - t0
+        c.prefill_tokens += inflight.num_prefill_tokens
+        c.decode_tokens += inflight.num_decode
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self._requests) or bool(self._aborted) or self._inflight is not None
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -201,8 +224,8 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.status is RequestStatus.RUNNING:
-            self.kv.free_row(req.req_idx, req.seq_len - 1)  # the last sampled token was never stored
-            req.req_idx = -1
+            self.kv.free_row(req.req_idx, req.kv_slots)
+            req.req_idx, req.kv_slots = -1, []
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -219,3 +242,9 @@ class EngineCore:
             prompt_tokens=req.prompt_len,
             output_tokens=len(req.output_ids),
         )
+
+
+def _needs_history(plan: StepPlan) -> bool:
+    """Penalties read every earlier token and seeded sampling counts them: both need the step in flight read back."""
+    reqs = plan.decode + [c.req for c in plan.prefill]
+    return any(r.params.has_penalties or r.params.seed is not None for r in reqs)

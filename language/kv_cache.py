@@ -1,5 +1,7 @@
 """The KV cache: one preallocated K and V buffer per layer with a slot per token, the slot allocator, and the
-request-to-slots table that attention kernels read through."""
+request-to-slots table that attention kernels read through. The table lives on the device and is written by the
+forward pass itself (from the step's packed inputs); the host keeps each request's slots in `Request.kv_slots`,
+so freeing never reads the device back."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.slots = SlotAllocator(num_slots)
         self.dummy_slot, self.dummy_row = num_slots, max_requests
+        self.max_req_len = max_req_len
         # Row r, column p: the slot holding token p of the request in row r.
         self.req_to_token = torch.full((max_requests + 1, max_req_len), num_slots, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
@@ -46,12 +49,10 @@ class KVCache:
         return self._free_rows.pop()
 
     def assign(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Record that token `positions[i]` of row `rows[i]` lives in `slots[i]` (all [n], on any device)."""
-        dev = self.req_to_token.device
-        self.req_to_token[rows.to(dev), positions.to(dev)] = slots.to(dev, torch.int32)
+        """Record that token `positions[i]` of row `rows[i]` lives in `slots[i]` (all [n], on the table's device)."""
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
 
-    def free_row(self, row: int, num_tokens: int) -> None:
-        """Free the row and the slots of its first num_tokens tokens (read back from the table)."""
-        if num_tokens:
-            self.slots.free(self.req_to_token[row, :num_tokens].cpu())
+    def free_row(self, row: int, slots: list[int]) -> None:
+        """Free the row and the given slots (the request's host-side record of what it holds)."""
+        self.slots.free(slots)
         self._free_rows.append(row)

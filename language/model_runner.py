@@ -1,17 +1,67 @@
-"""Turns the scheduled requests into ForwardBatches, runs the model, and replays captured CUDA graphs for decode."""
+"""Launches staged steps on the device without waiting for them.
+
+A step's integer inputs go to the device in one copy from a pinned buffer; the ids of decode rows never leave the
+device (the previous step scattered its samples into `last_token`, indexed by table row); image embeddings are
+copied on a side stream; sampled ids and log-probs come back through a non-blocking copy into pinned memory that
+`InflightStep.wait` reads once the step's CUDA event has fired. Pure decode steps replay a captured CUDA graph."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from language.cuda_graph import DecodeGraphs
 from language.forward_batch import ForwardBatch
 from language.kv_cache import KVCache
 from language.request import Request
+from language.sampler import SamplingBatch, sample, sample_greedy
+from language.step_inputs import StagedStep
 
 
-def _i32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+class PinnedStaging:
+    """Two pinned host buffers used in turn (one may still feed an in-flight copy) and one device buffer, grown on
+    demand. On CPU both are plain memory."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.int64):
+        self.device, self.dtype = device, dtype
+        self._pin = device.type == "cuda"
+        self._host: list[torch.Tensor] = [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)]
+        self._dev = torch.empty(0, dtype=dtype, device=device)
+        self._turn = 0
+
+    def host(self, n: int) -> torch.Tensor:
+        self._turn ^= 1
+        if self._host[self._turn].numel() < n:
+            size = max(1024, 1 << (n - 1).bit_length())
+            self._host[self._turn] = torch.empty(size, dtype=self.dtype, pin_memory=self._pin)
+        return self._host[self._turn][:n]
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        n = host.numel()
+        if self._dev.numel() < n:
+            self._dev = torch.empty(max(1024, 1 << (n - 1).bit_length()), dtype=self.dtype, device=self.device)
+        dev = self._dev[:n]
+        dev.copy_(host, non_blocking=True)
+        return dev
+
+
+@dataclass
+class InflightStep:
+    """A launched step: which requests get which sampled row, and where the samples land on the host."""
+
+    sampled: list[tuple[Request, int]]  # (request, row of ids/logprobs) for rows whose token is kept
+    ids: torch.Tensor  # [num_seqs] int64, host (pinned on GPU)
+    logprobs: torch.Tensor  # [num_seqs] float32, host
+    event: torch.cuda.Event | None
+    num_decode: int
+    num_prefill_tokens: int
+
+    def wait(self) -> tuple[list[int], list[float]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.ids.tolist(), self.logprobs.tolist()
 
 
 class ModelRunner:
@@ -21,88 +71,96 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = device
-        self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and device.type == "cuda" else None
+        self.vocab_size = model.lm_head.weight.shape[0]
+        self.last_token = torch.zeros(kv.dummy_row + 1, dtype=torch.int64, device=device)  # [rows+1]
+        self._meta = PinnedStaging(device)
+        self._ids_out = PinnedStaging(device)
+        self._lp_out = PinnedStaging(device, torch.float32)
+        on_gpu = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if on_gpu else None
+        self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and on_gpu else None
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """Allocate rows and slots for the prompts of newly admitted requests and run them. -> logits [B, vocab]"""
-        return self.model(self.build_prefill(reqs))
-
-    @torch.inference_mode()
-    def decode(self, reqs: list[Request]) -> torch.Tensor:
-        """Store each running request's last sampled token and run one step. -> logits [B, vocab]"""
-        batch = self.build_decode(reqs)
-        if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            return self.graphs.replay(batch)
-        return self.model(batch)
-
-    def build_prefill(self, reqs: list[Request]) -> ForwardBatch:
-        dev, kv = self.device, self.kv
-        lens = [r.prompt_len for r in reqs]
-        for r in reqs:
-            r.req_idx = kv.allocate_row()
-        slots = kv.slots.allocate(sum(lens))  # [num_tokens]
-        q_lens = torch.tensor(lens, dtype=torch.int64)
-        q_starts = torch.cumsum(q_lens, 0) - q_lens
-        rows = torch.repeat_interleave(torch.tensor([r.req_idx for r in reqs]), q_lens)  # [num_tokens]
-        cols = torch.arange(int(q_lens.sum())) - torch.repeat_interleave(q_starts, q_lens)  # position in its sequence
-        kv.assign(rows, cols, slots)
-        input_ids = torch.tensor([t for r in reqs for t in r.prompt_ids], dtype=torch.int64)
-        mm_embeds, mm_positions = self._mm_inputs(reqs, q_starts.tolist())
-        return ForwardBatch(
-            is_prefill=True,
-            input_ids=input_ids.to(dev, non_blocking=True),
-            positions=self._prefill_positions(reqs, cols).to(dev, non_blocking=True),
-            out_slots=slots.to(dev, non_blocking=True),
-            req_idx=_i32([r.req_idx for r in reqs], dev),
-            seq_lens=_i32(lens, dev),
-            q_starts=q_starts.to(dev, torch.int32, non_blocking=True),
-            q_lens=q_lens.to(dev, torch.int32, non_blocking=True),
-            logits_idx=(q_starts + q_lens - 1).to(dev, non_blocking=True),
-            max_q_len=max(lens),
-            kv=kv,
-            mm_embeds=mm_embeds,
-            mm_positions=mm_positions,
-        )
-
-    def build_decode(self, reqs: list[Request]) -> ForwardBatch:
-        dev, kv = self.device, self.kv
-        n = len(reqs)
-        slots = kv.slots.allocate(n)  # [B]
-        cols = torch.tensor([r.seq_len - 1 for r in reqs], dtype=torch.int64)  # table column of the stored token
-        rows = torch.tensor([r.req_idx for r in reqs], dtype=torch.int64)
-        kv.assign(rows, cols, slots)
-        if self.model.position_dims == 1:
-            positions = cols
+    def launch(self, staged: StagedStep) -> InflightStep:
+        """Run the staged step and sample it, all queued on the device; returns at once."""
+        nd = len(staged.decode.reqs)
+        if not staged.prefill.reqs and self.graphs is not None and self.graphs.can_run(nd):
+            logits, req_idx = self.graphs.replay(staged.decode)
         else:
-            positions = (cols + torch.tensor([r.position_delta for r in reqs]))[None, :].expand(3, n)
+            batch = self._forward_batch(staged)
+            logits, req_idx = self.model(batch), batch.req_idx
+        reqs = staged.decode.reqs + staged.prefill.reqs
+        if all(r.params.greedy and not r.params.has_penalties for r in reqs):
+            ids, logprobs = sample_greedy(logits)
+        else:
+            ids, logprobs = sample(logits, SamplingBatch.build(reqs, self.vocab_size, self.device))
+        self.last_token[req_idx] = ids  # decode rows of the next step read their input ids from here
+        host_ids, host_lps = self._ids_out.host(len(reqs)), self._lp_out.host(len(reqs))
+        host_ids.copy_(ids, non_blocking=True)
+        host_lps.copy_(logprobs, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        keep = [True] * nd + staged.prefill.samples.tolist()
+        sampled = [(r, row) for row, (r, k) in enumerate(zip(reqs, keep, strict=True)) if k]
+        return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens)
+
+    def _forward_batch(self, staged: StagedStep) -> ForwardBatch:
+        """Pack the step's integers into one pinned buffer, copy it over in one go, and build the batch on views."""
+        d, p = staged.decode, staged.prefill
+        nd, n, b = len(d.reqs), staged.num_tokens, staged.num_seqs
+        dims, npf, nm = p.positions.shape[0], len(p.reqs), p.mm_rows.shape[0]
+        sizes = [n, n, n, n, dims * n, b, b, npf, npf, b, nm]
+        host = self._meta.host(sum(sizes))
+        parts = np.split(host.numpy(), np.cumsum(sizes)[:-1])
+        ids, slots, rows, cols, pos, req_idx, seq_lens, q_starts, q_lens, logits_idx, mm_rows = parts
+        ids[:nd], ids[nd:] = 0, p.input_ids  # decode ids are filled in on the device
+        slots[:nd], slots[nd:] = d.slot, p.slot
+        rows[:nd], rows[nd:] = d.req_idx, p.tok_req_idx
+        cols[:nd], cols[nd:] = d.col, p.tok_col
+        pos = pos.reshape(dims, n)
+        pos[:, :nd], pos[:, nd:] = d.position, p.positions
+        req_idx[:nd], req_idx[nd:] = d.req_idx, p.req_idx
+        seq_lens[:nd], seq_lens[nd:] = d.col + 1, p.seq_len
+        q_starts[:], q_lens[:] = p.q_start, p.q_len
+        logits_idx[:nd], logits_idx[nd:] = np.arange(nd), nd + p.q_start + p.q_len - 1
+        mm_rows[:] = nd + p.mm_rows
+        dev = torch.split(self._meta.to_device(host), sizes)
+        ids_d, slots_d, rows_d, cols_d, pos_d, req_idx_d, seq_lens_d, q_starts_d, q_lens_d, logits_d, mm_rows_d = dev
+        if nd:
+            ids_d[:nd] = self.last_token[req_idx_d[:nd]]
+        self.kv.assign(rows_d, cols_d, slots_d)
         return ForwardBatch(
-            is_prefill=False,
-            input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64).to(dev, non_blocking=True),
-            positions=positions.contiguous().to(dev, non_blocking=True),
-            out_slots=slots.to(dev, non_blocking=True),
-            req_idx=rows.to(dev, torch.int32, non_blocking=True),
-            seq_lens=(cols + 1).to(dev, torch.int32, non_blocking=True),
-            q_starts=torch.arange(n, dtype=torch.int32).to(dev, non_blocking=True),
-            q_lens=torch.ones(n, dtype=torch.int32).to(dev, non_blocking=True),
-            logits_idx=torch.arange(n, dtype=torch.int64).to(dev, non_blocking=True),
-            max_q_len=1,
-            kv=kv,
+            input_ids=ids_d,
+            positions=pos_d if dims == 1 else pos_d.view(dims, n),
+            out_slots=slots_d,
+            num_decode=nd,
+            req_idx=req_idx_d,
+            seq_lens=seq_lens_d,
+            q_starts=q_starts_d,
+            q_lens=q_lens_d,
+            max_q_len=int(p.q_len.max()) if npf else 0,
+            kv=self.kv,
+            max_decode_len=int(d.col.max()) + 1 if nd else None,
+            logits_idx=None if npf == 0 else logits_d,
+            mm_embeds=self._embeds_to_device(p.mm_embeds) if nm else None,
+            mm_positions=mm_rows_d if nm else None,
         )
 
-    def _prefill_positions(self, reqs: list[Request], cols: torch.Tensor) -> torch.Tensor:
-        if self.model.position_dims == 1:
-            return cols
-        parts = [
-            r.positions if r.positions is not None else torch.arange(r.prompt_len)[None].expand(3, -1) for r in reqs
-        ]
-        return torch.cat(parts, dim=1)  # [3, num_tokens]
-
-    def _mm_inputs(self, reqs: list[Request], q_starts: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        items = [(start + item.offset, item) for r, start in zip(reqs, q_starts, strict=True) for item in r.mm_items]
-        if not items:
-            return None, None
+    def _embeds_to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """[M, hidden] in the LM's dtype. On GPU the copy runs on a side stream, so the host returns while it
+        proceeds beside the step in flight; the compute stream waits for it before the splice."""
         dtype = self.model.embed_tokens.weight.dtype  # the visual process may run in another dtype
-        embeds = torch.cat([item.embeds for _, item in items]).to(self.device, dtype, non_blocking=True)  # [M, hidden]
-        positions = torch.cat([torch.arange(s, s + item.num_tokens) for s, item in items])  # [M]
-        return embeds, positions.to(self.device, non_blocking=True)
+        host = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self._copy_stream is None:
+            return host.to(dtype)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            # Allocated from the copy stream's pool, so it never reuses memory the step in flight still reads;
+            # record_stream keeps it from being reused before the compute stream is done with it.
+            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            out.copy_(host, non_blocking=True)
+        out.record_stream(compute)
+        compute.wait_stream(self._copy_stream)
+        return out.to(dtype)

@@ -1,4 +1,7 @@
-"""A request as the engine sees it: token ids in, token ids out, and the KV slots it holds."""
+"""A request as the engine sees it: token ids in, token ids out, and the KV slots it holds.
+
+With the overlapped engine a request runs one step ahead of what the host has read back: `kv_len` and
+`num_sampled` count what launched steps will have written and sampled, `output_ids` what has been collected."""
 
 from __future__ import annotations
 
@@ -37,15 +40,19 @@ class Request:
     params: SamplingParams
     mm_items: list[MultimodalItem] = field(default_factory=list)
     # Explicit positions for models with multi-axis rotary (M-RoPE): [3, prompt_len], and the offset that decode
-    # positions carry (position = seq_len - 1 + position_delta). None means plain 0..L-1 positions.
+    # positions carry (position = token index + position_delta). None means plain 0..L-1 positions.
     positions: torch.Tensor | None = None
     position_delta: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # collected from finished steps
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     req_idx: int = -1  # row in the request-to-slots table while running
+    # What launched steps (including the one in flight) have done:
+    kv_len: int = 0  # tokens whose K/V are written: prompt chunks, then one sampled token per decode step
+    num_sampled: int = 0  # tokens sampled (the first one by the prompt's last chunk)
+    kv_slots: list[int] = field(default_factory=list)  # slot of token i at index i (host mirror of the table row)
 
     @property
     def prompt_len(self) -> int:
@@ -53,13 +60,18 @@ class Request:
 
     @property
     def seq_len(self) -> int:
-        """Tokens whose K/V are (or are about to be) in the cache."""
+        """Tokens known to the host: the prompt and the collected outputs."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def remaining_tokens(self) -> int:
-        """Upper bound on the tokens this request may still add (the router's peak projection uses it)."""
-        return self.params.max_new_tokens - len(self.output_ids)
+    def prefilling(self) -> bool:
+        """Part of the prompt is still to be run (chunked prefill)."""
+        return self.kv_len < self.prompt_len
+
+    @property
+    def sampling_done(self) -> bool:
+        """Launched steps already sample every token max_new_tokens allows: no further step is needed."""
+        return self.num_sampled >= self.params.max_new_tokens
 
     @property
     def max_total_len(self) -> int:

@@ -93,6 +93,14 @@ def _seeded_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch
     return (x.float() + 0.5) / 4294967296.0
 
 
+def sample_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast path for a batch that is all greedy with no penalties: argmax and its log-probability, with no
+    sort and no full log-softmax table. logits: [B, V] float32 -> (ids [B] int64, logprobs [B] float32)."""
+    next_ids = logits.argmax(dim=-1)
+    best = logits.gather(1, next_ids[:, None]).squeeze(1)
+    return next_ids, best - torch.logsumexp(logits, dim=-1)
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [B, V] float32 -> (next token ids [B] int64, their log-probabilities [B] float32)."""
     if sb.penalties is not None:

@@ -1,20 +1,26 @@
-"""Admission and batching: the Efficient Router. A waiting request joins the running batch only if the batch's
-projected peak KV use, were every request to run to its max_new_tokens, stays within the cache — so decoding
-never runs out of slots."""
+"""Admission and batching: the Efficient Router with chunked prefill.
+
+Every step decodes each running request once and spends up to `prefill_budget` prompt tokens on prefill: first the
+requests whose prompts are part-way through, then waiting requests in arrival order. A prompt longer than what is
+left of the budget is split across steps (chunked prefill) unless chunking is off.
+
+A waiting request is admitted only if the projected peak KV use stays within the cache, so decoding never runs out
+of slots. Decoding requests grow in lockstep, one slot per step, which LightLLM's sorted projection counts exactly;
+a request that is still prefilling may start growing any number of steps later, so it is counted at its own peak
+(prompt + max_new_tokens - 1 slots) for the whole horizon."""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from language.request import Request, RequestStatus
 
 
-def future_slots(req: Request) -> tuple[int, int]:
-    """(slots held once admitted, slots it may still add). The last sampled token is never stored, so a request
-    peaks at prompt_len + max_new_tokens - 1 slots."""
-    held = req.seq_len - 1 if req.output_ids else req.prompt_len
-    return held, req.prompt_len + req.params.max_new_tokens - 1 - held
+def peak_slots(req: Request) -> int:
+    """The most slots a request ever holds: the last sampled token is never stored."""
+    return req.prompt_len + req.params.max_new_tokens - 1
 
 
 def lockstep_peak(usage: list[tuple[int, int]]) -> int:
@@ -28,28 +34,51 @@ def lockstep_peak(usage: list[tuple[int, int]]) -> int:
     return peak
 
 
-def projected_peak(running: list[Request], admitted: list[Request]) -> int:
-    """Peak slots if `admitted` join `running` this step and every request decodes to its limit. This step the
-    running requests store one more token each while the admitted ones store their prompts, so the two groups are a
-    step apart: count this step's total, then project the survivors in lockstep from their state after it."""
-    run = [future_slots(r) for r in running]
-    new = [future_slots(r) for r in admitted]
-    now = sum(held + 1 for held, _ in run) + sum(held for held, _ in new)
-    later = [(held + 1, rem - 1) for held, rem in run if rem > 1] + [(held, rem) for held, rem in new if rem > 0]
-    return max(now, lockstep_peak(later))
+def projected_peak(decoding: list[Request], fixed: int) -> int:
+    """Peak slots if `decoding` each store one token this step and every following step until max_new_tokens, while
+    the other requests hold `fixed` slots at most throughout. A request's last sample is read back a step after it
+    is launched, so it holds its full peak one step longer than it grows: counted as one more step of growth."""
+    now = fixed + sum(r.kv_len + 1 for r in decoding)
+    later = [(r.kv_len + 1, peak_slots(r) - r.kv_len) for r in decoding]
+    return max(now, fixed + lockstep_peak(later))
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    req: Request
+    start: int  # first prompt token of the chunk
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def is_last(self) -> bool:
+        """The chunk that completes the prompt: its last row's logits give the first output token."""
+        return self.end == self.req.prompt_len
 
 
 @dataclass
-class ScheduleResult:
-    prefill: list[Request]
-    decode: list[Request]
+class StepPlan:
+    decode: list[Request] = field(default_factory=list)  # one token each, sampled by the previous step
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)  # newly running this step (need a table row)
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.length for c in self.prefill)
 
 
 class Scheduler:
-    def __init__(self, max_total_tokens: int, max_running: int, max_prefill_tokens: int):
+    def __init__(self, max_total_tokens: int, max_running: int, prefill_budget: int, chunked_prefill: bool = True):
         self.max_total_tokens = max_total_tokens
         self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_budget = prefill_budget
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -57,28 +86,44 @@ class Scheduler:
         self.waiting.append(req)
 
     def can_ever_fit(self, req: Request) -> bool:
-        return projected_peak([], [req]) <= self.max_total_tokens
-
-    def schedule(self, has_free_row) -> ScheduleResult:
-        """Admit waiting requests in arrival order while the projected peak fits; decode every running request."""
-        decode = list(self.running)
-        admitted: list[Request] = []
-        prefill_tokens = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_running and has_free_row(len(admitted)):
-            cand = self.waiting[0]
-            if admitted and prefill_tokens + cand.prompt_len > self.max_prefill_tokens:
-                break
-            if projected_peak(self.running, admitted + [cand]) > self.max_total_tokens:
-                break  # FIFO: later requests wait behind it rather than starve it
-            admitted.append(self.waiting.popleft())
-            prefill_tokens += cand.prompt_len
-        for req in admitted:
-            req.status = RequestStatus.RUNNING
-        self.running.extend(admitted)
-        return ScheduleResult(prefill=admitted, decode=decode)
+        return peak_slots(req) <= self.max_total_tokens
 
     def remove(self, req: Request) -> None:
-        if req in self.running:
+        if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+    def schedule(self, has_free_row: Callable[[int], bool]) -> StepPlan:
+        """The next step's work. Requests whose launched steps already sample their last token sit out."""
+        plan = StepPlan(decode=[r for r in self.running if not r.prefilling and not r.sampling_done])
+        budget = self.prefill_budget
+        fixed = 0  # slots held at most by the requests that are not decoding this step
+        for r in self.running:
+            if r.prefilling:
+                fixed += peak_slots(r)
+                if budget > 0:
+                    budget -= self._take_chunk(plan, r, budget)
+            elif r.sampling_done:
+                fixed += r.kv_len
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            cand = self.waiting[0]
+            if not has_free_row(len(plan.admitted)):
+                break
+            if not self.chunked_prefill and cand.prompt_len > budget and plan.prefill:
+                break  # whole prompts only: this one waits for a step with room
+            if projected_peak(plan.decode, fixed + peak_slots(cand)) > self.max_total_tokens:
+                break  # FIFO: later requests wait behind it rather than starve it
+            self.waiting.popleft()
+            cand.status = RequestStatus.RUNNING
+            self.running.append(cand)
+            plan.admitted.append(cand)
+            fixed += peak_slots(cand)
+            budget -= self._take_chunk(plan, cand, budget)
+        return plan
+
+    def _take_chunk(self, plan: StepPlan, req: Request, budget: int) -> int:
+        remaining = req.prompt_len - req.kv_len
+        length = min(remaining, budget) if self.chunked_prefill else remaining
+        plan.prefill.append(PrefillChunk(req, req.kv_len, length))
+        return length

@@ -1,16 +1,20 @@
 """Compiling every Triton specialization before the first request. Triton specialises integer arguments that are 1
 or multiples of 16, so a server that meets a new (token count, longest sequence, sequence count) class mid-load
-would stall that step for a compile; we meet each class once at start-up instead."""
+would stall that step for a compile; we meet each class once at start-up instead, through the engine's own step
+(prefill-only steps, then steps that mix decode rows with new prompts)."""
 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
-from language.model_runner import ModelRunner
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from language.engine import EngineCore
 
 
 def _kind(x: int) -> int:
@@ -29,24 +33,39 @@ def warmup_shapes() -> list[list[int]]:
     return list(found.values())
 
 
+def _request(engine: EngineCore, rid: str, length: int, new_tokens: int, with_image: bool) -> Request:
+    req = Request(rid, [0] * length, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    if with_image:  # the splice kernel too; made-up images keep plain positions
+        embeds = torch.zeros(length, engine.model_info.hidden_size, dtype=engine.model_info.dtype)
+        req.mm_items.append(MultimodalItem(offset=0, embeds=embeds))
+        if engine.model.position_dims > 1:
+            req.positions = torch.arange(length).expand(engine.model.position_dims, -1)
+    return req
+
+
+def _run(engine: EngineCore, waves: list[list[Request]]) -> None:
+    """Add each wave one step after the previous one, then step until all have finished."""
+    for wave in waves:
+        for r in wave:
+            engine.add_request(r)
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+
+
 @torch.inference_mode()
-def warmup(runner: ModelRunner, model: torch.nn.Module, hidden: int) -> None:
-    kv = runner.kv
-    params = SamplingParams(max_new_tokens=1)
+def warmup(engine: EngineCore) -> None:
+    free = engine.kv.slots.num_free
     for i, lens in enumerate(warmup_shapes()):
-        reqs = [Request(f"warmup-{i}-{j}", [0] * n, params) for j, n in enumerate(lens)]
-        if i < 2:  # the image splice kernel too, with both kinds of embedding count
-            n = reqs[0].prompt_len
-            embeds = torch.zeros(n, hidden, dtype=model.embed_tokens.weight.dtype)
-            reqs[0].mm_items.append(MultimodalItem(offset=0, embeds=embeds))
-        if sum(lens) > kv.slots.num_free or len(reqs) > kv.num_free_rows():
+        if sum(lens) + len(lens) > free or len(lens) > engine.kv.num_free_rows():
             continue
-        for r in reqs:
-            if not r.mm_items:  # image requests keep plain positions: their grids are made up
-                model.prepare_request(r)
-        runner.prefill(reqs)
-        for r in reqs:
-            kv.free_row(r.req_idx, r.prompt_len)
-            r.req_idx = -1
-    if runner.device.type == "cuda":
+        _run(engine, [[_request(engine, f"warmup-{i}-{j}", n, 1, i < 2) for j, n in enumerate(lens)]])
+    # Decode rows of each count kind beside new prompts, then decode alone (eager beyond the graphs).
+    waves = [
+        [_request(engine, f"warmup-mix-{w}-{j}", 5 + j, 6, False) for j in range(n)] for w, n in enumerate((1, 16, 3))
+    ]
+    if sum(len(w) for w in waves) * 16 <= free:
+        _run(engine, waves)
+    engine.counters = type(engine.counters)()  # the figures start with the first real request
+    if engine.model_info.device.type == "cuda":
         torch.cuda.synchronize()

@@ -23,6 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem_fraction", type=float, default=0.9, help="share of free device memory for weights + KV")
     p.add_argument("--running_max_req_size", type=int, default=1000, help="most requests decoding at once")
     p.add_argument("--max_req_total_len", type=int, default=None, help="most tokens of prompt + output per request")
+    p.add_argument(
+        "--chunked_prefill_size",
+        type=int,
+        default=4096,
+        help="prompt tokens prefilled per step; longer prompts are split across steps beside decoding requests",
+    )
+    p.add_argument("--disable_chunked_prefill", action="store_true", help="prefill whole prompts, one step each")
+    p.add_argument("--graph_max_batch_size", type=int, default=256, help="largest decode batch run as a CUDA graph")
+    p.add_argument("--disable_cudagraph", action="store_true", help="run decode steps eagerly")
     p.add_argument("--eos_id", type=int, nargs="+", default=None, help="end-of-sequence ids (overrides the model's)")
     p.add_argument("--trust_remote_code", action="store_true")
     p.add_argument("--enable_multimodal", action="store_true", help="accept images (visual process + cache)")
@@ -59,6 +68,10 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             running_max_req_size=args.running_max_req_size,
             max_req_total_len=args.max_req_total_len,
             eos_id=tuple(args.eos_id) if args.eos_id else None,
+            chunked_prefill_size=args.chunked_prefill_size,
+            chunked_prefill=not args.disable_chunked_prefill,
+            graph_max_batch_size=args.graph_max_batch_size,
+            cuda_graph=not args.disable_cudagraph,
             trust_remote_code=args.trust_remote_code,
             enable_multimodal=args.enable_multimodal,
             cache_capacity=args.cache_capacity,

@@ -28,6 +28,10 @@ class ServerConfig:
     running_max_req_size: int = 1000
     max_req_total_len: int | None = None  # prompt + new tokens; None: the engine's limit
     eos_id: tuple[int, ...] | None = None  # overrides the checkpoint's EOS ids
+    chunked_prefill_size: int = 4096  # prompt tokens prefilled per step
+    chunked_prefill: bool = True  # --disable_chunked_prefill: whole prompts
+    graph_max_batch_size: int = 256  # largest decode batch captured as a CUDA graph
+    cuda_graph: bool = True  # --disable_cudagraph: eager decode
     trust_remote_code: bool = False
     enable_multimodal: bool = False
     cache_capacity: int = 200  # images held in the embedding cache
@@ -54,6 +58,10 @@ class ServerConfig:
             raise ValueError("--max_req_total_len must be >= 2")
         if self.data_type not in DTYPE_NAMES.values():
             raise ValueError(f"--data_type must be one of {sorted(DTYPE_NAMES)}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError("--chunked_prefill_size must be >= 1")
+        if self.graph_max_batch_size < 1:
+            raise ValueError("--graph_max_batch_size must be >= 1")
         if self.cache_capacity < 1:
             raise ValueError("--cache_capacity must be >= 1")
         if not 0 < self.port < 65536:
@@ -75,4 +83,8 @@ class ServerConfig:
             device=self.device,
             eos_id=self.eos_id,
             trust_remote_code=self.trust_remote_code,
+            chunked_prefill_size=self.chunked_prefill_size,
+            chunked_prefill=self.chunked_prefill,
+            cuda_graph=self.cuda_graph,
+            cuda_graph_max_batch=self.graph_max_batch_size,
         )

@@ -46,24 +46,28 @@ class Attention(nn.Module):
         kv = batch.kv
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         kernels.store_kv(k_cache, v_cache, k, v, batch.out_slots)
-        if batch.is_prefill:
-            o = kernels.prefill_attention(
-                q,
-                k_cache,
-                v_cache,
-                kv.req_to_token,
-                batch.req_idx,
-                batch.q_starts,
-                batch.q_lens,
-                batch.seq_lens,
-                self.scale,
-                max_q_len=batch.max_q_len,
-            )
-        else:
-            o = kernels.decode_attention(
-                q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.seq_lens, self.scale
-            )
-        return self.o_proj(o.view(n, self.q_size))
+        return self.o_proj(self._attend(q, k_cache, v_cache, batch).view(n, self.q_size))
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch):
+        """q: [n, Hq, D] -> [n, Hq, D]: the decode kernel for decode rows, the prefill kernel for the chunks."""
+        kv, nd, n = batch.kv, batch.num_decode, q.shape[0]
+        if nd == n:
+            return kernels.decode_attention(
+                q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.seq_lens, self.scale,
+                max_seq_len=batch.max_decode_len,
+            )  # fmt: skip
+        out = torch.empty_like(q) if nd else None
+        prefill_out = kernels.prefill_attention(
+            q[nd:], k_cache, v_cache, kv.req_to_token, batch.req_idx[nd:], batch.q_starts, batch.q_lens,
+            batch.seq_lens[nd:], self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
+        )  # fmt: skip
+        if out is None:
+            return prefill_out
+        kernels.decode_attention(
+            q[:nd], k_cache, v_cache, kv.req_to_token, batch.req_idx[:nd], batch.seq_lens[:nd], self.scale,
+            max_seq_len=batch.max_decode_len, out=out[:nd],
+        )  # fmt: skip
+        return out
 
 
 class MLP(nn.Module):
@@ -143,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(batch.positions)  # [num_tokens, D/2] each
         for layer in self.layers:
             x = layer(x, cos, sin, batch)
-        last = x[batch.logits_idx] if batch.is_prefill else x  # [num_seqs, hidden]
+        last = x if batch.logits_idx is None else x[batch.logits_idx]  # [num_seqs, hidden]
         return self.lm_head(self.norm(last)).float()  # [num_seqs, vocab]
 
     # ---- weights ----

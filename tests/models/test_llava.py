@@ -149,7 +149,9 @@ PROMPTS = [
 NEW_TOKENS = 12
 
 
-def our_generation(model_dir: str, architecture: str, prefix: str) -> tuple[list[list[int]], list[list[int]]]:
+def our_generation(
+    model_dir: str, architecture: str, prefix: str, chunked_prefill_size: int = 4096
+) -> tuple[list[list[int]], list[list[int]]]:
     """Prompt ids and greedy tokens through our pieces: prompt processor, vision model -> shared-memory cache ->
     router-side views -> the language engine, all prompts in one batch."""
     from transformers import AutoTokenizer
@@ -171,7 +173,9 @@ def our_generation(model_dir: str, architecture: str, prefix: str) -> tuple[list
         prompts.append(mm.token_ids)
         items.append([MultimodalItem(off, read_embedding(prefix, f"img{i}"), f"img{i}")
                       for off, i in zip(mm.offsets, image_ids, strict=True)])  # fmt: skip
-    llm = LLM(model_dir, device="cpu", dtype="float32", max_total_token_num=1024)
+    llm = LLM(
+        model_dir, device="cpu", dtype="float32", max_total_token_num=1024, chunked_prefill_size=chunked_prefill_size
+    )
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, mm_items=items)
     return prompts, [o.token_ids for o in outs]
@@ -220,3 +224,13 @@ def test_greedy_tokens_equal_hf_original_layout(original_dir, shm_prefix):
         pixels = pad(images=[IMAGES[i] for i in image_ids], return_tensors="pt")["pixel_values"] if image_ids else None
         assert prompt_ids.count(0) == 16 * len(image_ids)
         assert got == hf_greedy(hf, prompt_ids, pixels), text
+
+
+def test_chunked_prefill_equals_unsplit(llava_hf_legacy_dir, shm_prefix):
+    """Prompts split into 5-token chunks (each 16-token image spans four chunks, batched with decode rows of the
+    other prompts) give the tokens of whole-prompt prefill."""
+    arch = "LlavaForConditionalGeneration"
+    prompts, whole = our_generation(llava_hf_legacy_dir, arch, shm_prefix)
+    assert min(len(p) for p in prompts) > 5
+    _, chunked = our_generation(llava_hf_legacy_dir, arch, shm_prefix, chunked_prefill_size=5)
+    assert chunked == whole

@@ -65,8 +65,10 @@ CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def test_greedy_generation_matches_hf(published_dir: str, hf_model) -> None:
-    """1 image, 2 images of different sizes and a text-only prompt, batched in our engine: each equals HF generate."""
+@pytest.mark.parametrize("chunked_prefill_size", [4096, 6])
+def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_prefill_size: int) -> None:
+    """1 image, 2 images of different sizes and a text-only prompt, batched in our engine: each equals HF generate,
+    whether prompts run whole or in 6-token chunks (images and their M-RoPE positions split across steps)."""
     from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     from language.llm import LLM
@@ -97,7 +99,7 @@ def test_greedy_generation_matches_hf(published_dir: str, hf_model) -> None:
         prompts.append(mm.token_ids)
         placed = zip(mm.offsets, embeds, mm.grid_thw, strict=True)
         items.append([MultimodalItem(offset=o, embeds=e, grid_thw=g) for o, e, g in placed])
-    llm = LLM(published_dir, max_total_token_num=4096, device="cpu")
+    llm = LLM(published_dir, max_total_token_num=4096, device="cpu", chunked_prefill_size=chunked_prefill_size)
     ours = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), mm_items=items)
 
     for (text, images), prompt, gen in zip(cases, prompts, ours, strict=True):

@@ -1,5 +1,6 @@
-"""The real engine under random load on a tiny cache: requests join at random, some abort, some stop at EOS; it
-never runs out of KV slots, and the slots it holds always equal what its running requests have stored."""
+"""The real engine under random load on a tiny cache: requests join at random, some abort, some stop at EOS, long
+prompts are split across steps; it never runs out of KV slots, and the slots it holds always equal what its running
+requests have stored (or are storing in the step in flight)."""
 
 import random
 
@@ -14,7 +15,9 @@ from mmserve.checkpoints.llama import build_llama
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir = build_llama(str(tmp_path_factory.mktemp("admission_llama")))
-    return LLM(model_dir, max_total_token_num=120, device="cpu", running_max_req_size=64).engine
+    return LLM(
+        model_dir, max_total_token_num=120, device="cpu", running_max_req_size=64, chunked_prefill_size=16
+    ).engine
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -29,7 +32,8 @@ def test_random_load_never_runs_out_of_slots(engine, seed):
         if rng.random() < 0.05 and engine._requests:
             engine.abort(rng.choice(sorted(engine._requests)))
         engine.step()  # raises OutOfSlots if admission ever over-commits
-        stored = sum(r.seq_len - 1 for r in engine.scheduler.running)
+        stored = sum(r.kv_len for r in engine.scheduler.running)
+        assert all(len(r.kv_slots) == r.kv_len for r in engine.scheduler.running)
         assert engine.stats().kv_used == stored <= engine.stats().kv_total
     for rid in list(engine._requests):
         engine.abort(rid)

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from language.slot_allocator import OutOfSlots, SlotAllocator
 def test_random_alloc_free_never_double_allocates():
     rng = random.Random(0)
     alloc = SlotAllocator(997)
-    held: list[torch.Tensor] = []
+    held: list = []
     owned = torch.zeros(997, dtype=torch.bool)
     for _ in range(3000):
         if held and rng.random() < 0.45:
@@ -26,7 +27,7 @@ def test_random_alloc_free_never_double_allocates():
                     alloc.allocate(n)
                 continue
             slots = alloc.allocate(n)
-            assert slots.numel() == n and slots.unique().numel() == n
+            assert slots.size == n and np.unique(slots).size == n
             assert not owned[slots].any(), "a slot was handed out twice"
             owned[slots] = True
             held.append(slots)
@@ -34,17 +35,15 @@ def test_random_alloc_free_never_double_allocates():
         assert alloc.num_used == int(owned.sum())
 
 
-def test_prefers_contiguous_then_scatters():
+def test_fresh_allocator_hands_out_ascending_runs_and_reuses_freed_slots():
     alloc = SlotAllocator(16)
     a = alloc.allocate(4)
     b = alloc.allocate(4)
     assert a.tolist() == [0, 1, 2, 3] and b.tolist() == [4, 5, 6, 7]
     alloc.free(a)
-    c = alloc.allocate(6)  # no run of 6 among the free 0-3: takes the run at 8
-    assert c.tolist() == list(range(8, 14))
-    d = alloc.allocate(5)  # 0-3 and 14-15 free, no run of 5: scattered
-    assert sorted(d.tolist()) == [0, 1, 2, 3, 14]
-    assert alloc.num_free == 1
+    c = alloc.allocate(6)  # the freed slots first, then fresh ones
+    assert sorted(c.tolist()) == [0, 1, 2, 3, 8, 9]
+    assert alloc.num_free == 6 and alloc.num_used == 10
 
 
 def test_out_of_slots_changes_nothing_and_double_free_is_refused():
@@ -72,12 +71,14 @@ def test_kv_cache_rows_free_their_slots():
     )
     rows = [kv.allocate_row() for _ in range(3)]
     assert kv.num_free_rows() == 0
+    held = {}
     for row, n in zip(rows, (5, 9, 2), strict=True):
-        slots = kv.slots.allocate(n)
-        kv.assign(torch.full((n,), row), torch.arange(n), slots)
+        held[row] = kv.slots.allocate(n)
+        kv.assign(torch.full((n,), row), torch.arange(n), torch.from_numpy(held[row]))
+        assert kv.req_to_token[row, :n].tolist() == held[row].tolist()
     assert kv.slots.num_used == 16
-    kv.free_row(rows[1], 9)
+    kv.free_row(rows[1], held[rows[1]].tolist())
     assert kv.slots.num_used == 7 and kv.num_free_rows() == 1
-    kv.free_row(rows[0], 5)
-    kv.free_row(rows[2], 2)
+    kv.free_row(rows[0], held[rows[0]].tolist())
+    kv.free_row(rows[2], held[rows[2]].tolist())
     assert kv.slots.num_used == 0 and kv.num_free_rows() == 3

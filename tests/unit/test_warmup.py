@@ -15,6 +15,7 @@ def test_warmup_frees_everything(tmp_path):
 
     llm = LLM(build_llama(str(tmp_path / "m")), max_total_token_num=1024, device="cpu")
     engine = llm.engine
-    warmup(engine.runner, engine.model, engine.model_info.hidden_size)
+    warmup(engine)
     stats = engine.stats()
     assert stats.kv_used == 0 and engine.kv.num_free_rows() == engine.cfg.running_max_req_size
+    assert not engine.has_unfinished() and engine.counters.steps == 0

@@ -1,0 +1,150 @@
+"""One step's inputs, built on the host while the previous step still runs on the GPU.
+
+Staging a StepPlan allocates the KV slots its tokens are written to, advances each request's `kv_len` and
+`num_sampled`, and lays the step's integer inputs out as numpy arrays: decode rows first (one token each, whose id
+the device already holds), then the prefill chunks. Nothing here touches the device; `ModelRunner` packs the arrays
+into one pinned buffer and sends it in a single copy.
+
+If a request of the decode part turns out finished once the previous step is read back (it sampled EOS), `drop`
+takes its row out before anything is launched: a request that finishes at step N never runs at step N+1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from language.kv_cache import KVCache
+from language.request import Request
+from language.scheduler import StepPlan
+
+
+@dataclass
+class DecodeRows:
+    """[D] arrays, one row per decoding request: it stores its latest sampled token at kv position `col`."""
+
+    reqs: list[Request]
+    req_idx: np.ndarray  # int64 table row
+    col: np.ndarray  # int64 kv position of the stored token (seq_len after this step = col + 1)
+    position: np.ndarray  # int64 rotary position (col + the request's M-RoPE delta)
+    slot: np.ndarray  # int64 KV slot of the stored token
+
+    def keep(self, mask: np.ndarray) -> DecodeRows:
+        return DecodeRows(
+            [r for r, k in zip(self.reqs, mask, strict=True) if k],
+            self.req_idx[mask],
+            self.col[mask],
+            self.position[mask],
+            self.slot[mask],
+        )
+
+
+@dataclass
+class PrefillRows:
+    """The prefill chunks: [T] arrays per token and [P] arrays per chunk."""
+
+    reqs: list[Request]
+    samples: np.ndarray  # bool [P]: the chunk completes its prompt, so its last row's token is kept
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [A, T], A = 1 or 3 (M-RoPE)
+    tok_req_idx: np.ndarray  # int64 [T] table row of each token
+    tok_col: np.ndarray  # int64 [T] kv position of each token
+    slot: np.ndarray  # int64 [T]
+    req_idx: np.ndarray  # int64 [P]
+    q_start: np.ndarray  # int64 [P] first row of the chunk within the prefill part
+    q_len: np.ndarray  # int64 [P]
+    seq_len: np.ndarray  # int64 [P] kv length after this step
+    mm_embeds: list[torch.Tensor]  # host views [m_i, hidden] of the image rows in these chunks
+    mm_rows: np.ndarray  # int64 [M] row of each image embedding within the prefill part
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class StagedStep:
+    decode: DecodeRows
+    prefill: PrefillRows
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decode.reqs) + len(self.prefill.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode.reqs) + self.prefill.num_tokens
+
+    def drop_finished(self) -> None:
+        """Remove decode rows whose request finished meanwhile (finishing freed every slot it held, the one staged
+        here included)."""
+        mask = np.array([not r.finished for r in self.decode.reqs], dtype=np.bool_)
+        if not mask.all():
+            self.decode = self.decode.keep(mask)
+
+
+def stage(plan: StepPlan, kv: KVCache, position_dims: int) -> StagedStep:
+    for r in plan.admitted:
+        r.req_idx = kv.allocate_row()
+    return StagedStep(_stage_decode(plan.decode, kv), _stage_prefill(plan, kv, position_dims))
+
+
+def _stage_decode(reqs: list[Request], kv: KVCache) -> DecodeRows:
+    n = len(reqs)
+    slots = kv.slots.allocate(n)
+    req_idx = np.empty(n, dtype=np.int64)
+    col = np.empty(n, dtype=np.int64)
+    delta = np.empty(n, dtype=np.int64)
+    for i, r in enumerate(reqs):
+        req_idx[i], col[i], delta[i] = r.req_idx, r.kv_len, r.position_delta
+        r.kv_len += 1
+        r.num_sampled += 1
+        r.kv_slots.append(int(slots[i]))
+    return DecodeRows(list(reqs), req_idx, col, col + delta, slots)
+
+
+def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int) -> PrefillRows:
+    chunks = plan.prefill
+    q_len = np.array([c.length for c in chunks], dtype=np.int64)
+    q_start = np.cumsum(q_len) - q_len
+    total = int(q_len.sum())
+    slots = kv.slots.allocate(total)
+    input_ids = np.empty(total, dtype=np.int64)
+    positions = np.empty((position_dims, total), dtype=np.int64)
+    tok_col = np.empty(total, dtype=np.int64)
+    mm_embeds: list[torch.Tensor] = []
+    mm_rows: list[np.ndarray] = []
+    for c, base in zip(chunks, q_start.tolist(), strict=True):
+        r, rows = c.req, slice(base, base + c.length)
+        input_ids[rows] = r.prompt_ids[c.start : c.end]
+        tok_col[rows] = np.arange(c.start, c.end)
+        if r.positions is not None:
+            positions[:, rows] = r.positions[:, c.start : c.end].numpy()
+        else:
+            positions[:, rows] = tok_col[rows]
+        for item in r.mm_items:  # the image rows that fall inside this chunk
+            lo, hi = max(item.offset, c.start), min(item.offset + item.num_tokens, c.end)
+            if lo < hi:
+                mm_embeds.append(item.embeds[lo - item.offset : hi - item.offset])
+                mm_rows.append(np.arange(base + lo - c.start, base + hi - c.start))
+        r.kv_slots.extend(slots[rows].tolist())
+        r.kv_len = c.end
+        if c.is_last:
+            r.num_sampled += 1
+    req_idx = np.array([c.req.req_idx for c in chunks], dtype=np.int64)
+    return PrefillRows(
+        reqs=[c.req for c in chunks],
+        samples=np.array([c.is_last for c in chunks], dtype=np.bool_),
+        input_ids=input_ids,
+        positions=positions,
+        tok_req_idx=np.repeat(req_idx, q_len),
+        tok_col=tok_col,
+        slot=slots,
+        req_idx=req_idx,
+        q_start=q_start,
+        q_len=q_len,
+        seq_len=np.array([c.end for c in chunks], dtype=np.int64),
+        mm_embeds=mm_embeds,
+        mm_rows=np.concatenate(mm_rows) if mm_rows else np.empty(0, dtype=np.int64),
+    )

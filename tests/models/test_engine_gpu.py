@@ -1,0 +1,45 @@
+"""On a GPU: the overlapped engine with Triton kernels, CUDA-graph decode and chunked prefill (mixed decode +
+prefill steps) gives HF's greedy tokens. Skipped without CUDA; run on the GPU host with `pytest tests/models`."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from language.llm import LLM
+from language.request import Request
+from language.sampling_params import SamplingParams
+from tests.models.hf_reference import hf_greedy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("chunk", [4096, 13])
+def test_staggered_requests_equal_hf_on_gpu(tiny_llama_dir, hf_model, chunk):
+    llm = LLM(tiny_llama_dir, max_total_token_num=8192, device="cuda", dtype="float32", chunked_prefill_size=chunk)
+    assert llm.engine.runner.graphs is not None
+    rng = random.Random(1)
+    vocab = hf_model.config.vocab_size
+    prompts = [[1] + [rng.randrange(3, vocab) for _ in range(n)] for n in (3, 40, 9, 120, 1, 77)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    engine, reqs = llm.engine, []
+    for step in range(400):
+        if step % 4 == 0 and len(reqs) < len(prompts):  # join while others decode: mixed steps
+            reqs.append(Request(f"g{chunk}-{len(reqs)}", prompts[len(reqs)], params))
+            engine.add_request(reqs[-1])
+        engine.step()
+        if len(reqs) == len(prompts) and not engine.has_unfinished():
+            break
+    for r in reqs:
+        assert r.output_ids == hf_greedy(hf_model, r.prompt_ids, NEW_TOKENS), r.rid
+    assert engine.stats().kv_used == 0
