@@ -16,8 +16,10 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64, or [3, num_tokens] for M-RoPE models
     out_slots: torch.Tensor  # [num_tokens] int64: KV slot each new token is written to
     num_decode: int  # the first num_decode tokens (and sequences) are decode rows
-    req_idx: torch.Tensor  # [num_seqs] int64: row of each sequence in kv.req_to_token
-    seq_lens: torch.Tensor  # [num_seqs] int64: cached tokens of each sequence after this pass
+    req_idx: torch.Tensor  # [num_seqs] int64: row of each sequence in kv.req_to_token, decode rows first
+    decode_seq_lens: torch.Tensor  # [num_decode] int64: cached tokens of each decode row after this pass
+    prefill_req_idx: torch.Tensor  # [num_prefill_seqs] int64 (its own array: kernels see aligned pointers)
+    prefill_seq_lens: torch.Tensor  # [num_prefill_seqs] int64: cached tokens of each chunk's sequence after it
     q_starts: torch.Tensor  # [num_prefill_seqs] int64: first row of each chunk, counted from row num_decode
     q_lens: torch.Tensor  # [num_prefill_seqs] int64: tokens of each chunk
     max_q_len: int

@@ -19,6 +19,8 @@ from language.request import Request
 from language.sampler import SamplingBatch, sample, sample_greedy
 from language.step_inputs import StagedStep
 
+_ALIGN = 16  # int64 elements: 128 bytes
+
 
 class PinnedStaging:
     """Two pinned host buffers used in turn (one may still feed an in-flight copy) and one device buffer, grown on
@@ -107,14 +109,19 @@ class ModelRunner:
         return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens)
 
     def _forward_batch(self, staged: StagedStep) -> ForwardBatch:
-        """Pack the step's integers into one pinned buffer, copy it over in one go, and build the batch on views."""
+        """Pack the step's integers into one pinned buffer, copy it over in one go, and build the batch on views.
+        Every array starts on a 128-byte boundary: Triton specialises kernels on pointer alignment, and unaligned
+        views would compile new variants mid-load."""
         d, p = staged.decode, staged.prefill
         nd, n, b = len(d.reqs), staged.num_tokens, staged.num_seqs
         dims, npf, nm = p.positions.shape[0], len(p.reqs), p.mm_rows.shape[0]
-        sizes = [n, n, n, n, dims * n, b, b, npf, npf, b, nm]
-        host = self._meta.host(sum(sizes))
-        parts = np.split(host.numpy(), np.cumsum(sizes)[:-1])
-        ids, slots, rows, cols, pos, req_idx, seq_lens, q_starts, q_lens, logits_idx, mm_rows = parts
+        sizes = [n, n, n, n, dims * n, b, nd, npf, npf, npf, npf, b, nm]
+        starts = np.cumsum([0] + [-(-size // _ALIGN) * _ALIGN for size in sizes])
+        packed = self._meta.host(int(starts[-1]))
+        host = packed.numpy()
+        ids, slots, rows, cols, pos, req_idx, dec_lens, pf_idx, pf_lens, q_starts, q_lens, logits_idx, mm_rows = (
+            host[start : start + size] for start, size in zip(starts, sizes, strict=False)
+        )
         ids[:nd], ids[nd:] = 0, p.input_ids  # decode ids are filled in on the device
         slots[:nd], slots[nd:] = d.slot, p.slot
         rows[:nd], rows[nd:] = d.req_idx, p.tok_req_idx
@@ -122,12 +129,14 @@ class ModelRunner:
         pos = pos.reshape(dims, n)
         pos[:, :nd], pos[:, nd:] = d.position, p.positions
         req_idx[:nd], req_idx[nd:] = d.req_idx, p.req_idx
-        seq_lens[:nd], seq_lens[nd:] = d.col + 1, p.seq_len
+        dec_lens[:], pf_idx[:], pf_lens[:] = d.col + 1, p.req_idx, p.seq_len
         q_starts[:], q_lens[:] = p.q_start, p.q_len
         logits_idx[:nd], logits_idx[nd:] = np.arange(nd), nd + p.q_start + p.q_len - 1
         mm_rows[:] = nd + p.mm_rows
-        dev = torch.split(self._meta.to_device(host), sizes)
-        ids_d, slots_d, rows_d, cols_d, pos_d, req_idx_d, seq_lens_d, q_starts_d, q_lens_d, logits_d, mm_rows_d = dev
+        dev = self._meta.to_device(packed)
+        views = [dev[start : start + size] for start, size in zip(starts, sizes, strict=False)]
+        ids_d, slots_d, rows_d, cols_d, pos_d, req_idx_d, dec_lens_d, pf_idx_d, pf_lens_d = views[:9]
+        q_starts_d, q_lens_d, logits_d, mm_rows_d = views[9:]
         if nd:
             ids_d[:nd] = self.last_token[req_idx_d[:nd]]
         self.kv.assign(rows_d, cols_d, slots_d)
@@ -137,7 +146,9 @@ class ModelRunner:
             out_slots=slots_d,
             num_decode=nd,
             req_idx=req_idx_d,
-            seq_lens=seq_lens_d,
+            decode_seq_lens=dec_lens_d,
+            prefill_req_idx=pf_idx_d,
+            prefill_seq_lens=pf_lens_d,
             q_starts=q_starts_d,
             q_lens=q_lens_d,
             max_q_len=int(p.q_len.max()) if npf else 0,

@@ -60,11 +60,16 @@ def warmup(engine: EngineCore) -> None:
         if sum(lens) + len(lens) > free or len(lens) > engine.kv.num_free_rows():
             continue
         _run(engine, [[_request(engine, f"warmup-{i}-{j}", n, 1, i < 2) for j, n in enumerate(lens)]])
-    # Decode rows of each count kind beside new prompts, then decode alone (eager beyond the graphs).
+    # Decode rows of each count kind beside new prompts (one long enough to be split, so a chunk runs behind a
+    # cached prefix), then decode alone.
     waves = [
-        [_request(engine, f"warmup-mix-{w}-{j}", 5 + j, 6, False) for j in range(n)] for w, n in enumerate((1, 16, 3))
+        [_request(engine, f"warmup-mix-{w}-{j}", 5 + j, 6, False) for j in range(n)]
+        for w, n in enumerate((1, 16, 2, 3, 5))
     ]
-    if sum(len(w) for w in waves) * 16 <= free:
+    long_len = engine.scheduler.prefill_budget + 37
+    if long_len + 8 <= engine.model_info.max_req_total_len:
+        waves[1].append(_request(engine, "warmup-long", long_len, 3, False))
+    if sum(r.prompt_len + 6 for w in waves for r in w) <= free:
         _run(engine, waves)
     engine.counters = type(engine.counters)()  # the figures start with the first real request
     if engine.model_info.device.type == "cuda":

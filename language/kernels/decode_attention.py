@@ -1,7 +1,9 @@
 """Split-K flash decoding: one query per sequence attends to its cached tokens. Stage 1 runs one program per
 (sequence, KV head, key chunk), all query heads of the KV head's group together (each K/V row is read once), and
-writes a partial softmax; stage 2 merges the chunks. The grid depends only on tensor shapes and `max_seq_len`, and
-nothing reads GPU values on the host, so the whole call can be captured in a CUDA graph."""
+writes a partial softmax; stage 2 merges the chunks. Each sequence splits its own keys evenly over the chunks, so a
+short sequence in a graph captured for long ones still spreads over the whole grid. The grid depends only on tensor
+shapes and `max_seq_len`, the chunk count is a runtime integer (no recompilation per batch size), and nothing reads
+GPU values on the host, so the whole call can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -46,9 +48,8 @@ def _decode_partial_kernel(
     stride_v_slot,
     stride_v_h,
     stride_req,
-    chunk_len,  # keys per chunk, a multiple of BLOCK_N
+    num_chunks,  # chunks per sequence (the grid's third axis)
     NUM_HEADS: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SINGLE_CHUNK: tl.constexpr,
@@ -63,6 +64,7 @@ def _decode_partial_kernel(
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
     seq_len = tl.load(b_seq_len_ptr + seq)
+    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_chunks), BLOCK_N), 1) * BLOCK_N  # this sequence's share
     start = chunk * chunk_len
     if (start >= seq_len) & (chunk > 0):  # chunks past this sequence's end; stage 2 never reads them
         return
@@ -94,7 +96,7 @@ def _decode_partial_kernel(
         out_rows = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
         tl.store(out_ptr + out_rows, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        part_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_CHUNKS + chunk  # [BLOCK_H]
+        part_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_chunks + chunk  # [BLOCK_H]
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=store_mask)
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=g_mask)
 
@@ -105,22 +107,23 @@ def _decode_merge_kernel(
     part_lse_ptr,  # [B, Hq, C] fp32
     b_seq_len_ptr,  # [B]
     out_ptr,  # [B, Hq, D] contiguous
-    chunk_len,
+    num_chunks,
     NUM_HEADS: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the partial kernel's key tile (chunk lengths are multiples of it)
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(b_seq_len_ptr + seq)
-    used_chunks = tl.minimum(tl.cdiv(seq_len, chunk_len), NUM_CHUNKS)
+    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_chunks), BLOCK_N), 1) * BLOCK_N
+    used_chunks = tl.maximum(tl.minimum(tl.cdiv(seq_len, chunk_len), num_chunks), 1)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     c_mask = offs_c < used_chunks
     d_mask = offs_d < HEAD_DIM
-    row = (seq * NUM_HEADS + head) * NUM_CHUNKS
+    row = (seq * NUM_HEADS + head) * num_chunks
     lse = tl.load(part_lse_ptr + row + offs_c, mask=c_mask, other=float("-inf"))  # [BLOCK_C]
     parts = tl.load(
         part_out_ptr + (row + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
@@ -142,15 +145,13 @@ def _launch_config() -> dict[str, int]:
     return dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def decode_split(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
-    """(num_chunks, chunk_len): split each sequence's keys into just enough chunks to fill the GPU. Depends only on
-    shapes and launch-time ints, so a captured graph keeps a valid split."""
+def decode_split(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Chunks per sequence: just enough programs to fill the GPU, and no more than the longest sequence has key
+    tiles. Depends only on shapes and launch-time ints, so a captured graph keeps a valid split."""
     block_n = _launch_config()["BLOCK_N"]
     target = _PROGRAMS_PER_SM * multiprocessor_count(device)
     wanted = cdiv(target, max(batch * num_kv_heads, 1))
-    num_chunks = max(1, min(wanted, cdiv(max_seq_len, block_n), _MAX_CHUNKS))
-    chunk_len = cdiv(cdiv(max_seq_len, num_chunks), block_n) * block_n
-    return cdiv(max_seq_len, chunk_len), chunk_len
+    return max(1, min(wanted, cdiv(max_seq_len, block_n), _MAX_CHUNKS))
 
 
 def decode_attention(
@@ -188,7 +189,7 @@ def decode_attention(
     b_req_idx, b_seq_len = b_req_idx.contiguous(), b_seq_len.contiguous()
 
     group = num_heads // num_kv_heads
-    num_chunks, chunk_len = decode_split(batch, num_kv_heads, max_seq_len, device)
+    num_chunks = decode_split(batch, num_kv_heads, max_seq_len, device)
     single = num_chunks == 1
     # Scratch for the partial results; under graph capture these come from the graph's private pool.
     parts = 1 if single else num_chunks
@@ -198,15 +199,15 @@ def decode_attention(
     _decode_partial_kernel[(batch, num_kv_heads, num_chunks)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), chunk_len,
-        NUM_HEADS=num_heads, NUM_CHUNKS=num_chunks, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), num_chunks,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
         BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **_launch_config(),
     )  # fmt: skip
     if not single:
         _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, b_seq_len, out, chunk_len,
-            NUM_HEADS=num_heads, NUM_CHUNKS=num_chunks, HEAD_DIM=head_dim,
+            part_out, part_lse, b_seq_len, out, num_chunks,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=_launch_config()["BLOCK_N"],
             BLOCK_C=pow2_at_least(num_chunks, 2), BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return out

@@ -53,18 +53,18 @@ class Attention(nn.Module):
         kv, nd, n = batch.kv, batch.num_decode, q.shape[0]
         if nd == n:
             return kernels.decode_attention(
-                q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.seq_lens, self.scale,
+                q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.decode_seq_lens, self.scale,
                 max_seq_len=batch.max_decode_len,
             )  # fmt: skip
         out = torch.empty_like(q) if nd else None
         prefill_out = kernels.prefill_attention(
-            q[nd:], k_cache, v_cache, kv.req_to_token, batch.req_idx[nd:], batch.q_starts, batch.q_lens,
-            batch.seq_lens[nd:], self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
+            q[nd:], k_cache, v_cache, kv.req_to_token, batch.prefill_req_idx, batch.q_starts, batch.q_lens,
+            batch.prefill_seq_lens, self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
         )  # fmt: skip
         if out is None:
             return prefill_out
         kernels.decode_attention(
-            q[:nd], k_cache, v_cache, kv.req_to_token, batch.req_idx[:nd], batch.seq_lens[:nd], self.scale,
+            q[:nd], k_cache, v_cache, kv.req_to_token, batch.req_idx[:nd], batch.decode_seq_lens, self.scale,
             max_seq_len=batch.max_decode_len, out=out[:nd],
         )  # fmt: skip
         return out

@@ -38,7 +38,7 @@ def test_decode_attention_single_and_split_chunks(split):
     num_kv_heads = 2
     batch_size = 1 if split else -(-_PROGRAMS_PER_SM * multiprocessor_count(DEVICE) // num_kv_heads)
     seq_lens = [(37 * i + 100) % 150 + 1 for i in range(batch_size)]
-    num_chunks, _ = decode_split(batch_size, num_kv_heads, max(seq_lens) + 5, DEVICE)
+    num_chunks = decode_split(batch_size, num_kv_heads, max(seq_lens) + 5, DEVICE)
     assert (num_chunks > 1) == split
     args = decode_inputs(seq_lens, num_kv_heads * 2, num_kv_heads, 32, torch.float16)
     out = poisoned(tuple(args[0].shape), torch.float16)
@@ -78,3 +78,14 @@ def test_decode_attention_rejects_dtype_mismatch():
     args[1] = args[1].half()
     with pytest.raises(AssertionError, match="share a dtype"):
         decode_attention(*args, 1.0)
+
+
+def test_each_sequence_splits_its_own_keys():
+    """A grid sized for long sequences (the table's full width, as a captured graph uses) gives short sequences
+    chunks of their own length: every split of every sequence, from 1 to hundreds of keys, merges exactly."""
+    seq_lens = [1, 3, 64, 65, 400]
+    args = decode_inputs(seq_lens, 4, 2, 32, torch.float32)
+    assert decode_split(len(seq_lens), 2, args[3].shape[1], DEVICE) > 1
+    out = poisoned(tuple(args[0].shape), torch.float32)
+    decode_attention(*args, 0.2, out=out)
+    assert_written_and_close(out, decode_attention_ref(*args, 0.2), ATTENTION_TOL)
