@@ -2,7 +2,8 @@
 copied into static buffers in one transfer. Decode is launch-bound at small batch; a replay costs one launch.
 
 The graph also does the step's device-side bookkeeping: it reads each row's input id from `last_token` (the
-previous step's sample, still on the device) and records the stored token's slot in the request-to-slots table."""
+previous step's sample, still on the device), records the stored token's slot in the request-to-slots table, and
+samples greedily into `last_token`; a batch that is not all greedy samples again from the logits afterwards."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from language.forward_batch import ForwardBatch
+from language.sampler import sample_greedy
 from language.step_inputs import DecodeRows
 
 if TYPE_CHECKING:
@@ -27,9 +29,9 @@ _REQ_IDX, _COL, _POSITION, _SLOT = range(4)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
-    """Every size up to 8, then steps of 8 to 64 and of 16 beyond (LightLLM's split/grow scheme): a batch pads
-    to the next size, wasting at most 15 rows."""
-    sizes = list(range(1, 9)) + list(range(16, 65, 8)) + list(range(80, max_batch + 1, 16))
+    """Every size up to 8, then steps of 8 to 64, of 16 to 128 and of 32 beyond (LightLLM's split/grow scheme,
+    coarser where a step is long anyway): a batch pads to the next size. Fewer graphs keep start-up short."""
+    sizes = list(range(1, 9)) + list(range(16, 65, 8)) + list(range(80, 129, 16)) + list(range(160, max_batch + 1, 32))
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
@@ -47,7 +49,7 @@ class DecodeGraphs:
         self._padding_row[_REQ_IDX], self._padding_row[_SLOT] = kv.dummy_row, kv.dummy_slot
         self._fill_padding(self.static, 0)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # logits, ids, logprobs
         self._capture_all()
 
     def can_run(self, n: int) -> bool:
@@ -60,7 +62,7 @@ class DecodeGraphs:
         buf[start:, _POSITION] = 0
         buf[start:, _SLOT] = self.kv.dummy_slot
 
-    def _run(self, bs: int) -> torch.Tensor:
+    def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         req_idx, col = self.static[:bs, _REQ_IDX], self.static[:bs, _COL]  # [bs] each (strided views)
         slots, position = self.static[:bs, _SLOT], self.static[:bs, _POSITION]
         self.kv.req_to_token[req_idx, col] = slots.to(torch.int32)
@@ -79,7 +81,10 @@ class DecodeGraphs:
             max_q_len=0,
             kv=self.kv,
         )
-        return self.model(batch)
+        logits = self.model(batch)  # [bs, vocab]
+        ids, logprobs = sample_greedy(logits)  # used when the whole batch is greedy; a few launches saved
+        self.last_token[req_idx] = ids
+        return logits, ids, logprobs
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -90,15 +95,15 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._run(bs)
+                self.outputs[bs] = self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
             if i % 8 == 7 or bs == self.sizes[0]:
                 logger.info("captured %d/%d decode graphs (%.1f s)", i + 1, len(self.sizes), time.perf_counter() - t0)
         torch.cuda.synchronize()
 
-    def replay(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [n, vocab], table rows [n] on the device)."""
+    def replay(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (logits [n, vocab], greedy ids [n], their logprobs [n], table rows [n]), all on the device."""
         n = len(rows.reqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self._turn ^= 1
@@ -110,4 +115,5 @@ class DecodeGraphs:
             values[n:bs] = self._padding_row
         self.static[:bs].copy_(host[:bs], non_blocking=True)
         self.graphs[bs].replay()
-        return self.logits[bs][:n], self.static[:n, _REQ_IDX]
+        logits, ids, logprobs = self.outputs[bs]
+        return logits[:n], ids[:n], logprobs[:n], self.static[:n, _REQ_IDX]

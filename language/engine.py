@@ -72,8 +72,13 @@ def load_model(cfg: EngineConfig, device: torch.device) -> tuple[torch.nn.Module
     cls = model_class(architecture(raw))
     lm_cfg: LMConfig = cls.lm_config(cfg.model_dir, raw)
     dtype = resolve_dtype(cfg.dtype, lm_cfg.torch_dtype, device)
-    with torch.device(device):
-        model = cls(lm_cfg).to(dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its final dtype on the device: no fp32 copy of 7B weights to cast
+    try:
+        with torch.device(device):
+            model = cls(lm_cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.raw_config = raw  # families that derive per-request inputs (M-RoPE) read their config keys from it
     model.inv_freq = model.inv_freq.float()  # rotary frequencies stay fp32 whatever the weights' dtype
     model.load_weights(iter_weights(cfg.model_dir))

@@ -86,17 +86,19 @@ class ModelRunner:
     def launch(self, staged: StagedStep) -> InflightStep:
         """Run the staged step and sample it, all queued on the device; returns at once."""
         nd = len(staged.decode.reqs)
+        reqs = staged.decode.reqs + staged.prefill.reqs
+        all_greedy = all(r.params.greedy and not r.params.has_penalties for r in reqs)
         if not staged.prefill.reqs and self.graphs is not None and self.graphs.can_run(nd):
-            logits, req_idx = self.graphs.replay(staged.decode)
+            logits, ids, logprobs, req_idx = self.graphs.replay(staged.decode)  # greedy samples already stored
         else:
             batch = self._forward_batch(staged)
-            logits, req_idx = self.model(batch), batch.req_idx
-        reqs = staged.decode.reqs + staged.prefill.reqs
-        if all(r.params.greedy and not r.params.has_penalties for r in reqs):
-            ids, logprobs = sample_greedy(logits)
-        else:
-            ids, logprobs = sample(logits, SamplingBatch.build(reqs, self.vocab_size, self.device))
-        self.last_token[req_idx] = ids  # decode rows of the next step read their input ids from here
+            logits, req_idx, ids = self.model(batch), batch.req_idx, None
+        if ids is None or not all_greedy:
+            if all_greedy:
+                ids, logprobs = sample_greedy(logits)
+            else:
+                ids, logprobs = sample(logits, SamplingBatch.build(reqs, self.vocab_size, self.device))
+            self.last_token[req_idx] = ids  # decode rows of the next step read their input ids from here
         host_ids, host_lps = self._ids_out.host(len(reqs)), self._lp_out.host(len(reqs))
         host_ids.copy_(ids, non_blocking=True)
         host_lps.copy_(logprobs, non_blocking=True)

@@ -14,6 +14,7 @@ from language.kernels.decode_attention import decode_attention as _decode_attent
 from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
+from language.kernels.rms_norm import add_rms_norm as _add_rms_norm_triton
 from language.kernels.rms_norm import rms_norm as _rms_norm_triton
 from language.kernels.rotary import apply_rotary as _apply_rotary_triton
 from language.kernels.rotary import mrope_cos_sin as _mrope_cos_sin_triton
@@ -43,6 +44,7 @@ def _dispatch(triton_fn: Callable, reference_fn: Callable) -> Callable:
 
 
 rms_norm = _dispatch(_rms_norm_triton, reference.rms_norm_ref)
+add_rms_norm = _dispatch(_add_rms_norm_triton, reference.add_rms_norm_ref)
 silu_and_mul = _dispatch(_silu_and_mul_triton, reference.silu_and_mul_ref)
 rotary_cos_sin = _dispatch(_rotary_cos_sin_triton, reference.rotary_cos_sin_ref)
 mrope_cos_sin = _dispatch(_mrope_cos_sin_triton, reference.mrope_cos_sin_ref)
@@ -53,6 +55,7 @@ decode_attention = _dispatch(_decode_attention_triton, reference.decode_attentio
 splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embeddings_ref)
 
 __all__ = [
+    "add_rms_norm",
     "apply_rotary",
     "decode_attention",
     "mrope_cos_sin",

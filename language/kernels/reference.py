@@ -14,6 +14,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm_ref(residual + x), residual + x): HF's residual add, then the next sublayer's pre-norm."""
+    summed = residual + x
+    return rms_norm_ref(summed, weight, eps), summed
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [N, 2I] = [gate | up] -> silu(gate) * up: [N, I]."""
     gate, up = x.chunk(2, dim=-1)

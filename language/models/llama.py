@@ -39,10 +39,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = kernels.apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)  # [n, Hq, D]
-        k = kernels.apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)  # [n, Hk, D]
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        # q and k sit side by side in each row: one rotary launch covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         kv = batch.kv
         k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         kernels.store_kv(k_cache, v_cache, k, v, batch.out_slots)
@@ -56,7 +57,7 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.decode_seq_lens, self.scale,
                 max_seq_len=batch.max_decode_len,
             )  # fmt: skip
-        out = torch.empty_like(q) if nd else None
+        out = q.new_empty(q.shape) if nd else None  # [n, Hq, D] contiguous
         prefill_out = kernels.prefill_attention(
             q[nd:], k_cache, v_cache, kv.req_to_token, batch.prefill_req_idx, batch.q_starts, batch.q_lens,
             batch.prefill_seq_lens, self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
@@ -88,9 +89,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output, residual: the stream before it (None for the first layer, whose x is
+        the embeddings) -> (this layer's MLP output, the stream before it). Each residual add is fused into the
+        next norm: HF's `residual + x`, then RMSNorm, in one launch."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = kernels.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn(h, cos, sin, batch)
+        norm = self.post_attention_layernorm
+        h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 # Checkpoint names of the separate projections -> (our fused parameter, which slice of it)
@@ -145,10 +157,13 @@ class LlamaForCausalLM(nn.Module):
         if batch.mm_embeds is not None:
             kernels.splice_embeddings(x, batch.mm_embeds, batch.mm_positions)
         cos, sin = self.rotary(batch.positions)  # [num_tokens, D/2] each
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch)
-        last = x if batch.logits_idx is None else x[batch.logits_idx]  # [num_seqs, hidden]
-        return self.lm_head(self.norm(last)).float()  # [num_seqs, vocab]
+            x, residual = layer(x, residual, cos, sin, batch)
+        if batch.logits_idx is not None:  # only each sequence's last row reaches the head
+            x, residual = x[batch.logits_idx], residual[batch.logits_idx]  # [num_seqs, hidden]
+        normed, _ = kernels.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return self.lm_head(normed).float()  # [num_seqs, vocab]
 
     # ---- weights ----
     def checkpoint_name(self, name: str) -> str | None:
