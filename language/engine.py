@@ -175,32 +175,36 @@ class EngineCore:
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
+        collected: list[tuple[Request, int, float]] = []
         if self._inflight is not None and _needs_history(plan):
-            outputs += self._collect()
+            collected = self._collect()
         staged = stage(plan, self.kv, self.model.position_dims) if plan else None
         if self._inflight is not None:
-            outputs += self._collect()
+            collected = self._collect()
         if staged is not None:
             staged.drop_finished()
             if staged.num_seqs:
                 self._inflight = self.runner.launch(staged)
+        # Built while the device runs the step just launched.
+        outputs += [self._output(req, [token], [logprob]) for req, token, logprob in collected]
         if plan or outputs:
             self.counters.busy_s += time.perf_counter() - t0
         return outputs
 
-    def _collect(self) -> list[RequestOutput]:
-        """Wait for the step in flight and hand its samples to their requests."""
+    def _collect(self) -> list[tuple[Request, int, float]]:
+        """Wait for the step in flight and hand its samples to their requests: (request, token, logprob) each."""
         inflight, self._inflight = self._inflight, None
         ids, logprobs = inflight.wait()
-        outputs = []
+        collected = []
         for req, row in inflight.sampled:
             if not req.finished:  # an abort may have come while the step ran
-                outputs.append(self._append_token(req, ids[row], logprobs[row]))
+                self._append_token(req, ids[row], logprobs[row])
+                collected.append((req, ids[row], logprobs[row]))
         c = self.counters
         c.steps += 1
         c.prefill_tokens += inflight.num_prefill_tokens
         c.decode_tokens += inflight.num_decode
-        return outputs
+        return collected
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted) or self._inflight is not None
@@ -214,7 +218,7 @@ class EngineCore:
         )
 
     # ---- bookkeeping ----
-    def _append_token(self, req: Request, token: int, logprob: float) -> RequestOutput:
+    def _append_token(self, req: Request, token: int, logprob: float) -> None:
         req.output_ids.append(token)
         req.output_logprobs.append(logprob)
         p = req.params
@@ -225,7 +229,6 @@ class EngineCore:
             reason = "length"
         if reason is not None:
             self._finish(req, reason)
-        return self._output(req, [token], [logprob])
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.status is RequestStatus.RUNNING:
