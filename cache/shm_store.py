@@ -1,108 +1,25 @@
 """Embeddings in POSIX shared memory, one segment per cache entry, named `<prefix><key>`.
 
-A segment is a 64-byte header (magic, dtype, shape) followed by the raw [num_tokens, hidden] tensor, so a reader
-needs only the key. The visual process writes segments (multiprocessing.shared_memory), the router maps them as
-tensor views (no copy), the index owner unlinks evicted ones, and the server's parent unlinks every segment with its
-prefix at stop (the names are all it needs, so this works after a child crashed). Reading and unlinking go through
-`_posixshmem`, the module SharedMemory itself is built on, because a SharedMemory object insists on closing its
-mapping itself, while here a tensor outlives it.
+The implementation lives in `visual.shm_segments` (the visual process writes the segments, and `visual` sits below
+`cache` in the import flow); the cache and the server use it through this module.
 """
 
-from __future__ import annotations
+from visual.shm_segments import (
+    list_segments,
+    new_prefix,
+    read_embedding,
+    segment_name,
+    unlink_all,
+    unlink_segment,
+    write_embedding,
+)
 
-import _posixshmem
-import mmap
-import os
-import secrets
-import struct
-import sys
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
-
-import numpy as np
-import torch
-
-_HEADER = struct.Struct("<4sB3xQQ")  # magic, dtype code, num_tokens, hidden
-_DATA_OFFSET = 64
-_MAGIC = b"MMEC"
-_DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
-_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
-_SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory (for unlink_all)
-
-
-def new_prefix() -> str:
-    """A per-server prefix, unique on the host: every segment of this server starts with it."""
-    return f"mmsv_{os.getpid()}_{secrets.token_hex(4)}_"
-
-
-def segment_name(prefix: str, key: str) -> str:
-    return prefix + key
-
-
-def _open(name: str, create: bool = False, size: int = 0) -> SharedMemory:
-    """Open a segment whose lifetime we manage ourselves: Python < 3.13 registers every open with the resource
-    tracker, which would unlink it when the opening process exits (and warn), so unregister right away."""
-    if sys.version_info >= (3, 13):
-        return SharedMemory(name=name, create=create, size=size, track=False)
-    shm = SharedMemory(name=name, create=create, size=size)
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the registered name has its "/"
-    return shm
-
-
-def unlink_segment(name: str) -> bool:
-    """Remove a segment's name (mappings that exist stay valid until closed). False if it did not exist."""
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def list_segments(prefix: str) -> list[str]:
-    return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix)) if os.path.isdir(_SHM_DIR) else []
-
-
-def unlink_all(prefix: str) -> int:
-    """Unlink every segment of one server (at stop, also after a child crashed); returns how many."""
-    return sum(unlink_segment(name) for name in list_segments(prefix))
-
-
-def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
-    """Write `embeds` [num_tokens, hidden] (any device) into a new segment for `key`."""
-    if embeds.dim() != 2 or embeds.dtype not in _DTYPE_CODES:
-        raise ValueError(f"expected a 2-D float16/bfloat16/float32 tensor, got {embeds.dtype} {tuple(embeds.shape)}")
-    name = segment_name(prefix, key)
-    nbytes = embeds.numel() * embeds.element_size()
-    try:
-        shm = _open(name, create=True, size=_DATA_OFFSET + nbytes)
-    except FileExistsError:  # a stale segment of an entry that failed or was dropped mid-write: replace it
-        unlink_segment(name)
-        shm = _open(name, create=True, size=_DATA_OFFSET + nbytes)
-    try:
-        shm.buf[: _HEADER.size] = _HEADER.pack(_MAGIC, _DTYPE_CODES[embeds.dtype], embeds.shape[0], embeds.shape[1])
-        dst = torch.frombuffer(shm.buf, dtype=embeds.dtype, count=embeds.numel(), offset=_DATA_OFFSET)
-        dst.view(embeds.shape).copy_(embeds)  # one copy, device -> shared memory
-        del dst
-    finally:
-        shm.close()
-
-
-def read_embedding(prefix: str, key: str) -> torch.Tensor:
-    """The router's side: a [num_tokens, hidden] tensor viewing the entry's shared memory (no copy). The tensor owns
-    the mapping: it stays valid after the owner unlinks the entry, and is unmapped when the last tensor made from it
-    is freed, so the caller has nothing to release."""
-    name = segment_name(prefix, key)
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
-    try:
-        mapping = mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    magic, code, num_tokens, hidden = _HEADER.unpack_from(mapping)
-    if magic != _MAGIC:
-        mapping.close()
-        raise ValueError(f"shared memory segment {name} holds no embeddings")
-    dtype = _DTYPES[code]
-    # numpy keeps the mmap object alive (and mapped) for as long as any tensor made from this array lives;
-    # torch.frombuffer would not (it keeps no reference to the buffer's owner).
-    raw = np.frombuffer(mapping, dtype=np.uint8, count=num_tokens * hidden * dtype.itemsize, offset=_DATA_OFFSET)
-    return torch.from_numpy(raw).view(dtype).view(num_tokens, hidden)
+__all__ = [
+    "list_segments",
+    "new_prefix",
+    "read_embedding",
+    "segment_name",
+    "unlink_all",
+    "unlink_segment",
+    "write_embedding",
+]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +17,7 @@ from mmserve.metrics import CONTENT_TYPE
 from mmserve.protocol import BadRequest, error_event, generate_response, parse_generate_body, stream_event
 
 MAX_BODY_BYTES = 64 << 20  # a request with a few base64 images fits easily
+logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
 
 
@@ -95,8 +98,18 @@ def build_app(client: EngineClient) -> FastAPI:
 
 async def _submit(client: EngineClient, request: Request) -> RequestStream | Response:
     try:
+        start = time.perf_counter()
         raw = await _read_body(request)
-        return await client.submit(await client.run_sync(parse_generate_body, raw))  # big bodies: parse off the loop
+        read = time.perf_counter()
+        body = await client.run_sync(parse_generate_body, raw)  # big bodies: parse off the loop
+        parsed = time.perf_counter()
+        stream = await client.submit(body)
+        if logger.isEnabledFor(logging.DEBUG):  # the stages from arrival to the router (cheap when off)
+            now = time.perf_counter()
+            logger.debug("request timing: rid=%s bytes=%d read_ms=%.1f parse_ms=%.1f prepare_ms=%.1f total_ms=%.1f",
+                         stream.rid, len(raw), (read - start) * 1e3, (parsed - read) * 1e3, (now - parsed) * 1e3,
+                         (now - start) * 1e3)  # fmt: skip
+        return stream
     except BadRequest as e:
         return _error(e)
     except ServerFailure as e:

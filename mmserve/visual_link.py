@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,10 @@ from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.process import VisualProcessConfig, run_visual_process
 
 logger = logging.getLogger(__name__)
+
+# Threads that decode, check and hash request images. Decoding and hashing release the GIL, so this scales with the
+# cores (the tokenizer pool, --tokenizer_workers, is 2 by default and also parses request bodies).
+IMAGE_WORKERS = max(4, min(32, os.cpu_count() or 4))
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,8 @@ class VisualLink:
         if hasattr(processor, "image_dir"):  # Qwen-VL: paths inside <img></img> only from --image_dir
             processor.image_dir = config.image_dir
         policy = ImagePolicy(fetch=FetchPolicy(allow_private=config.allow_private_urls))
-        self.preparer = MultimodalPreparer(processor, self.coordinator, ready.cache_salt, policy)
+        self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="image")
+        self.preparer = MultimodalPreparer(processor, self.coordinator, ready.cache_salt, policy, self._image_pool)
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task | None = None
 
@@ -99,6 +106,7 @@ class VisualLink:
             self._jobs.close()
             self._results.close()
             self._ctx.term()
+        self._image_pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_job(self, job: EncodeJob) -> None:
         self._jobs.send(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL), flags=zmq.NOBLOCK)

@@ -9,17 +9,19 @@ segments directly would be one synchronous, pageable copy per image."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from queue import SimpleQueue
 
 import torch
 
-from cache.shm_store import write_embedding
-from mmserve.multimodal.image_io import BadImage
+from visual.image_decode import BadImage
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualResult
 from visual.models.base import ImageInput
 from visual.preprocess import PreprocessPool
+from visual.shm_segments import write_embedding
 from visual.staging import HostStaging
 from visual.stats import VisionStats
 
@@ -27,74 +29,94 @@ logger = logging.getLogger(__name__)
 
 
 class VisualEncoder:
+    """`submit` may be called from any thread (the visual process receives jobs on its own thread, so that the pool
+    starts on an image while the tower runs); `step`, `has_work` and `shutdown` from one thread only."""
+
     def __init__(self, model, pool: PreprocessPool, shm_prefix: str, max_batch: int = 16):
         self.model = model
         self.pool = pool
         self.shm_prefix = shm_prefix
         self.max_batch = max_batch
-        self._preprocessing: deque[tuple[str, Future[ImageInput]]] = deque()  # in arrival order
-        self._arrived: dict[str, float] = {}  # key -> perf_counter() at submit, for the latency figure
+        self._incoming: SimpleQueue[tuple[str, float, Future[ImageInput]]] = SimpleQueue()  # filled by `submit`
+        self._preprocessing: deque[tuple[str, float, Future[ImageInput]]] = deque()  # in arrival order
+        self._wake = threading.Event()  # set when a job arrives or an image finishes preprocessing
         self._embeds = HostStaging()  # pinned on CUDA: the batch's embeddings on their way to shared memory
         self.stats = VisionStats()
         self.images_encoded = 0
 
     def submit(self, job: EncodeJob) -> None:
-        self._arrived[job.key] = time.perf_counter()
-        self._preprocessing.append((job.key, self.pool.submit(job.data)))
+        arrived = time.perf_counter()
+        fut = self.pool.submit(job.data)
+        self._incoming.put((job.key, arrived, fut))
+        fut.add_done_callback(self._on_done)
+        self._wake.set()
+
+    def _on_done(self, _: Future) -> None:
+        self._wake.set()
 
     def has_work(self) -> bool:
-        return bool(self._preprocessing)
+        return bool(self._preprocessing) or not self._incoming.empty()
+
+    def wait_for_work(self, timeout_s: float) -> None:
+        """Block until a job arrives or an image is preprocessed (or timeout_s passes)."""
+        self._wake.wait(timeout_s)
 
     def step(self, timeout_s: float = 0.0) -> list[VisualResult]:
-        """Encode what is preprocessed (waiting up to timeout_s for the first image); one batch at most."""
+        """Encode what is preprocessed now as one batch (continuous batching: the tower never waits for images
+        that are still in the pool). With nothing ready yet, wait up to timeout_s for the first image."""
+        self._wake.clear()  # before looking, so that a completion from here on wakes the next wait
+        while not self._incoming.empty():
+            self._preprocessing.append(self._incoming.get())
         if not self._preprocessing:
             return []
-        if not any(f.done() for _, f in self._preprocessing):
-            wait([f for _, f in self._preprocessing], timeout=timeout_s, return_when=FIRST_COMPLETED)
+        if timeout_s > 0 and not any(f.done() for _, _, f in self._preprocessing):
+            wait([f for _, _, f in self._preprocessing], timeout=timeout_s, return_when=FIRST_COMPLETED)
         results: list[VisualResult] = []
-        batch: list[tuple[str, ImageInput]] = []
-        waiting: deque[tuple[str, Future[ImageInput]]] = deque()
-        for key, fut in self._preprocessing:
+        batch: list[tuple[str, float, ImageInput]] = []
+        waiting: deque[tuple[str, float, Future[ImageInput]]] = deque()
+        for key, arrived, fut in self._preprocessing:
             if not fut.done() or len(batch) >= self.max_batch:
-                waiting.append((key, fut))
-            elif (err := fut.exception()) is not None:
-                self._arrived.pop(key, None)
+                waiting.append((key, arrived, fut))
+                continue
+            try:
+                batch.append((key, arrived, self.pool.collect(fut)))
+            except Exception as err:
                 self.stats.failed += 1
                 results.append(EncodeFailed(key, str(err), bad_image=isinstance(err, BadImage)))
-            else:
-                batch.append((key, fut.result()))
         self._preprocessing = waiting
         if batch:
             results += self._encode(batch)
+        if waiting and any(f.done() for _, _, f in waiting):
+            self._wake.set()  # more than max_batch were ready: the next step must not wait
         return results
 
-    def _encode(self, batch: list[tuple[str, ImageInput]]) -> list[VisualResult]:
+    def _encode(self, batch: list[tuple[str, float, ImageInput]]) -> list[VisualResult]:
         start = time.perf_counter()
-        arrived = [self._arrived.pop(key, start) for key, _ in batch]
+        arrived = [t for _, t, _ in batch]
         try:
-            embeds = self.model.encode([image for _, image in batch])  # each [num_tokens, hidden] on the device
-            for (_, image), emb in zip(batch, embeds, strict=True):
+            embeds = self.model.encode([image for _, _, image in batch])  # each [num_tokens, hidden] on the device
+            for (_, _, image), emb in zip(batch, embeds, strict=True):
                 if emb.shape[0] != image.num_tokens:
                     raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
             host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
             encoded = time.perf_counter()
-            for (key, _), emb in zip(batch, host, strict=True):
+            for (key, _, _), emb in zip(batch, host, strict=True):
                 write_embedding(self.shm_prefix, key, emb)  # host -> shm: a memcpy
         except Exception as e:  # the model or the shared memory failed: these keys fail, the process goes on
             logger.exception("encoding %d images failed", len(batch))
             self.stats.failed += len(batch)
-            return [EncodeFailed(key, f"{type(e).__name__}: {e}", bad_image=False) for key, _ in batch]
+            return [EncodeFailed(key, f"{type(e).__name__}: {e}", bad_image=False) for key, _, _ in batch]
         done = time.perf_counter()
         self.images_encoded += len(batch)
         self.stats.add_batch(
             tower_s=encoded - start,
             write_s=done - encoded,
-            decode_s=sum(im.decode_s for _, im in batch),
-            preprocess_s=sum(im.preprocess_s for _, im in batch),
+            decode_s=sum(im.decode_s for _, _, im in batch),
+            preprocess_s=sum(im.preprocess_s for _, _, im in batch),
             latency_s=sum(done - t for t in arrived),
             images=len(batch),
         )
-        return [EncodeDone(key, image.num_tokens) for key, image in batch]
+        return [EncodeDone(key, image.num_tokens) for key, _, image in batch]
 
     def _to_host(self, embeds: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device embeddings -> host tensors: one non-blocking copy into the pinned staging buffer when they are
@@ -115,6 +137,11 @@ class VisualEncoder:
         return list(torch.split(staging, rows))
 
     def shutdown(self) -> None:
+        while not self._incoming.empty():
+            self._preprocessing.append(self._incoming.get())
+        for _, _, fut in self._preprocessing:  # their pixel segments must not outlive us
+            self.pool.drop(fut)
+        self._preprocessing.clear()
         self.pool.shutdown()
 
 

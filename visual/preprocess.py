@@ -2,13 +2,15 @@
 batches ready pixel tensors through the tower.
 
 A family whose model has `preprocessor()` (a picklable callable holding no weights, e.g. LLaVA's CLIP processor)
-runs in worker processes; otherwise `model.preprocess` runs in threads of the visual process.
+runs in worker processes; otherwise `model.preprocess` runs in threads of the visual process. Worker processes hand
+their pixels back through shared memory (`visual.shared_pixels`), not through the result pipe.
 """
 
 from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -17,8 +19,9 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 import torch
 from PIL import Image
 
-from mmserve.multimodal.image_io import open_image
+from visual.image_decode import open_image
 from visual.models.base import ImageInput
+from visual.shared_pixels import SharedPixels, discard, share_tensor, take_tensor
 
 Preprocessor = Callable[[Image.Image], ImageInput]
 
@@ -51,10 +54,19 @@ def decode_and_preprocess(data: bytes, preprocessor: Preprocessor | None = None)
     return out
 
 
+def _worker_task(data: bytes, shm_prefix: str) -> ImageInput:
+    """In a worker process: the model input, its pixels left in a shared-memory segment."""
+    out = decode_and_preprocess(data)
+    out.pixel_values = share_tensor(out.pixel_values, shm_prefix)
+    return out
+
+
 class PreprocessPool:
-    def __init__(self, model, num_workers: int = 2):
+    def __init__(self, model, num_workers: int = 2, shm_prefix: str | None = None):
         make = getattr(model, "preprocessor", None)
         self._preprocessor: Preprocessor | None = None
+        # The server's prefix, so that its stop removes any pixel segment left behind.
+        self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
         if make is not None and num_workers > 0:
             # spawn: the visual process has CUDA initialised, which must not be forked.
             self._executor: Executor = ProcessPoolExecutor(
@@ -65,7 +77,28 @@ class PreprocessPool:
             self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
 
     def submit(self, data: bytes) -> Future[ImageInput]:
-        return self._executor.submit(decode_and_preprocess, data, self._preprocessor)
+        """Decode + preprocess in the pool; pass the finished future to `collect` (once)."""
+        if self._preprocessor is not None:
+            return self._executor.submit(decode_and_preprocess, data, self._preprocessor)
+        return self._executor.submit(_worker_task, data, self._shm_prefix)
+
+    @staticmethod
+    def collect(future: Future[ImageInput]) -> ImageInput:
+        """The finished future's image with its pixels mapped in; raises what the worker raised."""
+        image = future.result()
+        if isinstance(image.pixel_values, SharedPixels):
+            image.pixel_values = take_tensor(image.pixel_values)
+        return image
+
+    @staticmethod
+    def drop(future: Future[ImageInput]) -> None:
+        """A future whose image nobody will collect: free its segment once it finishes."""
+
+        def free(f: Future[ImageInput]) -> None:
+            if not f.cancelled() and f.exception() is None and isinstance(f.result().pixel_values, SharedPixels):
+                discard(f.result().pixel_values)
+
+        future.add_done_callback(free)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -28,8 +29,8 @@ from visual.preprocess import PreprocessPool
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 500
-_BUSY_WAIT_S = 0.005  # while images are preprocessing: how long a step waits before checking the socket again
+_IDLE_POLL_S = 0.5  # longest sleep of the loop (it must wake to log stats and to notice its parent is gone)
+_RECV_POLL_MS = 200  # the receiving thread's poll, so that it notices the stop
 _STATS_LOG_S = 5.0  # how often a busy visual process logs its per-phase timing (as the router logs throughput)
 
 
@@ -64,32 +65,50 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     device, dtype = resolve_device_dtype(cfg)
     extra = {"vision_tower_dir": cfg.vision_tower_dir} if cfg.vision_tower_dir else {}
     model = vision_model_class(architecture).from_pretrained(cfg.model_dir, device, dtype, **extra)
-    encoder = VisualEncoder(model, PreprocessPool(model, cfg.num_preprocess_workers), cfg.shm_prefix, cfg.max_batch)
+    pool = PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
+    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)
     return encoder, ready
 
 
 def serve(encoder: VisualEncoder, jobs: zmq.Socket, results: zmq.Socket, alive) -> None:
+    """Jobs are received on their own thread and go straight into the preprocessing pool, so the pool keeps working
+    while a batch runs through the tower. This loop sleeps until a job arrives or an image is preprocessed (no fixed
+    waits), then encodes everything that is ready as one batch (continuous batching)."""
+    stop = threading.Event()
+    receiver = threading.Thread(target=_receive_jobs, args=(encoder, jobs, stop), name="visual-jobs", daemon=True)
+    receiver.start()
     last_log, logged = time.monotonic(), encoder.stats.copy()
-    while alive():
-        if jobs.poll(0 if encoder.has_work() else _IDLE_POLL_MS):
-            while True:
-                try:
-                    job = pickle.loads(jobs.recv(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                if not isinstance(job, EncodeJob):
-                    logger.error("visual process got a %s, not an EncodeJob; dropped", type(job).__name__)
-                    continue
-                encoder.submit(job)
-        for result in encoder.step(_BUSY_WAIT_S):
-            results.send(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
-        now = time.monotonic()
-        if now - last_log >= _STATS_LOG_S:
-            if encoder.stats != logged:  # quiet while idle
-                logger.info("%s", encoder.stats.summary(logged, now - last_log))
-            last_log, logged = now, encoder.stats.copy()
+    try:
+        while alive() and receiver.is_alive():
+            encoder.wait_for_work(_IDLE_POLL_S)
+            for result in encoder.step():
+                results.send(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+            now = time.monotonic()
+            if now - last_log >= _STATS_LOG_S:
+                if encoder.stats != logged:  # quiet while idle
+                    logger.info("%s", encoder.stats.summary(logged, now - last_log))
+                last_log, logged = now, encoder.stats.copy()
+    finally:
+        stop.set()
+        receiver.join()
+
+
+def _receive_jobs(encoder: VisualEncoder, jobs: zmq.Socket, stop: threading.Event) -> None:
+    """The jobs socket's only user: unpickle each EncodeJob and hand it to the pool at once."""
+    while not stop.is_set():
+        if not jobs.poll(_RECV_POLL_MS):
+            continue
+        while True:
+            try:
+                job = pickle.loads(jobs.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if not isinstance(job, EncodeJob):
+                logger.error("visual process got a %s, not an EncodeJob; dropped", type(job).__name__)
+                continue
+            encoder.submit(job)
 
 
 def run_visual_process(cfg: VisualProcessConfig, ready: Connection) -> None:

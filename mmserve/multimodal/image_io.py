@@ -10,18 +10,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import io
-import warnings
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from PIL import Image
 
 from mmserve.multimodal.url_fetch import FetchPolicy, fetch_url
+from visual.image_decode import BadImage, open_image
 
-
-class BadImage(ValueError):
-    """An image input that cannot be used; the message says why (shown to the client)."""
+__all__ = ["BadImage", "ImagePolicy", "LoadedImage", "decode_base64", "load_image", "load_images", "open_image"]
 
 
 @dataclass(frozen=True)
@@ -57,29 +54,6 @@ def decode_base64(text: str, max_bytes: int) -> bytes:
     if not data:
         raise BadImage("empty image data")
     return data
-
-
-def open_image(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode `data` completely. The size in the header is checked against max_pixels before any pixel is decoded
-    (a small file can declare a huge image); truncated files fail here rather than later in the visual process."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise BadImage(f"image has more than {max_pixels} pixels") from None
-    except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, struct.error, ...)
-        raise BadImage(f"data is not a readable image: {e}") from None
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise BadImage(f"image has an empty size {width}x{height}")
-    if width * height > max_pixels:
-        raise BadImage(f"image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}")
-    try:
-        image.load()
-    except Exception as e:
-        raise BadImage(f"image data is truncated or corrupt: {e}") from None
-    return image
 
 
 def load_image(item: object, policy: ImagePolicy = ImagePolicy()) -> LoadedImage:

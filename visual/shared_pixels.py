@@ -1,0 +1,79 @@
+"""Preprocessed pixels from a pool worker to the visual process through POSIX shared memory.
+
+A result of a `ProcessPoolExecutor` is pickled through a pipe. A torch tensor pickles as a file descriptor handed
+over by a per-tensor connection of multiprocessing's resource sharer, a numpy array as its bytes pushed through the
+64 KiB pipe: both cost several ms per 336 px image and tens of ms per 896 px image, paid in the visual process's
+result thread. Instead the worker writes the pixels into a fresh segment and returns only its name; the visual
+process maps it, unlinks the name at once (the mapping stays valid) and uses the mapping as the tensor, which unmaps
+when the tensor is freed (after the batch's upload).
+
+Segment names start with the server's shm prefix, so any that are left behind (a worker or the visual process
+killed in between) go with `unlink_all` at the server's stop.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import itertools
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class SharedPixels:
+    """Where a worker left one tensor: the segment's name, and the tensor's shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def share_tensor(tensor: torch.Tensor, prefix: str) -> SharedPixels:
+    """Copy `tensor` (CPU) into a new segment (worker side)."""
+    src = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # raw bytes: numpy has no bfloat16
+    name = f"{prefix}px{os.getpid()}_{next(_counter)}"
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        os.ftruncate(fd, max(src.nbytes, 1))
+        mapping = mmap.mmap(fd, max(src.nbytes, 1))
+    except BaseException:
+        os.close(fd)
+        _posixshmem.shm_unlink("/" + name)
+        raise
+    os.close(fd)
+    try:
+        np.frombuffer(mapping, dtype=np.uint8, count=src.size)[...] = src
+    finally:
+        del src
+    mapping.close()
+    return SharedPixels(name, tuple(tensor.shape), tensor.dtype)
+
+
+def take_tensor(shared: SharedPixels) -> torch.Tensor:
+    """Map a worker's segment as a tensor and remove its name (visual-process side; once per segment)."""
+    fd = _posixshmem.shm_open("/" + shared.name, os.O_RDWR, mode=0o600)
+    try:
+        _posixshmem.shm_unlink("/" + shared.name)
+        mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    numel = 1
+    for n in shared.shape:
+        numel *= n
+    # numpy holds the mmap (and so the mapping) for as long as any tensor made from it lives.
+    raw = np.frombuffer(mapping, dtype=np.uint8, count=numel * shared.dtype.itemsize)
+    return torch.from_numpy(raw).view(shared.dtype).view(shared.shape)
+
+
+def discard(shared: SharedPixels) -> None:
+    """Unlink a segment whose pixels are not wanted (a result dropped at shutdown)."""
+    try:
+        _posixshmem.shm_unlink("/" + shared.name)
+    except FileNotFoundError:
+        pass
