@@ -63,8 +63,9 @@ class DecodeGraphs:
         buf[start:, _SLOT] = self.kv.dummy_slot
 
     def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        req_idx, col = self.static[:bs, _REQ_IDX], self.static[:bs, _COL]  # [bs] each (strided views)
-        slots, position = self.static[:bs, _SLOT], self.static[:bs, _POSITION]
+        # [bs] each, made contiguous once here: every layer's kernels would otherwise copy the strided columns.
+        req_idx, col = self.static[:bs, _REQ_IDX].contiguous(), self.static[:bs, _COL].contiguous()
+        slots, position = self.static[:bs, _SLOT].contiguous(), self.static[:bs, _POSITION].contiguous()
         self.kv.req_to_token[req_idx, col] = slots.to(torch.int32)
         dims = self.model.position_dims
         batch = ForwardBatch(
@@ -116,4 +117,4 @@ class DecodeGraphs:
         self.static[:bs].copy_(host[:bs], non_blocking=True)
         self.graphs[bs].replay()
         logits, ids, logprobs = self.outputs[bs]
-        return logits[:n], ids[:n], logprobs[:n], self.static[:n, _REQ_IDX]
+        return logits[:n], ids[:n], logprobs[:n], self.static[:n, _REQ_IDX]  # (the sampler scatters by row)

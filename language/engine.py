@@ -81,7 +81,10 @@ def load_model(cfg: EngineConfig, device: torch.device) -> tuple[torch.nn.Module
         torch.set_default_dtype(default_dtype)
     model.raw_config = raw  # families that derive per-request inputs (M-RoPE) read their config keys from it
     model.inv_freq = model.inv_freq.float()  # rotary frequencies stay fp32 whatever the weights' dtype
-    model.load_weights(iter_weights(cfg.model_dir))
+    wanted = lambda name: model.checkpoint_name(name) is not None  # noqa: E731
+    model.load_weights(iter_weights(cfg.model_dir, keep=wanted, device=device))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # tensors in transit were cached blocks: give them back before sizing the KV cache
     return model.eval(), lm_cfg
 
 

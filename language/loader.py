@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
@@ -46,17 +49,66 @@ def weight_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every shard, one shard in memory at a time."""
-    for path in weight_files(model_dir):
-        if path.endswith(".safetensors"):
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+def _read_shard(path: str, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.endswith(".safetensors"):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if keep(name):  # tensors we skip (a vision tower, say) are never read
                     yield name, f.get_tensor(name)
-        else:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            yield from state.items()
-            del state
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        yield from ((name, t) for name, t in state.items() if keep(name))
+        del state
+
+
+def iter_weights(
+    model_dir: str,
+    keep: Callable[[str], bool] = lambda name: True,
+    device: torch.device | None = None,
+    workers: int = 8,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every kept tensor of every shard, in no particular order. Shards are read by parallel
+    threads (reading and the host-to-device copy release the GIL), each tensor moved to `device` there, and handed
+    over through a short queue so only a few tensors wait in memory at a time."""
+    paths = weight_files(model_dir)
+    if len(paths) == 1 or workers <= 1:
+        for path in paths:
+            for name, tensor in _read_shard(path, keep):
+                yield name, tensor if device is None else tensor.to(device)
+        return
+    handoff: queue.Queue = queue.Queue(maxsize=2 * workers)
+    done = object()
+    stop = threading.Event()
+
+    def read(path: str) -> None:
+        try:
+            for name, tensor in _read_shard(path, keep):
+                if stop.is_set():
+                    return
+                handoff.put((name, tensor if device is None else tensor.to(device)))
+        except BaseException as e:  # handed to the consumer, which raises it
+            handoff.put(e)
+        finally:
+            handoff.put(done)
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(paths)), thread_name_prefix="weights") as pool:
+        for path in paths:
+            pool.submit(read, path)
+        finished = 0
+        try:
+            while finished < len(paths):
+                item = handoff.get()
+                if item is done:
+                    finished += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            stop.set()
+            while finished < len(paths):  # let blocked readers finish so the pool can shut down
+                if handoff.get() is done:
+                    finished += 1
 
 
 def checkpoint_dtype(raw_config: dict) -> torch.dtype:
