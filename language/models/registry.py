@@ -19,6 +19,11 @@ class CausalLM(Protocol):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
+    def prepare_request(self, req) -> None: ...
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Our name for a checkpoint tensor, or None for one this model does not load (it is then never read)."""
+
     def load_weights(self, weights) -> None: ...
 
 
