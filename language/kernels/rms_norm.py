@@ -19,16 +19,6 @@ from language.kernels.launch_utils import (
 
 
 @triton.jit
-def _scaled_rms(x, weight_ptr, offs, mask, hidden, eps, ROUND_TO: tl.constexpr):
-    """x: [BLOCK_H] fp32 row -> weight * round(x / rms(x)) in fp32, rounded to the activations' dtype before the
-    weight multiply, exactly as the reference (and HF) does."""
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    normed = (x * inv_rms).to(ROUND_TO).to(tl.float32)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return weight * normed
-
-
-@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [N, H]
     weight_ptr,  # [H]
@@ -43,8 +33,11 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    out = _scaled_rms(x, weight_ptr, offs, mask, hidden, eps, x_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    # Round to x's dtype before the weight multiply, exactly as the reference (and HF) does.
+    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,8 +85,11 @@ def _add_rms_norm_kernel(
     # The sum is rounded to the activations' dtype first, as `residual + x` in torch (and HF) is.
     summed = (x + res).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * hidden + offs, summed, mask=mask)
-    out = _scaled_rms(summed.to(tl.float32), weight_ptr, offs, mask, hidden, eps, sum_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    s = summed.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
+    normed = (s * inv_rms).to(sum_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + offs, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(
