@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from language.forward_batch import ForwardBatch
+from language.progress import progress
 from language.sampler import sample_greedy
 from language.step_inputs import DecodeRows
 
@@ -89,9 +89,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        t0 = time.perf_counter()
         pool = None
-        for i, bs in enumerate(reversed(self.sizes)):  # largest first, so smaller graphs reuse its memory pool
+        sizes = list(reversed(self.sizes))  # largest first, so smaller graphs reuse its memory pool
+        for bs in progress(sizes, len(sizes), "capturing decode graphs", logger):
             self._run(bs)  # warm-up: compiles the kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -99,8 +99,6 @@ class DecodeGraphs:
                 self.outputs[bs] = self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
-            if i % 8 == 7 or bs == self.sizes[0]:
-                logger.info("captured %d/%d decode graphs (%.1f s)", i + 1, len(self.sizes), time.perf_counter() - t0)
         torch.cuda.synchronize()
 
     def replay(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

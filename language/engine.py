@@ -12,9 +12,10 @@ import torch
 
 from language.config import EngineConfig, LMConfig, resolve_device, resolve_dtype
 from language.kv_cache import KVCache
-from language.loader import architecture, iter_weights, read_config
+from language.loader import architecture, count_weights, iter_weights, read_config
 from language.model_runner import InflightStep, ModelRunner
 from language.models import model_class
+from language.progress import progress
 from language.request import Request, RequestOutput, RequestStatus
 from language.scheduler import Scheduler, StepPlan
 from language.step_inputs import stage
@@ -82,7 +83,8 @@ def load_model(cfg: EngineConfig, device: torch.device) -> tuple[torch.nn.Module
     model.raw_config = raw  # families that derive per-request inputs (M-RoPE) read their config keys from it
     model.inv_freq = model.inv_freq.float()  # rotary frequencies stay fp32 whatever the weights' dtype
     wanted = lambda name: model.checkpoint_name(name) is not None  # noqa: E731
-    model.load_weights(iter_weights(cfg.model_dir, keep=wanted, device=device))
+    weights = iter_weights(cfg.model_dir, keep=wanted, device=device)
+    model.load_weights(progress(weights, count_weights(cfg.model_dir, wanted), "loading weights", logger))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # tensors in transit were cached blocks: give them back before sizing the KV cache
     return model.eval(), lm_cfg

@@ -61,6 +61,18 @@ def _read_shard(path: str, keep: Callable[[str], bool]) -> Iterator[tuple[str, t
         del state
 
 
+def count_weights(model_dir: str, keep: Callable[[str], bool] = lambda name: True) -> int:
+    """How many tensors iter_weights will yield (safetensors headers only; .bin shards are loaded to count)."""
+    total = 0
+    for path in weight_files(model_dir):
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as f:
+                total += sum(1 for name in f.keys() if keep(name))  # noqa: SIM118
+        else:
+            total += sum(1 for name in torch.load(path, map_location="meta", weights_only=True) if keep(name))
+    return total
+
+
 def iter_weights(
     model_dir: str,
     keep: Callable[[str], bool] = lambda name: True,

@@ -6,15 +6,20 @@ would stall that step for a compile; we meet each class once at start-up instead
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from language.progress import progress
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from language.engine import EngineCore
+
+
+logger = logging.getLogger(__name__)
 
 
 def _kind(x: int) -> int:
@@ -56,7 +61,8 @@ def _run(engine: EngineCore, waves: list[list[Request]]) -> None:
 @torch.inference_mode()
 def warmup(engine: EngineCore) -> None:
     free = engine.kv.slots.num_free
-    for i, lens in enumerate(warmup_shapes()):
+    shapes = warmup_shapes()
+    for i, lens in progress(enumerate(shapes), len(shapes), "warming up kernels", logger):
         if sum(lens) + len(lens) > free or len(lens) > engine.kv.num_free_rows():
             continue
         _run(engine, [[_request(engine, f"warmup-{i}-{j}", n, 1, i < 2) for j, n in enumerate(lens)]])

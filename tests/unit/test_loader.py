@@ -30,3 +30,22 @@ def test_a_broken_shard_raises(tmp_path):
     (tmp_path / "model-00001-of-00003.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(Exception):  # noqa: B017 (whatever safetensors raises, it reaches the caller)
         list(iter_weights(str(tmp_path), workers=3))
+
+
+def test_count_matches_what_is_read(tmp_path):
+    from language.loader import count_weights
+
+    _shards(tmp_path, 3)
+    keep = lambda name: name.startswith("s1")  # noqa: E731
+    assert count_weights(str(tmp_path), keep) == len(list(iter_weights(str(tmp_path), keep=keep))) == 5
+
+
+def test_progress_logs_when_not_on_a_terminal(caplog):
+    import logging
+
+    from language.progress import progress
+
+    log = logging.getLogger("progress-test")
+    with caplog.at_level(logging.INFO, logger="progress-test"):
+        assert list(progress(range(7), 7, "loading weights", log)) == list(range(7))
+    assert "loading weights: 7/7 done" in caplog.text
