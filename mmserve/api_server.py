@@ -5,8 +5,10 @@ the way out."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -15,7 +17,7 @@ import uvicorn
 from cache.shm_store import new_prefix, unlink_all
 from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
-from mmserve.demo import ensure_demo_checkpoint
+from mmserve.demo import demo_for, ensure_demo_checkpoint
 from mmserve.detokenizer_process import run_detokenizer_process
 from mmserve.engine_client import EngineClient
 from mmserve.http_server import build_app
@@ -28,6 +30,22 @@ from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
 from mmserve.zmq_queue import Endpoints
 
 logger = logging.getLogger("mmserve")
+
+_IMPORTED_AT = time.monotonic()  # fallback start time where /proc cannot tell when the process started
+
+
+def seconds_since_process_start() -> float:
+    """How long this process has run, by the kernel's clock, so that interpreter start-up and the imports (torch
+    alone takes seconds) count in the start-up time we report, not only the part after main() begins."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (starttime, in clock ticks after boot); split after the command name, which may hold spaces.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,11 +70,13 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 def resolve_model(config: ServerConfig) -> ServerConfig:
     if config.model_dir is not None:
         return config
-    path = ensure_demo_checkpoint()
+    # --enable_multimodal picks the Qwen2-VL demo, since a Llama has no vision tower to serve images with.
+    path = ensure_demo_checkpoint(multimodal=config.enable_multimodal)
     logger.warning(
-        "no --model_dir given: serving the DEMO checkpoint in %s, a tiny Llama with RANDOM weights (its text is "
+        "no --model_dir given: serving the DEMO checkpoint in %s, %s with RANDOM weights (its text is "
         "gibberish). Pass --model_dir /path/to/hf/checkpoint to serve a real model.",
         path,
+        demo_for(config.enable_multimodal).description,
     )
     return replace(config, model_dir=path)
 
@@ -96,7 +116,13 @@ def serve(config: ServerConfig) -> int:
             )
         )
         client.on_fatal = lambda: setattr(server, "should_exit", True)
-        logger.info("serving %s on http://%s:%d", config.model_dir, config.host, config.port)
+        logger.info(
+            "serving %s on http://%s:%d (started in %.1f s)",
+            config.model_dir,
+            config.host,
+            config.port,
+            seconds_since_process_start(),
+        )
         server.run()
         if client.failure is not None:
             logger.error("exiting after a failure: %s", client.failure)

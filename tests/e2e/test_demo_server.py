@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("xdg_cache")
-    srv = ServerProcess(None, str(cache / "server.log"), env={"XDG_CACHE_HOME": str(cache)})
+    # MMSERVE_DEMO_DIR emptied: the default location under $XDG_CACHE_HOME is what this test checks.
+    srv = ServerProcess(None, str(cache / "server.log"), env={"XDG_CACHE_HOME": str(cache), "MMSERVE_DEMO_DIR": ""})
     try:
         srv.wait_healthy()
         yield srv, cache
