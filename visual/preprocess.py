@@ -61,6 +61,10 @@ def _worker_task(data: bytes, shm_prefix: str) -> ImageInput:
     return out
 
 
+def _ready() -> None:
+    """A no-op task: running it makes the pool start a worker."""
+
+
 class PreprocessPool:
     def __init__(self, model, num_workers: int = 2, shm_prefix: str | None = None):
         make = getattr(model, "preprocessor", None)
@@ -72,6 +76,10 @@ class PreprocessPool:
             self._executor: Executor = ProcessPoolExecutor(
                 num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(make(),)
             )
+            # The pool spawns workers on demand: start them now, in the background, so the first images do not
+            # wait seconds for interpreters to start and the image processor to load.
+            for _ in range(num_workers):
+                self._executor.submit(_ready)
         else:
             self._preprocessor = model.preprocess
             self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
