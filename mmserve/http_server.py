@@ -1,4 +1,5 @@
-"""The HTTP API (FastAPI): /generate, /generate_stream, /health, /metrics, as LightLLM's."""
+"""The HTTP API (FastAPI): /generate, /generate_stream, /health, /metrics, as LightLLM's (and OpenAI's /v1 API,
+from openai_api.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def build_app(client: EngineClient) -> FastAPI:
             await client.stop()
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
+    from mmserve.openai_api import add_openai_routes  # here: it uses this module's helpers
+
+    add_openai_routes(app, client)  # /v1/models, /v1/chat/completions, /v1/completions
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,0 +1,217 @@
+"""The OpenAI API's request side, as vLLM shapes it: chat messages and completion bodies -> the server's own
+`GenerateInput` (prompt text, `SamplingParams`, `multimodal_params`), so that every request runs the one pipeline
+that /generate runs. Chat prompts are rendered by transformers' `apply_chat_template` from the checkpoint's own
+template; image parts become `multimodal_params.images` entries in prompt order."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+from language.sampling_params import InvalidParams, SamplingParams
+from mmserve.multimodal.image_io import BadImage
+from mmserve.multimodal.qwen_vl import read_allowed_path
+from mmserve.protocol import BadRequest, GenerateInput
+
+SAMPLING_NAMES = frozenset(
+    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+     "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
+     "ignore_eos", "user", "model"}
+)  # fmt: skip
+CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"}
+COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
+ROLES = frozenset({"system", "user", "assistant"})
+MAX_IMAGE_BYTES = 32 << 20
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("body", "is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+def check_names(body: dict, allowed: frozenset) -> None:
+    for name in body:
+        if name not in allowed:
+            raise BadRequest(name, "unknown or unsupported field")
+
+
+def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+    """OpenAI's sampling fields -> SamplingParams (validated); n > 1 and logprobs are refused by name."""
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise BadRequest("n", "only n=1 is supported")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        name = "logprobs" if body.get("logprobs") else "top_logprobs"
+        raise BadRequest(name, "log probabilities are not supported yet")
+    max_tokens = body.get("max_completion_tokens")
+    max_name = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, max_name = body.get("max_tokens"), "max_tokens"
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop", "must be a non-empty string or a list of non-empty strings")
+    kwargs = {
+        "do_sample": isinstance(temperature, (int, float)) and temperature > 0,
+        "temperature": temperature,
+        "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
+        "stop_sequences": tuple(stop),
+        "return_details": True,
+    }
+    for name in ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
+        if body.get(name) is not None:
+            kwargs[name] = body[name]
+    try:
+        return SamplingParams(**kwargs).validate()
+    except InvalidParams as e:
+        name = max_name if e.field == "max_new_tokens" else e.field
+        raise BadRequest(name, str(e).split(": ", 1)[-1]) from None
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options", "must be an object")
+    if not body.get("stream"):
+        raise BadRequest("stream_options", "is only allowed with stream: true")
+    return bool(options.get("include_usage"))
+
+
+# ------------------------------------------------------------------------------------------------- chat
+
+
+def image_item(url: object, param: str, image_dir: str | None) -> dict:
+    """An `image_url.url` -> a `multimodal_params.images` entry, under the same rules as /generate's images:
+    data: URLs carry base64, http(s) URLs are fetched under the server's fetch rules, and a local path is read only
+    from inside --image_dir."""
+    if not isinstance(url, str) or not url:
+        raise BadRequest(param, "must be a non-empty string")
+    if url.startswith("data:"):
+        header, sep, data = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise BadRequest(param, "a data: URL must be data:<mime>;base64,<data>")
+        return {"type": "base64", "data": data}
+    if url.startswith(("http://", "https://")):
+        return {"type": "url", "data": url}
+    path = url.removeprefix("file://")
+    try:
+        data = read_allowed_path(path, image_dir, MAX_IMAGE_BYTES)
+    except BadImage as e:
+        raise BadRequest(param, str(e)) from None
+    return {"type": "base64", "data": base64.b64encode(data).decode()}
+
+
+def chat_messages(raw: object, image_dir: str | None) -> tuple[list[dict], list[dict]]:
+    """OpenAI messages -> (messages for apply_chat_template, image entries in prompt order). Image parts become
+    {"type": "image"} parts, which every published VLM template turns into its family's placeholder."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages", "must be a non-empty list")
+    messages, images = [], []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequest(where, "must be an object")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise BadRequest(f"{where}.role", f"must be one of {sorted(ROLES)}")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"{where}.content", "must be a string or a list of content parts")
+        parts = []
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{at}.text", "must be a string")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                images.append(image_item(url, f"{at}.image_url.url", image_dir))
+                parts.append({"type": "image"})
+            else:
+                raise BadRequest(f"{at}.type", "must be 'text' or 'image_url'")
+        messages.append({"role": role, "content": parts})
+    return messages, images
+
+
+def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
+    """The checkpoint's own template: tokenizer_config.json's (as the tokenizer loaded it), else chat_template.jinja
+    or chat_template.json (the processor's)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        return template
+    if model_dir and os.path.isdir(model_dir):
+        jinja = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja) as f:
+                return f.read()
+        path = os.path.join(model_dir, "chat_template.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                template = json.load(f).get("chat_template")
+            if isinstance(template, str) and template:
+                return template
+    return None
+
+
+def render_chat(tokenizer, template: str | None, messages: list[dict], body: dict) -> str:
+    if template is None:
+        raise BadRequest("messages", "this model has no chat template (none in tokenizer_config.json, "
+                         "chat_template.jinja or chat_template.json); use /v1/completions with a prompt")  # fmt: skip
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs", "must be an object")
+    reserved = sorted(set(kwargs) & {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages"})
+    if reserved:
+        raise BadRequest("chat_template_kwargs", f"may not set {reserved}")
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **kwargs,
+        )
+    except Exception as e:  # jinja errors, raise_exception() in the template
+        raise BadRequest("messages", f"the chat template could not render these messages: {e}") from None
+
+
+def chat_input(body: dict, tokenizer, template: str | None, image_dir: str | None, default_max: int) -> GenerateInput:
+    """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering and file reads are slow)."""
+    check_names(body, CHAT_NAMES)
+    params = sampling_params(body, default_max)
+    messages, images = chat_messages(body.get("messages"), image_dir)
+    prompt = render_chat(tokenizer, template, messages, body)
+    return GenerateInput(prompt, params, {"images": images} if images else {})
+
+
+def completion_input(body: dict, default_max: int) -> GenerateInput:
+    """A completion body -> GenerateInput; max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions."""
+    check_names(body, COMPLETION_NAMES)
+    if body.get("echo"):
+        raise BadRequest("echo", "is not supported")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt", "must be a non-empty string (one prompt per request)")
+    return GenerateInput(prompt, sampling_params(body, min(16, default_max)))
