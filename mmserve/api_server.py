@@ -107,7 +107,7 @@ def serve(config: ServerConfig) -> int:
         )
         server = uvicorn.Server(
             uvicorn.Config(
-                build_app(client),
+                build_app(client, config.image_dir),
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,

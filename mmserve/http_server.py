@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
 
 
-def build_app(client: EngineClient) -> FastAPI:
+def build_app(client: EngineClient, image_dir: str | None = None) -> FastAPI:
+    """The routes over one engine client. image_dir: the only folder local image paths may be read from (OpenAI
+    `image_url` paths; prompt-embedded paths follow the family's prompt processor)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await client.start()
@@ -34,7 +37,7 @@ def build_app(client: EngineClient) -> FastAPI:
     app = FastAPI(title="mmserve", lifespan=lifespan)
     from mmserve.openai_api import add_openai_routes  # here: it uses this module's helpers
 
-    add_openai_routes(app, client)  # /v1/models, /v1/chat/completions, /v1/completions
+    add_openai_routes(app, client, image_dir)  # /v1/models, /v1/chat/completions, /v1/completions
 
     @app.get("/health")
     async def health() -> Response:

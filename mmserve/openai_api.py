@@ -55,15 +55,14 @@ def _bad_request(e: BadRequest, prompt_field: str) -> JSONResponse:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EngineClient, image_dir: str | None = None):
         self.client = client
         self.tokenizer = client.preparer.tokenizer
         self.model_dir = getattr(self.tokenizer, "name_or_path", None) or ""
         self.model_name = os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "mmserve"
         self.template = find_chat_template(self.tokenizer, self.model_dir)
         self.created = int(time.time())
-        processor = getattr(getattr(client.preparer.images, "preparer", None), "prompt_processor", None)
-        self.image_dir = getattr(processor, "image_dir", None)  # set where the family reads prompt paths
+        self.image_dir = image_dir  # --image_dir: the only folder local image paths may be read from
 
     @property
     def max_len(self) -> int:
@@ -207,12 +206,12 @@ def _usage(out: TextOutput) -> dict:
             "total_tokens": out.prompt_tokens + out.output_tokens}  # fmt: skip
 
 
-def add_openai_routes(app: FastAPI, client: EngineClient) -> None:
+def add_openai_routes(app: FastAPI, client: EngineClient, image_dir: str | None = None) -> None:
     serving: list[OpenAIServing] = []  # built on first use: the tokenizer is there, the event loop is running
 
     def get() -> OpenAIServing:
         if not serving:
-            serving.append(OpenAIServing(client))
+            serving.append(OpenAIServing(client, image_dir))
         return serving[0]
 
     @app.get("/v1/models")

@@ -92,13 +92,22 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def image_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("images")
+    picture(64, 48, 7).save(path / "local.png")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, image_dir, tmp_path_factory):
     srv = ServerProcess(
         model_dir,
         str(tmp_path_factory.mktemp("log") / "server.log"),
         "--max_total_token_num",
         "4096",
         "--enable_multimodal",
+        "--image_dir",
+        image_dir,
     )
     try:
         srv.wait_healthy()
@@ -248,7 +257,7 @@ def test_errors_in_openai_shape_and_the_server_keeps_serving(client, server):
 
     path = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]
     e = error_of(lambda: client.chat.completions.create(model=MODEL, messages=path))
-    assert e.status_code == 400 and "not allowed" in e.response.json()["error"]["message"]
+    assert e.status_code == 400 and "allowed image directory" in e.response.json()["error"]["message"]
 
     text = [{"role": "user", "content": "Hi"}]
     for kwargs, param in [
@@ -316,3 +325,16 @@ def test_no_max_tokens_fills_the_context(client, server):
             model=MODEL, messages=openai_messages(turns), temperature=0, extra_body={"ignore_eos": True}
         )
         assert reply.usage.total_tokens == 4096 and reply.choices[0].finish_reason == "length"
+
+
+def test_a_local_path_inside_image_dir_reads_that_file(client):
+    """--image_dir reaches the OpenAI routes: a path inside it is the same image as its bytes sent inline."""
+
+    def reply(url: str) -> str:
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0
+        )
+        return out.choices[0].message.content
+
+    assert reply("local.png") == reply(data_url(picture(64, 48, 7)))
