@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +26,6 @@ from mmserve.openai_protocol import (
 from mmserve.protocol import BadRequest, GenerateInput
 
 _CLIENT_CLOSED = 499
-_PROMPT_LEN = re.compile(r"prompt \((\d+) tokens\)")
 
 
 def openai_error(message: str, status: int = 400, param: str | None = None, kind: str | None = None) -> JSONResponse:
@@ -74,39 +71,23 @@ class OpenAIServing:
         return {"object": "list", "data": [card]}
 
     async def submit(self, request: Request, parse: Callable[[dict, int], GenerateInput], prompt_field: str):
-        """-> (body, RequestStream) or an error response. With no max_tokens, generation may fill the context, as
-        vLLM's: the first try finds the prompt's length, the second asks for what is left."""
+        """-> (body, RequestStream) or an error response. A chat with no max_tokens may fill the context, as vLLM's
+        (`fill_context`: the preparer sizes it once the prompt is tokenized)."""
         try:
             body = parse_json(await _read_body(request))
             include_usage(body)  # checked before anything is submitted
             model = body.get("model")
             if model is not None and model != self.model_name:
                 return openai_error(f"The model `{model}` does not exist.", 404, "model")
-            default_max = self.max_len
-            req = await self.client.run_sync(parse, body, default_max)
-            try:
-                return body, await self.client.submit(req)
-            except BadRequest as e:
-                unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-                match = _PROMPT_LEN.search(e.message) if e.field == "parameters.max_new_tokens" else None
-                if not (unset and match):
-                    raise
-                room = self.max_len - int(match.group(1))
-                req = await self.client.run_sync(parse, body, room)
-                return body, await self.client.submit(req)
+            req = await self.client.run_sync(parse, body, self.max_len)
+            return body, await self.client.submit(req)
         except BadRequest as e:
             return _bad_request(e, prompt_field)
         except ServerFailure as e:
             return openai_error(f"server failure: {e}", 503)
 
     def _parse_chat(self, body: dict, default_max: int) -> GenerateInput:
-        req = chat_input(body, self.tokenizer, self.template, self.image_dir, default_max)
-        unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-        if unset and default_max == self.max_len:
-            # No max_tokens: what the text leaves (images add tokens: then `submit` tries again with the true room).
-            room = max(1, self.max_len - len(self.tokenizer.encode(req.prompt, add_special_tokens=False)))
-            req = replace(req, params=replace(req.params, max_new_tokens=room))
-        return req
+        return chat_input(body, self.tokenizer, self.template, self.image_dir, default_max)
 
     async def respond(self, request: Request, kind: str) -> Response:
         chat = kind == "chat"

@@ -201,7 +201,8 @@ def chat_input(body: dict, tokenizer, template: str | None, image_dir: str | Non
     params = sampling_params(body, default_max)
     messages, images = chat_messages(body.get("messages"), image_dir)
     prompt = render_chat(tokenizer, template, messages, body)
-    return GenerateInput(prompt, params, {"images": images} if images else {})
+    unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)
 
 
 def completion_input(body: dict, default_max: int) -> GenerateInput:

@@ -46,6 +46,9 @@ class GenerateInput:
     prompt: str
     params: SamplingParams
     multimodal_params: dict = field(default_factory=dict)
+    # No max_new_tokens given (an OpenAI chat without max_tokens): generate up to what the context leaves, which only
+    # the preparer knows once the prompt (with its images) is tokenized.
+    fill_context: bool = False
 
 
 def parse_generate_body(raw: bytes) -> GenerateInput:

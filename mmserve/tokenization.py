@@ -67,8 +67,12 @@ class RequestPreparer:
         else:
             prepared = PreparedPrompt(await run_sync(self.tokenizer.encode, req.prompt))
         try:
-            self._check_length(len(prepared.prompt_ids), req.params.max_new_tokens)
-            params = await run_sync(self._with_stop_token_ids, req.params)
+            params = req.params
+            if req.fill_context:
+                room = self.limits.max_req_total_len - len(prepared.prompt_ids)
+                params = replace(params, max_new_tokens=max(1, room))
+            self._check_length(len(prepared.prompt_ids), params.max_new_tokens)
+            params = await run_sync(self._with_stop_token_ids, params)
         except BaseException:
             self.release(rid)
             raise
