@@ -23,6 +23,7 @@ from mmserve.engine_client import EngineClient
 from mmserve.http_server import build_app
 from mmserve.messages import RouterStats
 from mmserve.metrics import ServerMetrics
+from mmserve.openai_protocol import OpenAIOptions
 from mmserve.processes import ChildProcess, ChildStartError, exit_now, spawn_child, stop_children, wait_ready
 from mmserve.router import run_router_process
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
@@ -107,7 +108,7 @@ def serve(config: ServerConfig) -> int:
         )
         server = uvicorn.Server(
             uvicorn.Config(
-                build_app(client, config.image_dir),
+                build_app(client, OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template)),
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,

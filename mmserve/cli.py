@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="original LLaVA layout: the CLIP vision tower folder (default: mm_vision_tower of config)",
     )
+    p.add_argument("--served_model_name", default=None, help="model id in the OpenAI API (default: the folder's name)")
+    p.add_argument("--chat_template", default=None, help="a Jinja chat template file overriding the checkpoint's")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tokenizer_workers", type=int, default=2)
     return p
@@ -80,6 +82,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
             vision_tower_dir=args.vision_tower_dir,
+            served_model_name=args.served_model_name,
+            chat_template=args.chat_template,
             log_level=args.log_level,
             tokenizer_workers=args.tokenizer_workers,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 # LightLLM's --data_type spellings -> torch dtype names; "auto" keeps the checkpoint's own dtype.
@@ -41,6 +42,8 @@ class ServerConfig:
     allow_private_urls: bool = False  # image URLs may resolve to loopback/private addresses
     image_dir: str | None = None  # the only directory image paths inside a prompt may be read from
     vision_tower_dir: str | None = None  # original LLaVA layout: the CLIP folder (instead of mm_vision_tower)
+    served_model_name: str | None = None  # the model id of the OpenAI API; None: the model folder's name
+    chat_template: str | None = None  # a Jinja chat template file that overrides the checkpoint's
     log_level: str = "info"
     tokenizer_workers: int = 2  # threads that tokenize (off the event loop)
     startup_timeout_s: float = 600.0  # model load limit for the child processes
@@ -64,6 +67,8 @@ class ServerConfig:
             raise ValueError("--graph_max_batch_size must be >= 1")
         if self.cache_capacity < 1:
             raise ValueError("--cache_capacity must be >= 1")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat_template: no such file {self.chat_template!r}")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 

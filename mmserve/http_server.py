@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.messages import TextOutput, TokenDetail
 from mmserve.metrics import CONTENT_TYPE
+from mmserve.openai_protocol import OpenAIOptions
 from mmserve.protocol import BadRequest, error_event, generate_response, parse_generate_body, stream_event
 
 MAX_BODY_BYTES = 64 << 20  # a request with a few base64 images fits easily
@@ -22,9 +23,8 @@ logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
 
 
-def build_app(client: EngineClient, image_dir: str | None = None) -> FastAPI:
-    """The routes over one engine client. image_dir: the only folder local image paths may be read from (OpenAI
-    `image_url` paths; prompt-embedded paths follow the family's prompt processor)."""
+def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> FastAPI:
+    """The routes over one engine client; `openai` carries the server flags the OpenAI routes read."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -37,7 +37,7 @@ def build_app(client: EngineClient, image_dir: str | None = None) -> FastAPI:
     app = FastAPI(title="mmserve", lifespan=lifespan)
     from mmserve.openai_api import add_openai_routes  # here: it uses this module's helpers
 
-    add_openai_routes(app, client, image_dir)  # /v1/models, /v1/chat/completions, /v1/completions
+    add_openai_routes(app, client, openai or OpenAIOptions())  # /v1/models, /v1/chat/completions, /v1/completions
 
     @app.get("/health")
     async def health() -> Response:

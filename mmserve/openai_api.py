@@ -17,6 +17,7 @@ from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStrea
 from mmserve.http_server import _read_body, _watch_disconnect
 from mmserve.messages import TextOutput
 from mmserve.openai_protocol import (
+    OpenAIOptions,
     chat_input,
     completion_input,
     find_chat_template,
@@ -52,14 +53,19 @@ def _bad_request(e: BadRequest, prompt_field: str) -> JSONResponse:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, image_dir: str | None = None):
+    def __init__(self, client: EngineClient, options: OpenAIOptions):
         self.client = client
         self.tokenizer = client.preparer.tokenizer
         self.model_dir = getattr(self.tokenizer, "name_or_path", None) or ""
-        self.model_name = os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "mmserve"
-        self.template = find_chat_template(self.tokenizer, self.model_dir)
+        folder_name = os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "mmserve"
+        self.model_name = options.served_model_name or folder_name
+        if options.chat_template is not None:  # --chat_template overrides the checkpoint's own
+            with open(options.chat_template) as f:
+                self.template = f.read()
+        else:
+            self.template = find_chat_template(self.tokenizer, self.model_dir)
         self.created = int(time.time())
-        self.image_dir = image_dir  # --image_dir: the only folder local image paths may be read from
+        self.image_dir = options.image_dir
 
     @property
     def max_len(self) -> int:
@@ -187,12 +193,12 @@ def _usage(out: TextOutput) -> dict:
             "total_tokens": out.prompt_tokens + out.output_tokens}  # fmt: skip
 
 
-def add_openai_routes(app: FastAPI, client: EngineClient, image_dir: str | None = None) -> None:
+def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> None:
     serving: list[OpenAIServing] = []  # built on first use: the tokenizer is there, the event loop is running
 
     def get() -> OpenAIServing:
         if not serving:
-            serving.append(OpenAIServing(client, image_dir))
+            serving.append(OpenAIServing(client, options))
         return serving[0]
 
     @app.get("/v1/models")

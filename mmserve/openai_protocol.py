@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from dataclasses import dataclass
 
 from language.sampling_params import InvalidParams, SamplingParams
 from mmserve.multimodal.image_io import BadImage
@@ -151,6 +152,15 @@ def chat_messages(raw: object, image_dir: str | None) -> tuple[list[dict], list[
                 raise BadRequest(f"{at}.type", "must be 'text' or 'image_url'")
         messages.append({"role": role, "content": parts})
     return messages, images
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """The server flags the OpenAI routes read."""
+
+    image_dir: str | None = None  # the only folder local image paths may be read from
+    served_model_name: str | None = None  # the model id; None: the model folder's name
+    chat_template: str | None = None  # a Jinja template file that overrides the checkpoint's
 
 
 def find_chat_template(tokenizer, model_dir: str | None) -> str | None:

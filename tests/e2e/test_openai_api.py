@@ -338,3 +338,34 @@ def test_a_local_path_inside_image_dir_reads_that_file(client):
         return out.choices[0].message.content
 
     assert reply("local.png") == reply(data_url(picture(64, 48, 7)))
+
+
+# A template of our own: text parts only, so what it renders is easy to check (no newlines: transformers renders
+# templates with trim_blocks, which drops a newline after a block tag).
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] "
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "; {% endfor %}[assistant] "
+)
+
+
+def test_served_model_name_and_chat_template_flags(model_dir, tmp_path):
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    srv = ServerProcess(
+        model_dir, str(tmp_path / "server.log"), "--served_model_name", "demo-vl", "--chat_template", str(template)
+    )
+    try:
+        srv.wait_healthy()
+        oc = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+        assert [m.id for m in oc.models.list().data] == ["demo-vl"]
+        e = error_of(lambda: oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}]))
+        assert e.status_code == 404  # the folder's name is no longer the model's id
+        reply = oc.chat.completions.create(
+            model="demo-vl", messages=[{"role": "user", "content": "Hello there"}], max_tokens=3, temperature=0
+        )
+        rendered = "[user] Hello there; [assistant] "
+        assert reply.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(model_dir)(rendered).input_ids)
+    finally:
+        assert srv.stop() == 0, srv.log()

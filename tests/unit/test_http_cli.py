@@ -38,7 +38,8 @@ def test_engine_config_from_server_config():
 
 
 @pytest.mark.parametrize(
-    "flags", ["--tp 2", "--mem_fraction 0", "--max_total_token_num 0", "--data_type int4", "--port 0"]
+    "flags",
+    ["--tp 2", "--mem_fraction 0", "--max_total_token_num 0", "--data_type int4", "--port 0", "--chat_template /nope"],
 )
 def test_bad_flags_exit_with_a_message(flags, capsys):
     with pytest.raises(SystemExit) as e:
