@@ -22,9 +22,8 @@ from mmserve.openai_protocol import (
     completion_input,
     find_chat_template,
     include_usage,
-    parse_json,
 )
-from mmserve.protocol import BadRequest, GenerateInput
+from mmserve.protocol import BadRequest, GenerateInput, parse_json
 
 _CLIENT_CLOSED = 499
 

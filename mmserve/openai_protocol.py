@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from language.sampling_params import InvalidParams, SamplingParams
-from mmserve.multimodal.image_io import BadImage
+from mmserve.multimodal.image_io import BadImage, ImagePolicy
 from mmserve.multimodal.qwen_vl import read_allowed_path
 from mmserve.protocol import BadRequest, GenerateInput
 
@@ -23,17 +23,6 @@ SAMPLING_NAMES = frozenset(
 CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"}
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
 ROLES = frozenset({"system", "user", "assistant"})
-MAX_IMAGE_BYTES = 32 << 20
-
-
-def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("body", "is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body", "must be a JSON object")
-    return body
 
 
 def check_names(body: dict, allowed: frozenset) -> None:
@@ -109,7 +98,7 @@ def image_item(url: object, param: str, image_dir: str | None) -> dict:
         return {"type": "url", "data": url}
     path = url.removeprefix("file://")
     try:
-        data = read_allowed_path(path, image_dir, MAX_IMAGE_BYTES)
+        data = read_allowed_path(path, image_dir, ImagePolicy().max_bytes)  # the limit of sent images
     except BadImage as e:
         raise BadRequest(param, str(e)) from None
     return {"type": "base64", "data": base64.b64encode(data).decode()}

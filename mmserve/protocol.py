@@ -51,13 +51,19 @@ class GenerateInput:
     fill_context: bool = False
 
 
-def parse_generate_body(raw: bytes) -> GenerateInput:
+def parse_json(raw: bytes) -> dict:
+    """A request body that must be one JSON object; BadRequest otherwise."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("body", "is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+def parse_generate_body(raw: bytes) -> GenerateInput:
+    body = parse_json(raw)
     for name in body:
         if name not in TOP_LEVEL_NAMES:
             raise BadRequest(name, f"unknown field (expected {sorted(TOP_LEVEL_NAMES)})")
