@@ -45,9 +45,10 @@ class DecodeGraphs:
         self._host = [torch.empty((n, 4), dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._turn = 0
         self.static = torch.empty((n, 4), dtype=torch.int64, device=dev)  # [max_bs, 4]
+        # Padding rows point at the dummy row/slot, never at a live request.
         self._padding_row = np.array([0, 0, 0, 0], dtype=np.int64)
         self._padding_row[_REQ_IDX], self._padding_row[_SLOT] = kv.dummy_row, kv.dummy_slot
-        self._fill_padding(self.static, 0)
+        self.static.copy_(torch.from_numpy(np.tile(self._padding_row, (n, 1))))  # what the captures run on
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # logits, ids, logprobs
         self._capture_all()
@@ -55,18 +56,11 @@ class DecodeGraphs:
     def can_run(self, n: int) -> bool:
         return 0 < n <= self.sizes[-1]
 
-    def _fill_padding(self, buf: torch.Tensor, start: int) -> None:
-        # Padding rows point at the dummy row/slot, never at a live request.
-        buf[start:, _REQ_IDX] = self.kv.dummy_row
-        buf[start:, _COL] = 0
-        buf[start:, _POSITION] = 0
-        buf[start:, _SLOT] = self.kv.dummy_slot
-
     def _run(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # [bs] each, made contiguous once here: every layer's kernels would otherwise copy the strided columns.
         req_idx, col = self.static[:bs, _REQ_IDX].contiguous(), self.static[:bs, _COL].contiguous()
         slots, position = self.static[:bs, _SLOT].contiguous(), self.static[:bs, _POSITION].contiguous()
-        self.kv.req_to_token[req_idx, col] = slots.to(torch.int32)
+        self.kv.assign(req_idx, col, slots)
         dims = self.model.position_dims
         batch = ForwardBatch(
             input_ids=self.last_token[req_idx],
