@@ -6,7 +6,9 @@ read from the events' arrival times only when every request got exactly one even
 (latency - TTFT) / (tokens - 1). TTFT is always the arrival of the first event; when a first event carried more than
 one token the first token came earlier than that, and the summary says so (`ttft_caveat`), adding the response
 headers' arrival (`headers_p50_s`; mmserve answers 200 only once the first token is out, so for mmserve that is the
-first token's time, while LightLLM answers at once) and the TPOT counted from it (`tpot_from_headers_p50_ms`)."""
+first token's time, while LightLLM answers at once) and the TPOT counted from it (`tpot_from_headers_p50_ms`).
+
+A multi-turn chat load adds medians per turn (`by_turn`): TTFT, prompt tokens and, with the caveat, headers."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class RequestResult:
     tokens: int = 0  # count_output_tokens of the final event
     prompt_tokens: int | None = None
     error: str | None = None
+    text: str = ""  # the streamed text pieces joined (a chat's answer, fed back in its next turn)
 
     @property
     def ttft(self) -> float | None:
@@ -117,4 +120,31 @@ def summarize(results: list[RequestResult], wall: float, sequential: bool = Fals
     if errors:
         out["errors"] = len(errors)
         out["first_error"] = errors[0][:300]
+    return out
+
+
+def _median_or_none(values: list[float], scale: float = 1.0, digits: int = 2) -> float | None:
+    return round(statistics.median(values) * scale, digits) if values else None
+
+
+def by_turn(conversations: list[list[RequestResult]], with_headers: bool = False) -> dict:
+    """Per-turn medians of a chat load, `conversations[c][k]` being conversation c's turn k+1: lists indexed by turn,
+    over the turns that finished (None where none did). `with_headers` adds the response headers' arrival."""
+    turns = max((len(conv) for conv in conversations), default=0)
+    grouped: list[list[RequestResult]] = [[] for _ in range(turns)]
+    for conv in conversations:
+        for k, r in enumerate(conv):
+            if r.error is None and r.events:
+                grouped[k].append(r)
+    out: dict = {
+        "ttft_by_turn_ms": [_median_or_none([r.ttft for r in rs], 1e3) for rs in grouped],
+        "prompt_tokens_by_turn": [
+            _median_or_none([r.prompt_tokens for r in rs if r.prompt_tokens is not None], digits=1) for rs in grouped
+        ],
+        "finished_by_turn": [len(rs) for rs in grouped],
+    }
+    if with_headers:
+        out["headers_by_turn_ms"] = [
+            _median_or_none([r.headers for r in rs if r.headers is not None], 1e3) for rs in grouped
+        ]
     return out

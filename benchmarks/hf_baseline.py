@@ -4,7 +4,9 @@ left-padded batches of `batch`, greedy, exactly `new_tokens` new tokens (EOS off
 
 Concurrent loads report req/s and output tok/s over the whole load (HF has no streaming, so no TTFT there; TPOT is
 the batch's wall time per token). Sequential loads (one_336, ...) run batch 1: TTFT is a `generate` of one new token,
-TPOT is (full generate - TTFT) / (new_tokens - 1), medians over the repeats."""
+TPOT is (full generate - TTFT) / (new_tokens - 1), medians over the repeats. Multi-turn chat loads (chat896_5turn)
+are not run here (each turn needs the previous turn's answer, and per-turn TTFT is a serving figure): their line
+says `skipped`."""
 
 from __future__ import annotations
 
@@ -97,6 +99,8 @@ class HFRunner:
         return time.perf_counter() - t0
 
     def run(self, load: Load, new_tokens: int, batch: int, n_words: int = 64) -> dict:
+        if load.is_chat:
+            raise ValueError(f"{load.name}: multi-turn chat loads are not run by the HF baseline")
         specs, _ = requests_for(load, self.family, n_words)
         items = [self.item(s) for s in specs]
         self.generate(items[:2], 4)  # warm-up at this load's shapes
@@ -135,9 +139,17 @@ class HFRunner:
 def run_hf_loads(
     family: str, model_dir: str, loads: list[Load], new_tokens: int, batch: int, n_words: int = 64
 ) -> Iterator[dict]:
-    """One result dict per load (the model is loaded once); a load that fails (e.g. out of memory) says so."""
+    """One result dict per load (the model is loaded once); a load that fails (e.g. out of memory) says so, and a
+    multi-turn chat load is skipped."""
+    skipped = {"skipped": "multi-turn chat: not run by the HF baseline (serving servers only)"}
+    if all(load.is_chat for load in loads):  # nothing to load the model for
+        yield from ({"load": load.name, **skipped} for load in loads)
+        return
     runner = HFRunner(family, model_dir)
     for load in loads:
+        if load.is_chat:
+            yield {"load": load.name, **skipped}
+            continue
         try:
             yield {"load": load.name, **runner.run(load, new_tokens, batch, n_words)}
         except torch.cuda.OutOfMemoryError as e:

@@ -3,7 +3,11 @@
 
 Everything is deterministic (seeded), so two servers measured in two processes get byte-identical requests. Every
 request carries its own random image (no cache hits) unless the load says otherwise; images of different loads never
-repeat either, so no load warms the cache for the next."""
+repeat either, so no load warms the cache for the next.
+
+A chat load (`turns` > 1) is `num` conversations at once; each turn resends the whole history (earlier questions,
+images and the server's own answers) plus a new question, and may add an image. Its requests depend on the answers,
+so `chat_conversations` plans the turns and `Conversation.request` builds turn k's request from the answers so far."""
 
 from __future__ import annotations
 
@@ -24,10 +28,25 @@ class Load:
     size: int | None  # square image side in px; None: text only
     same_image: bool = False  # all requests share one image, sent once before the timed part to warm the cache
     sequential: bool = False  # one request alone, `num` times in a row; medians reported
+    # a multi-turn chat: the side in px of the image each turn adds (None: none); `num` conversations at once
+    turn_images: tuple[int | None, ...] = ()
 
     @property
     def concurrency(self) -> int:
         return 1 if self.sequential else self.num
+
+    @property
+    def turns(self) -> int:
+        return max(1, len(self.turn_images))
+
+    @property
+    def is_chat(self) -> bool:
+        return self.turns > 1
+
+    @property
+    def image_sizes(self) -> set[int]:
+        """Image sides the load sends (for the warm-up)."""
+        return {s for s in (self.size, *self.turn_images) if s is not None}
 
 
 LOADS: dict[str, Load] = {
@@ -42,6 +61,8 @@ LOADS: dict[str, Load] = {
         Load("text_x64", 64, None),
         Load("text_one", 5, None, sequential=True),
         Load("text_x256", 256, None),
+        # the prefix-cache issue: 5 turns, an 896 px image in the first and a 336 px one in the third
+        Load("chat896_5turn", 4, 896, turn_images=(896, None, 336, None, None)),
     )
 }
 
@@ -118,13 +139,18 @@ def random_png(seed: int, size: int) -> bytes:
 class RequestSpec:
     prompt: str
     image_png: bytes | None
+    more_images: tuple[bytes, ...] = ()  # after image_png, in the order of the prompt's image marks (chat turns)
+
+    @property
+    def images(self) -> list[bytes]:
+        return ([self.image_png] if self.image_png is not None else []) + list(self.more_images)
 
     def body(self, max_new_tokens: int) -> bytes:
-        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the image as base64."""
+        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the images as base64."""
         data: dict = {"inputs": self.prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
-        if self.image_png is not None:
-            b64 = base64.b64encode(self.image_png).decode()
-            data["multimodal_params"] = {"images": [{"type": "base64", "data": b64}]}
+        if self.images:
+            items = [{"type": "base64", "data": base64.b64encode(png).decode()} for png in self.images]
+            data["multimodal_params"] = {"images": items}
         return json.dumps(data).encode()
 
 
@@ -135,6 +161,8 @@ def _load_index(load: Load) -> int:
 def requests_for(load: Load, family: str, n_words: int = 64) -> tuple[list[RequestSpec], RequestSpec | None]:
     """(timed requests, the cache-warming request sent before them or None). Question i of every load is the same
     text (so text_x64 is img336_x64 with the image removed); image seeds are unique per load and request."""
+    if load.is_chat:
+        raise ValueError(f"{load.name} is a multi-turn chat: its requests depend on the answers (chat_conversations)")
     base = _load_index(load) * 100_000
     with_image = load.size is not None
     shared = random_png(base + 99_999, load.size) if load.same_image and with_image else None
@@ -152,10 +180,80 @@ def requests_for(load: Load, family: str, n_words: int = 64) -> tuple[list[Reque
 
 def warmup_requests(loads: list[Load], family: str, n_words: int = 64) -> list[RequestSpec]:
     """Two requests of each kind the loads use (text, and each image size), with images no load uses."""
-    kinds = sorted({load.size or 0 for load in loads})
+    kinds = sorted({size for load in loads for size in (load.image_sizes or {0})})
     out = []
     for k, size in enumerate(kinds):
         for j in range(2):
             image = random_png(900_000 + 10 * k + j, size) if size else None
             out.append(RequestSpec(build_prompt(family, question(900_000 + j, n_words), size > 0), image))
     return out
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    question: str
+    image_png: bytes | None  # the image this turn adds, or None
+
+
+def chat_prompt(family: str, turns: list[ChatTurn], answers: list[str]) -> str:
+    """The whole conversation in the family's chat format, as `build_prompt` formats one turn: every turn's user
+    message (its image's mark first), the answers given so far after theirs, and the open assistant turn of the last
+    (`len(answers) == len(turns) - 1`)."""
+    if len(answers) != len(turns) - 1:
+        raise ValueError(f"{len(turns)} turns need {len(turns) - 1} answers, got {len(answers)}")
+    mark = IMAGE_MARK[family]
+    parts = []
+    if family == "llava":  # LLaVA-1.5 (vicuna_v1): "USER: q ASSISTANT: a</s>USER: ..."
+        for k, turn in enumerate(turns):
+            parts.append(f"USER: {mark if turn.image_png is not None else ''}{turn.question} ASSISTANT:")
+            if k < len(answers):
+                parts.append(f" {answers[k]}</s>")
+        return "".join(parts)
+    parts.append(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+    for k, turn in enumerate(turns):
+        image = mark if turn.image_png is not None else ""
+        parts.append(f"<|im_start|>user\n{image}{turn.question}<|im_end|>\n<|im_start|>assistant\n")
+        if k < len(answers):
+            parts.append(f"{answers[k]}<|im_end|>\n")
+    return "".join(parts)
+
+
+def clean_answer(family: str, text: str) -> str:
+    """An answer as it goes back into the history: the server's text, less any image placeholder (a random model's
+    text could spell one, and the server would then expect one image more than the request has)."""
+    for marker in {"llava": ("<image>",), "qwen2_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}[family]:
+        text = text.replace(marker, "")
+    return text
+
+
+@dataclass(frozen=True)
+class Conversation:
+    family: str
+    turns: tuple[ChatTurn, ...]  # planned up front: questions and images are fixed, the answers come from the server
+
+    def request(self, answers: list[str]) -> RequestSpec:
+        """Turn `len(answers) + 1`: the history so far with `answers` (the server's texts) and the next question; the
+        images of every turn up to it, in order."""
+        k = len(answers)
+        if k >= len(self.turns):
+            raise ValueError(f"the conversation has {len(self.turns)} turns; {k} answers leave none to ask")
+        turns = list(self.turns[: k + 1])
+        prompt = chat_prompt(self.family, turns, [clean_answer(self.family, a) for a in answers])
+        images = [t.image_png for t in turns if t.image_png is not None]
+        return RequestSpec(prompt, images[0] if images else None, tuple(images[1:]))
+
+
+def chat_conversations(load: Load, family: str, n_words: int = 64) -> list[Conversation]:
+    """`load.num` conversations of `load.turns` turns. Conversation c's first question is question c of the other
+    loads; every image is its own (seeds unique per load, conversation and turn)."""
+    if not load.is_chat:
+        raise ValueError(f"{load.name} is not a chat load")
+    base = _load_index(load) * 100_000
+    convs = []
+    for c in range(load.num):
+        turns = []
+        for t, size in enumerate(load.turn_images):
+            text = question(c if t == 0 else 500_000 + 10 * c + t, n_words)
+            turns.append(ChatTurn(text, random_png(base + 10 * c + t, size) if size else None))
+        convs.append(Conversation(family, tuple(turns)))
+    return convs

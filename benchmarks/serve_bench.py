@@ -7,8 +7,16 @@ One JSON line per load on stdout; progress bars and logs on stderr.
     python benchmarks/serve_bench.py --url http://127.0.0.1:18123 --num_requests 4 --repeats 2 --max_new_tokens 8
 
 Loads (benchmarks/loads.py): img336_x64, img896_x64, img896_same_x64, one_336, one_896, img336_x256, text_x64,
-text_one, text_x256. 128 new tokens, greedy, `ignore_eos`, streamed; token counts from the final event's
-`count_output_tokens`; TTFT is the first event's arrival; TPOT as benchmarks/bench_stats.py explains."""
+text_one, text_x256, chat896_5turn. 128 new tokens, greedy, `ignore_eos`, streamed; token counts from the final
+event's `count_output_tokens`; TTFT is the first event's arrival; TPOT as benchmarks/bench_stats.py explains.
+
+chat896_5turn (the prefix-cache issue: turn k's TTFT should stay flat as k grows) is 4 conversations at once
+(`--counts chat896_5turn=1` for one alone) of 5 turns each, turn k+1 sent when turn k ended: turn 1 asks about an
+896 px image, turn 3 adds a 336 px one, and every turn resends the whole history, the earlier answers being the
+server's own streamed text. Its line adds per-turn medians: `ttft_by_turn_ms`, `prompt_tokens_by_turn`,
+`finished_by_turn` (and `headers_by_turn_ms` with a `ttft_caveat`).
+
+    python benchmarks/serve_bench.py --url http://127.0.0.1:18777 --loads chat896_5turn --counts chat896_5turn=1"""
 
 from __future__ import annotations
 
@@ -26,8 +34,17 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/serve_bench.py` from anywhere
 
-from benchmarks.bench_stats import RequestResult, summarize  # noqa: E402
-from benchmarks.loads import FAMILIES, Load, RequestSpec, requests_for, select_loads, warmup_requests  # noqa: E402
+from benchmarks.bench_stats import RequestResult, by_turn, summarize  # noqa: E402
+from benchmarks.loads import (  # noqa: E402
+    FAMILIES,
+    Conversation,
+    Load,
+    RequestSpec,
+    chat_conversations,
+    requests_for,
+    select_loads,
+    warmup_requests,
+)
 
 try:
     from tqdm import tqdm
@@ -45,6 +62,13 @@ def event_count(event: dict) -> int | None:
     if count is None and isinstance(event.get("token"), dict):
         count = event["token"].get("count_output_tokens")
     return count
+
+
+def event_text(event: dict) -> str:
+    """The event's new text piece (`token.text` in both servers' events)."""
+    token = event.get("token")
+    text = token.get("text") if isinstance(token, dict) else None
+    return text if isinstance(text, str) else ""
 
 
 def event_prompt_tokens(event: dict) -> int | None:
@@ -73,6 +97,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: bytes) -> Reque
                     r.error = str(event["error"])
                     break
                 r.events.append((now, event_count(event)))
+                r.text += event_text(event)
                 if r.prompt_tokens is None:
                     r.prompt_tokens = event_prompt_tokens(event)
                 if event.get("finished"):
@@ -115,7 +140,55 @@ async def run_sequential(url: str, bodies: list[bytes], desc: str, timeout: floa
     return results, wall
 
 
+async def run_chats(
+    url: str, convs: list[Conversation], max_new_tokens: int, desc: str, timeout: float
+) -> tuple[list[list[RequestResult]], float]:
+    """The conversations at once, each one's turns in a row (turn k+1 sent when turn k's stream ended, with its
+    answer in the history); after a failed turn the conversation stops, its later turns counted as errors. Wall time
+    from the first send to the last stream's end."""
+    limits = httpx.Limits(max_connections=len(convs) + 8, max_keepalive_connections=len(convs) + 8)
+    total = sum(len(c.turns) for c in convs)
+    bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False) if tqdm else None
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def converse(conv: Conversation) -> list[RequestResult]:
+            results: list[RequestResult] = []
+            answers: list[str] = []
+            for k in range(len(conv.turns)):
+                r = await one_request(client, url, conv.request(answers).body(max_new_tokens))
+                results.append(r)
+                if bar is not None:
+                    bar.update(1)
+                if r.error is not None:
+                    skipped = [RequestResult(error=f"not sent: turn {k + 1} failed") for _ in conv.turns[k + 1 :]]
+                    if bar is not None:
+                        bar.update(len(skipped))
+                    return results + skipped
+                answers.append(r.text)
+            return results
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(converse(c) for c in convs))
+        wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return list(results), wall
+
+
+def run_chat_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
+    convs = chat_conversations(load, family, args.question_words)
+    per_conv, wall = asyncio.run(run_chats(url, convs, args.max_new_tokens, load.name, args.timeout))
+    summary = summarize([r for conv in per_conv for r in conv], wall)
+    summary.update(conversations=len(convs), turns=load.turns)
+    summary.update(by_turn(per_conv, with_headers="ttft_caveat" in summary))
+    if summary["output_tokens_min"] != args.max_new_tokens:
+        summary["short_requests_caveat"] = f"a request got {summary['output_tokens_min']} < {args.max_new_tokens}"
+    return summary
+
+
 def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
+    if load.is_chat:
+        return run_chat_load(url, load, family, args)
     specs, warm = requests_for(load, family, args.question_words)
     bodies = [s.body(args.max_new_tokens) for s in specs]
     if warm is not None:  # the image is seen once before: the timed requests hit the embedding cache

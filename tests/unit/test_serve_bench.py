@@ -1,5 +1,6 @@
 """The serving benchmark's pure logic: percentiles, TPOT method selection and figures from synthetic event timings,
-event parsing for both servers' stream formats, and load selection. No server."""
+event parsing for both servers' stream formats, load selection, and the multi-turn chat load's prompts and per-turn
+figures. No server."""
 
 from __future__ import annotations
 
@@ -13,14 +14,26 @@ from benchmarks.bench_stats import (
     LATENCY_MINUS_TTFT,
     PER_EVENT,
     RequestResult,
+    by_turn,
     one_event_per_token,
     percentile,
     request_tpot,
     summarize,
     tpot_method,
 )
-from benchmarks.loads import LOADS, build_prompt, requests_for, select_loads
-from benchmarks.serve_bench import event_count, event_prompt_tokens
+from benchmarks.loads import (
+    LOADS,
+    ChatTurn,
+    build_prompt,
+    chat_conversations,
+    chat_prompt,
+    requests_for,
+    select_loads,
+    warmup_requests,
+)
+from benchmarks.serve_bench import event_count, event_prompt_tokens, event_text
+
+QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def per_token(ttft: float, step: float, n: int, tail: float = 0.001) -> RequestResult:
@@ -127,3 +140,106 @@ def test_requests_same_image_and_text_twins() -> None:
     assert body["parameters"] == {"max_new_tokens": 128, "ignore_eos": True}
     assert body["multimodal_params"]["images"][0]["type"] == "base64"
     assert build_prompt("llava", "hi", True) == "USER: <image>\nhi ASSISTANT:"
+
+
+def chat_load(num: int = 2):
+    return select_loads("chat896_5turn", counts=f"chat896_5turn={num}")[0]
+
+
+def test_chat_load_selection() -> None:
+    assert "chat896_5turn" in [load.name for load in select_loads(None)]
+    load = chat_load(1)
+    assert load.is_chat and load.turns == 5 and load.num == 1 and load.image_sizes == {896, 336}
+    assert select_loads("chat896_5turn", num_requests=3)[0].num == 3  # conversations, as any concurrent load's count
+    assert not LOADS["img896_x64"].is_chat and LOADS["img896_x64"].turns == 1
+    with pytest.raises(ValueError, match="multi-turn"):
+        requests_for(load, "qwen2_vl")
+    # the warm-up covers the third turn's 336 px image too
+    sizes = sorted(len(s.image_png or b"") for s in warmup_requests([load], "qwen2_vl", n_words=4))
+    assert len(set(sizes)) == 2
+
+
+def test_chat_history_carries_answers_and_images_in_order() -> None:
+    convs = chat_conversations(chat_load(2), "qwen2_vl", n_words=8)
+    conv = convs[0]
+    answers = ["first answer", "second answer", "third", "fourth"]
+    first = conv.request([])
+    # turn 1 is a one-turn request of the other loads: question 0, the same chat format
+    assert first.prompt == build_prompt("qwen2_vl", conv.turns[0].question, True)
+    assert first.images == [conv.turns[0].image_png]
+    prev = first.prompt
+    for k in range(1, 5):
+        spec = conv.request(answers[:k])
+        # the previous request's prompt, its answer closing the assistant turn, then the new user turn
+        assert spec.prompt.startswith(prev + answers[k - 1] + "<|im_end|>\n<|im_start|>user\n")
+        assert spec.prompt.endswith(conv.turns[k].question + "<|im_end|>\n<|im_start|>assistant\n")
+        assert all(a in spec.prompt for a in answers[:k])
+        expected = [conv.turns[0].image_png] + ([conv.turns[2].image_png] if k >= 2 else [])
+        assert spec.images == expected and spec.prompt.count(QWEN_MARK) == len(expected)
+        body = json.loads(spec.body(128))
+        assert len(body["multimodal_params"]["images"]) == len(expected)
+        prev = spec.prompt
+    # the second image's mark opens turn 3's user message, after the second answer
+    last = conv.request(answers)
+    assert last.prompt.index(answers[1]) < last.prompt.index(QWEN_MARK + conv.turns[2].question)
+    with pytest.raises(ValueError):
+        conv.request(answers + ["fifth"])
+    # images: 896 then 336 px, distinct across conversations and from the other loads'
+    assert conv.turns[1].image_png is None and conv.turns[2].image_png is not None
+    assert len(conv.turns[0].image_png) > len(conv.turns[2].image_png)
+    other, _ = requests_for(select_loads("img896_x64", num_requests=2)[0], "qwen2_vl", n_words=8)
+    pngs = [t.image_png for c in convs for t in c.turns if t.image_png] + [s.image_png for s in other]
+    assert len(set(pngs)) == len(pngs) == 6
+    assert len({c.turns[k].question for c in convs for k in range(5)}) == 10
+    # deterministic: a second build gives byte-identical requests
+    again = chat_conversations(chat_load(2), "qwen2_vl", n_words=8)[0]
+    assert again.request(answers[:3]).body(128) == conv.request(answers[:3]).body(128)
+
+
+def test_chat_prompt_llava_and_placeholders_in_answers() -> None:
+    turns = [ChatTurn("q1", b"png1"), ChatTurn("q2", None), ChatTurn("q3", b"png2")]
+    assert chat_prompt("llava", turns[:1], []) == build_prompt("llava", "q1", True)
+    assert chat_prompt("llava", turns, ["a1", "a2"]) == (
+        "USER: <image>\nq1 ASSISTANT: a1</s>USER: q2 ASSISTANT: a2</s>USER: <image>\nq3 ASSISTANT:"
+    )
+    with pytest.raises(ValueError):
+        chat_prompt("qwen2_vl", turns, ["a1"])
+    # an answer that spells an image placeholder does not add an image mark to the history
+    conv = chat_conversations(chat_load(1), "qwen2_vl", n_words=4)[0]
+    spec = conv.request(["x" + QWEN_MARK + "y"])
+    assert spec.prompt.count(QWEN_MARK) == 1 and "xy<|im_end|>" in spec.prompt
+
+
+def test_event_text_for_both_servers() -> None:
+    ours = {"token": {"id": 5, "text": "ab"}, "count_output_tokens": 7, "generated_text": None}
+    lightllm = {"token": {"id": 5, "text": "ab", "count_output_tokens": 7}, "generated_text": None}
+    assert event_text(ours) == event_text(lightllm) == "ab"
+    assert event_text({"token": {"id": 5, "text": None}}) == "" and event_text({}) == ""
+
+
+def test_by_turn_groups_results_per_turn() -> None:
+    def turn(ttft: float, prompt: int, headers: float | None = None) -> RequestResult:
+        r = per_token(ttft, 0.01, 4)
+        r.prompt_tokens, r.headers = prompt, headers
+        return r
+
+    convs = [
+        [turn(0.5, 1100), turn(0.05, 1300, 0.04), turn(0.2, 1600)],
+        [turn(0.7, 1120), turn(0.07, 1330, 0.06), RequestResult(error="HTTP 500")],
+        [turn(0.9, 1140), RequestResult(error="boom"), RequestResult(error="not sent: turn 2 failed")],
+    ]
+    out = by_turn(convs, with_headers=True)
+    assert out["ttft_by_turn_ms"] == [700.0, 60.0, 200.0]
+    assert out["prompt_tokens_by_turn"] == [1120, 1315, 1600]
+    assert out["finished_by_turn"] == [3, 2, 1]
+    assert out["headers_by_turn_ms"] == [None, 50.0, None]
+    assert by_turn([[turn(0.1, 10), RequestResult(error="x")]])["ttft_by_turn_ms"] == [100.0, None]
+    assert "headers_by_turn_ms" not in by_turn(convs)
+    assert json.dumps(out)
+
+
+def test_hf_baseline_skips_chat_loads() -> None:
+    hf_baseline = pytest.importorskip("benchmarks.hf_baseline")
+    # no checkpoint is read when every load is a chat: the model is never loaded
+    lines = list(hf_baseline.run_hf_loads("qwen2_vl", "/nonexistent", [chat_load(1)], 8, 4))
+    assert lines == [{"load": "chat896_5turn", "skipped": lines[0]["skipped"]}] and "chat" in lines[0]["skipped"]
