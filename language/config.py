@@ -18,6 +18,9 @@ class EngineConfig:
     # so running requests keep decoding while they prefill, and activation memory stays bounded.
     chunked_prefill_size: int = 4096
     chunked_prefill: bool = True  # False: whole prompts (a long one still runs alone in its step)
+    # Keep the KV of earlier prompts and answers in a radix tree and reuse it for requests that share a prefix
+    # (LightLLM's --disable_dynamic_prompt_cache turns it off).
+    prefix_cache: bool = True
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     eos_id: tuple[int, ...] | None = None  # overrides the checkpoint's EOS ids

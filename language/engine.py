@@ -15,6 +15,7 @@ from language.kv_cache import KVCache
 from language.loader import architecture, count_weights, iter_weights, read_config
 from language.model_runner import InflightStep, ModelRunner
 from language.models import model_class
+from language.prefix_cache import PrefixCache, cache_ids
 from language.progress import progress
 from language.request import Request, RequestOutput, RequestStatus
 from language.scheduler import Scheduler, StepPlan
@@ -43,8 +44,10 @@ class ModelInfo:
 class EngineStats:
     running: int
     waiting: int
-    kv_used: int
+    kv_used: int  # slots running requests hold (their own and the cached prefixes they use)
     kv_total: int
+    prefix_cache_tokens: int = 0  # slots the prefix cache holds (evictable or in use)
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, since start
 
 
 @dataclass
@@ -125,7 +128,8 @@ class EngineCore:
             budget = cfg.chunked_prefill_size
         else:  # whole prompts: the budget only limits how many join one step
             budget = max(cfg.chunked_prefill_size, max_req_len)
-        self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill)
+        self.prefix = PrefixCache(self.kv.slots) if cfg.prefix_cache else None
+        self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill, self.prefix)
         self.runner = ModelRunner(self.model, self.kv, device, cfg.cuda_graph, cfg.cuda_graph_max_batch)
         self.model_info = ModelInfo(
             architecture=lm.architecture,
@@ -162,6 +166,8 @@ class EngineCore:
         if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
             raise ValueError("prompt token id out of the vocabulary")
         self.model.prepare_request(req)
+        if self.prefix is not None and not req.params.disable_prompt_cache:
+            req.cache_ids = cache_ids(req)
         self._requests[req.rid] = req
         self.scheduler.add(req)
 
@@ -183,7 +189,7 @@ class EngineCore:
         collected: list[tuple[Request, int, float]] = []
         if self._inflight is not None and _needs_history(plan):
             collected = self._collect()
-        staged = stage(plan, self.kv, self.model.position_dims) if plan else None
+        staged = stage(plan, self.kv, self.model.position_dims, self.prefix) if plan else None
         if self._inflight is not None:
             collected = self._collect()
         if staged is not None:
@@ -218,8 +224,10 @@ class EngineCore:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            kv_used=self.kv.slots.num_used,
+            kv_used=self.kv.slots.num_used - (self.prefix.evictable_tokens if self.prefix else 0),
             kv_total=self.kv.num_slots,
+            prefix_cache_tokens=self.prefix.total_tokens if self.prefix else 0,
+            prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
         )
 
     # ---- bookkeeping ----
@@ -237,7 +245,14 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.status is RequestStatus.RUNNING:
-            self.kv.free_row(req.req_idx, req.kv_slots)
+            if req.prefix_node is not None:
+                # Its answer stays too, so a follow-up turn reuses it. The last sampled token is never stored, and
+                # a decode row staged for the step after this one's last sample is dropped before launch.
+                written = min(req.kv_len, req.prompt_len + len(req.output_ids) - 1)
+                self.prefix.release(req, req.cache_ids + req.output_ids, written)
+                self.kv.free_row(req.req_idx, [])
+            else:
+                self.kv.free_row(req.req_idx, req.kv_slots)
             req.req_idx, req.kv_slots = -1, []
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
@@ -254,6 +269,7 @@ class EngineCore:
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_len,
             output_tokens=len(req.output_ids),
+            cached_tokens=req.prompt_cache_len,
         )
 
 

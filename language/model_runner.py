@@ -117,7 +117,8 @@ class ModelRunner:
         d, p = staged.decode, staged.prefill
         nd, n, b = len(d.reqs), staged.num_tokens, staged.num_seqs
         dims, npf, nm = p.positions.shape[0], len(p.reqs), p.mm_rows.shape[0]
-        sizes = [n, n, n, n, dims * n, b, nd, npf, npf, npf, npf, b, nm]
+        nt = n + p.table_slot.shape[0]  # table entries: each new token's, then the reused prefixes'
+        sizes = [n, nt, nt, nt, dims * n, b, nd, npf, npf, npf, npf, b, nm]
         starts = np.cumsum([0] + [-(-size // _ALIGN) * _ALIGN for size in sizes])
         packed = self._meta.host(int(starts[-1]))
         host = packed.numpy()
@@ -125,9 +126,9 @@ class ModelRunner:
             host[start : start + size] for start, size in zip(starts, sizes, strict=False)
         )
         ids[:nd], ids[nd:] = 0, p.input_ids  # decode ids are filled in on the device
-        slots[:nd], slots[nd:] = d.slot, p.slot
-        rows[:nd], rows[nd:] = d.req_idx, p.tok_req_idx
-        cols[:nd], cols[nd:] = d.col, p.tok_col
+        slots[:nd], slots[nd:n], slots[n:] = d.slot, p.slot, p.table_slot
+        rows[:nd], rows[nd:n], rows[n:] = d.req_idx, p.tok_req_idx, p.table_req_idx
+        cols[:nd], cols[nd:n], cols[n:] = d.col, p.tok_col, p.table_col
         pos = pos.reshape(dims, n)
         pos[:, :nd], pos[:, nd:] = d.position, p.positions
         req_idx[:nd], req_idx[nd:] = d.req_idx, p.req_idx
@@ -145,7 +146,7 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=ids_d,
             positions=pos_d if dims == 1 else pos_d.view(dims, n),
-            out_slots=slots_d,
+            out_slots=slots_d[:n],
             num_decode=nd,
             req_idx=req_idx_d,
             decode_seq_lens=dec_lens_d,

@@ -53,6 +53,13 @@ class Request:
     kv_len: int = 0  # tokens whose K/V are written: prompt chunks, then one sampled token per decode step
     num_sampled: int = 0  # tokens sampled (the first one by the prompt's last chunk)
     kv_slots: list[int] = field(default_factory=list)  # slot of token i at index i (host mirror of the table row)
+    # Prefix cache: the prompt as the tree keys it (None: this request neither reuses nor shares KV), the first
+    # `cached_len` slots belong to the tree on the path to `prefix_node` (locked while running), and how many prompt
+    # tokens came from the cache at admission.
+    cache_ids: list[int] | None = None
+    cached_len: int = 0
+    prefix_node: object | None = None
+    prompt_cache_len: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -93,3 +100,4 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
     prompt_tokens: int
     output_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

@@ -28,6 +28,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     return_details: bool = False
+    disable_prompt_cache: bool = False  # neither reuse nor share this request's KV (LightLLM's name)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -57,6 +58,8 @@ class SamplingParams:
             raise InvalidParams("presence_penalty", "must be a number in [-2, 2]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise InvalidParams("seed", "must be a non-negative integer below 2**63")
+        if not isinstance(self.disable_prompt_cache, bool):
+            raise InvalidParams("disable_prompt_cache", "must be a boolean")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParams("ignore_eos", "must be a boolean")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):

@@ -7,7 +7,12 @@ left of the budget is split across steps (chunked prefill) unless chunking is of
 A waiting request is admitted only if the projected peak KV use stays within the cache, so decoding never runs out
 of slots. Decoding requests grow in lockstep, one slot per step, which LightLLM's sorted projection counts exactly;
 a request that is still prefilling may start growing any number of steps later, so it is counted at its own peak
-(prompt + max_new_tokens - 1 slots) for the whole horizon."""
+(prompt + max_new_tokens - 1 slots) for the whole horizon.
+
+With the prefix cache, a request counts only the slots it owns: its first `cached_len` tokens belong to the tree.
+The tree's slots that some running request locks are subtracted from the capacity; the unlocked ones count as free
+(staging evicts them when the allocator runs short). A waiting request reuses the longest cached prefix of its
+prompt (never the whole prompt: its last token must run to give logits)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from language.prefix_cache import Node, PrefixCache
 from language.request import Request, RequestStatus
 
 
@@ -34,12 +40,17 @@ def lockstep_peak(usage: list[tuple[int, int]]) -> int:
     return peak
 
 
+def own_peak(req: Request) -> int:
+    """The most slots a request owns (its cached prefix is the tree's)."""
+    return peak_slots(req) - req.cached_len
+
+
 def projected_peak(decoding: list[Request], fixed: int) -> int:
     """Peak slots if `decoding` each store one token this step and every following step until max_new_tokens, while
     the other requests hold `fixed` slots at most throughout. A request's last sample is read back a step after it
     is launched, so it holds its full peak one step longer than it grows: counted as one more step of growth."""
-    now = fixed + sum(r.kv_len + 1 for r in decoding)
-    later = [(r.kv_len + 1, peak_slots(r) - r.kv_len) for r in decoding]
+    now = fixed + sum(r.kv_len - r.cached_len + 1 for r in decoding)
+    later = [(r.kv_len - r.cached_len + 1, peak_slots(r) - r.kv_len) for r in decoding]
     return max(now, fixed + lockstep_peak(later))
 
 
@@ -74,11 +85,19 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, max_total_tokens: int, max_running: int, prefill_budget: int, chunked_prefill: bool = True):
+    def __init__(
+        self,
+        max_total_tokens: int,
+        max_running: int,
+        prefill_budget: int,
+        chunked_prefill: bool = True,
+        prefix: PrefixCache | None = None,
+    ):
         self.max_total_tokens = max_total_tokens
         self.max_running = max_running
         self.prefill_budget = prefill_budget
         self.chunked_prefill = chunked_prefill
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -98,29 +117,48 @@ class Scheduler:
         """The next step's work. Requests whose launched steps already sample their last token sit out."""
         plan = StepPlan(decode=[r for r in self.running if not r.prefilling and not r.sampling_done])
         budget = self.prefill_budget
-        fixed = 0  # slots held at most by the requests that are not decoding this step
+        capacity = self.max_total_tokens - (self.prefix.protected_tokens if self.prefix else 0)
+        fixed = 0  # slots owned at most by the requests that are not decoding this step
         for r in self.running:
             if r.prefilling:
-                fixed += peak_slots(r)
+                fixed += own_peak(r)
                 if budget > 0:
                     budget -= self._take_chunk(plan, r, budget)
             elif r.sampling_done:
-                fixed += r.kv_len
+                fixed += r.kv_len - r.cached_len
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             cand = self.waiting[0]
             if not has_free_row(len(plan.admitted)):
                 break
             if not self.chunked_prefill and cand.prompt_len > budget and plan.prefill:
                 break  # whole prompts only: this one waits for a step with room
-            if projected_peak(plan.decode, fixed + peak_slots(cand)) > self.max_total_tokens:
+            node, matched = self._match(cand)
+            newly_locked = self.prefix.unprotected_tokens(node) if node is not None else 0
+            if projected_peak(plan.decode, fixed + peak_slots(cand) - matched) > capacity - newly_locked:
                 break  # FIFO: later requests wait behind it rather than starve it
             self.waiting.popleft()
+            if node is not None:
+                self._reuse(cand, node, matched)
             cand.status = RequestStatus.RUNNING
             self.running.append(cand)
             plan.admitted.append(cand)
-            fixed += peak_slots(cand)
+            capacity -= newly_locked
+            fixed += own_peak(cand)
             budget -= self._take_chunk(plan, cand, budget)
         return plan
+
+    def _match(self, req: Request) -> tuple[Node | None, int]:
+        """The cached prefix a waiting request would reuse: (its node, its length); (None, 0) without the cache."""
+        if self.prefix is None or req.cache_ids is None:
+            return None, 0
+        return self.prefix.match(req.cache_ids[: req.prompt_len - 1])
+
+    def _reuse(self, req: Request, node: Node, length: int) -> None:
+        self.prefix.lock(node)
+        self.prefix.hit_tokens += length
+        req.prefix_node = node
+        req.kv_len = req.cached_len = req.prompt_cache_len = length
+        req.kv_slots = self.prefix.path_slots(node)
 
     def _take_chunk(self, plan: StepPlan, req: Request, budget: int) -> int:
         remaining = req.prompt_len - req.kv_len

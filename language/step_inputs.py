@@ -5,6 +5,9 @@ Staging a StepPlan allocates the KV slots its tokens are written to, advances ea
 the device already holds), then the prefill chunks. Nothing here touches the device; `ModelRunner` packs the arrays
 into one pinned buffer and sends it in a single copy.
 
+A request that reuses a cached prefix gets its table row's first columns pointed at the tree's slots in the same
+copy (`table_*`), and a prompt that completes is handed to the prefix cache, so requests staged later reuse it.
+
 If a request of the decode part turns out finished once the previous step is read back (it sampled EOS), `drop`
 takes its row out before anything is launched: a request that finishes at step N never runs at step N+1."""
 
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 
 from language.kv_cache import KVCache
+from language.prefix_cache import PrefixCache
 from language.request import Request
 from language.scheduler import StepPlan
 
@@ -57,6 +61,10 @@ class PrefillRows:
     seq_len: np.ndarray  # int64 [P] kv length after this step
     mm_embeds: list[torch.Tensor]  # host views [m_i, hidden] of the image rows in these chunks
     mm_rows: np.ndarray  # int64 [M] row of each image embedding within the prefill part
+    # Table entries of cached prefixes reused by newly admitted requests: [R] each
+    table_req_idx: np.ndarray
+    table_col: np.ndarray
+    table_slot: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -84,10 +92,13 @@ class StagedStep:
             self.decode = self.decode.keep(mask)
 
 
-def stage(plan: StepPlan, kv: KVCache, position_dims: int) -> StagedStep:
+def stage(plan: StepPlan, kv: KVCache, position_dims: int, prefix: PrefixCache | None = None) -> StagedStep:
     for r in plan.admitted:
         r.req_idx = kv.allocate_row()
-    return StagedStep(_stage_decode(plan.decode, kv), _stage_prefill(plan, kv, position_dims))
+    if prefix is not None:
+        prefix.make_room(plan.num_tokens)  # admission counted the unlocked tree slots as free
+    decode = _stage_decode(plan.decode, kv)
+    return StagedStep(decode, _stage_prefill(plan, kv, position_dims, prefix))
 
 
 def _stage_decode(reqs: list[Request], kv: KVCache) -> DecodeRows:
@@ -104,7 +115,10 @@ def _stage_decode(reqs: list[Request], kv: KVCache) -> DecodeRows:
     return DecodeRows(list(reqs), req_idx, col, col + delta, slots)
 
 
-def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int) -> PrefillRows:
+def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: PrefixCache | None) -> PrefillRows:
+    reused = [r for r in plan.admitted if r.prompt_cache_len]
+    table_len = np.array([r.prompt_cache_len for r in reused], dtype=np.int64)
+    table_slot = np.array([s for r in reused for s in r.kv_slots[: r.prompt_cache_len]], dtype=np.int64)
     chunks = plan.prefill
     q_len = np.array([c.length for c in chunks], dtype=np.int64)
     q_start = np.cumsum(q_len) - q_len
@@ -132,6 +146,8 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int) -> PrefillRo
         r.kv_len = c.end
         if c.is_last:
             r.num_sampled += 1
+            if r.prefix_node is not None:
+                prefix.adopt(r, r.cache_ids, r.prompt_len)
     req_idx = np.array([c.req.req_idx for c in chunks], dtype=np.int64)
     return PrefillRows(
         reqs=[c.req for c in chunks],
@@ -147,4 +163,7 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int) -> PrefillRo
         seq_len=np.array([c.end for c in chunks], dtype=np.int64),
         mm_embeds=mm_embeds,
         mm_rows=np.concatenate(mm_rows) if mm_rows else np.empty(0, dtype=np.int64),
+        table_req_idx=np.repeat(np.array([r.req_idx for r in reused], dtype=np.int64), table_len),
+        table_col=np.concatenate([np.arange(n) for n in table_len.tolist()]) if reused else table_slot.copy(),
+        table_slot=table_slot,
     )

@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt tokens prefilled per step; longer prompts are split across steps beside decoding requests",
     )
     p.add_argument("--disable_chunked_prefill", action="store_true", help="prefill whole prompts, one step each")
+    p.add_argument(
+        "--disable_dynamic_prompt_cache",
+        action="store_true",
+        help="turn off the prefix cache (reuse of the KV of earlier prompts, images and answers)",
+    )
     p.add_argument("--graph_max_batch_size", type=int, default=256, help="largest decode batch run as a CUDA graph")
     p.add_argument("--disable_cudagraph", action="store_true", help="run decode steps eagerly")
     p.add_argument("--eos_id", type=int, nargs="+", default=None, help="end-of-sequence ids (overrides the model's)")
@@ -72,6 +77,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             eos_id=tuple(args.eos_id) if args.eos_id else None,
             chunked_prefill_size=args.chunked_prefill_size,
             chunked_prefill=not args.disable_chunked_prefill,
+            prefix_cache=not args.disable_dynamic_prompt_cache,
             graph_max_batch_size=args.graph_max_batch_size,
             cuda_graph=not args.disable_cudagraph,
             trust_remote_code=args.trust_remote_code,

@@ -31,6 +31,7 @@ class ServerConfig:
     eos_id: tuple[int, ...] | None = None  # overrides the checkpoint's EOS ids
     chunked_prefill_size: int = 4096  # prompt tokens prefilled per step
     chunked_prefill: bool = True  # --disable_chunked_prefill: whole prompts
+    prefix_cache: bool = True  # --disable_dynamic_prompt_cache: no reuse of earlier prompts' KV
     graph_max_batch_size: int = 256  # largest decode batch captured as a CUDA graph
     cuda_graph: bool = True  # --disable_cudagraph: eager decode
     trust_remote_code: bool = False
@@ -90,6 +91,7 @@ class ServerConfig:
             trust_remote_code=self.trust_remote_code,
             chunked_prefill_size=self.chunked_prefill_size,
             chunked_prefill=self.chunked_prefill,
+            prefix_cache=self.prefix_cache,
             cuda_graph=self.cuda_graph,
             cuda_graph_max_batch=self.graph_max_batch_size,
         )

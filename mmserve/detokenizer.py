@@ -171,4 +171,5 @@ class Detokenizer:
             prompt_tokens=state.prompt_tokens,
             output_tokens=state.output_tokens,
             error=out.error,
+            cached_tokens=out.cached_tokens,
         )

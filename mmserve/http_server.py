@@ -76,7 +76,13 @@ def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> Fast
             if not stream.finished:
                 client.abort(stream.rid)
         body = generate_response(
-            "".join(text), tokens, out.finish_reason, out.prompt_tokens, out.output_tokens, stream.return_details
+            "".join(text),
+            tokens,
+            out.finish_reason,
+            out.prompt_tokens,
+            out.output_tokens,
+            stream.return_details,
+            out.cached_tokens,
         )
         return JSONResponse(body)
 
@@ -137,7 +143,14 @@ async def _sse(
                 text.append(out.text)
                 full = "".join(text) if out.finished else None
                 yield stream_event(
-                    out.text, tokens, out.finished, out.finish_reason, full, out.prompt_tokens, out.output_tokens
+                    out.text,
+                    tokens,
+                    out.finished,
+                    out.finish_reason,
+                    full,
+                    out.prompt_tokens,
+                    out.output_tokens,
+                    out.cached_tokens,
                 )
                 tokens = []
             if out.finished:

@@ -82,6 +82,7 @@ class TokenOutput:
     prompt_tokens: int
     output_tokens: int
     error: str | None = None  # why the router could not run it (then finish_reason is "error")
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class RouterStats:
     waiting: int = 0
     kv_used: int = 0
     kv_total: int = 0
+    prefix_cache_tokens: int = 0  # KV slots the prefix cache holds
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache since start (a counter)
 
 
 @dataclass
@@ -125,6 +128,7 @@ class TextOutput:
     prompt_tokens: int
     output_tokens: int
     error: str | None = None
+    cached_tokens: int = 0
 
 
 @dataclass

@@ -22,6 +22,13 @@ class ServerMetrics:
         self.waiting = Gauge("mmserve_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_used = Gauge("mmserve_kv_tokens_used", "KV cache token slots held now", registry=r)
         self.kv_total = Gauge("mmserve_kv_tokens_total", "KV cache token slots in all", registry=r)
+        self.prefix_cache_tokens = Gauge(
+            "mmserve_prefix_cache_tokens", "KV token slots the prefix cache holds (in use or evictable)", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "mmserve_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache", registry=r
+        )
+        self._hits_seen = 0  # the router reports a running total
         self.ttft = Histogram(
             "mmserve_time_to_first_token_seconds",
             "Time from arrival to the first token",
@@ -40,6 +47,10 @@ class ServerMetrics:
         self.waiting.set(stats.waiting)
         self.kv_used.set(stats.kv_used)
         self.kv_total.set(stats.kv_total)
+        self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
+        if stats.prefix_cache_hit_tokens > self._hits_seen:
+            self.prefix_cache_hits.inc(stats.prefix_cache_hit_tokens - self._hits_seen)
+            self._hits_seen = stats.prefix_cache_hit_tokens
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -189,7 +189,8 @@ class OpenAIServing:
 
 def _usage(out: TextOutput) -> dict:
     return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.output_tokens,
-            "total_tokens": out.prompt_tokens + out.output_tokens}  # fmt: skip
+            "total_tokens": out.prompt_tokens + out.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}  # fmt: skip
 
 
 def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> None:

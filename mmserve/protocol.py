@@ -23,6 +23,7 @@ PARAMETER_NAMES = frozenset(
         "presence_penalty",
         "seed",
         "return_details",
+        "disable_prompt_cache",
     }
 )
 TOP_LEVEL_NAMES = frozenset({"inputs", "input", "parameters", "multimodal_params"})
@@ -128,6 +129,7 @@ def generate_response(
     prompt_tokens: int,
     output_tokens: int,
     return_details: bool,
+    prompt_cache_len: int = 0,
 ) -> dict:
     out = {
         "generated_text": [text],
@@ -137,6 +139,7 @@ def generate_response(
     }
     if return_details:
         out["tokens"] = [token_json(t) for t in tokens]
+        out["prompt_cache_len"] = prompt_cache_len  # prompt tokens whose KV came from the prefix cache
     return out
 
 
@@ -148,6 +151,7 @@ def stream_event(
     generated_text: str | None,
     prompt_tokens: int,
     output_tokens: int,
+    prompt_cache_len: int = 0,
 ) -> str:
     """One server-sent event: `token.text` is the new text piece (LightLLM clients print data["token"]["text"]);
     `tokens` lists the ids it came from; the last event has finished, finish_reason and the whole text."""
@@ -165,6 +169,7 @@ def stream_event(
         "finish_reason": finish_reason,
         "count_output_tokens": output_tokens,
         "prompt_tokens": prompt_tokens,
+        "prompt_cache_len": prompt_cache_len,
         "details": None,
     }
     return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"

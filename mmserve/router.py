@@ -151,11 +151,19 @@ class Router:
             finish_reason=out.finish_reason,
             prompt_tokens=out.prompt_tokens,
             output_tokens=out.output_tokens,
+            cached_tokens=out.cached_tokens,
         )
 
     def stats(self) -> RouterStats:
         s = self.core.stats()
-        return RouterStats(s.running, s.waiting + len(self._awaiting_images), s.kv_used, s.kv_total)
+        return RouterStats(
+            s.running,
+            s.waiting + len(self._awaiting_images),
+            s.kv_used,
+            s.kv_total,
+            s.prefix_cache_tokens,
+            s.prefix_cache_hit_tokens,
+        )
 
     def serve(self, inbox: PullQueue, to_detok: PushQueue, parent_pid: int) -> None:
         last_log, logged = time.monotonic(), dataclasses.replace(self.core.counters)

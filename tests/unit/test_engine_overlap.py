@@ -1,6 +1,7 @@
 """The overlapped engine loop on a real tiny model (CPU): step() launches step N+1 before it returns step N's
 tokens, yet a request never runs after the step that finished it, and an abort mid-flight frees exactly its
-slots."""
+slots. (The prefix cache is off here: with it, an aborted request's written slots stay in the tree;
+tests/unit/test_prefix_cache.py covers that.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from mmserve.checkpoints.llama import build_llama
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    return LLM(build_llama(str(tmp_path_factory.mktemp("overlap_llama"))), max_total_token_num=512, device="cpu")
+    model_dir = build_llama(str(tmp_path_factory.mktemp("overlap_llama")))
+    return LLM(model_dir, max_total_token_num=512, device="cpu", prefix_cache=False)
 
 
 def _prompt(i: int) -> list[int]:
