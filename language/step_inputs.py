@@ -118,7 +118,8 @@ def _stage_decode(reqs: list[Request], kv: KVCache) -> DecodeRows:
 def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: PrefixCache | None) -> PrefillRows:
     reused = [r for r in plan.admitted if r.prompt_cache_len]
     table_len = np.array([r.prompt_cache_len for r in reused], dtype=np.int64)
-    table_slot = np.array([s for r in reused for s in r.kv_slots[: r.prompt_cache_len]], dtype=np.int64)
+    table_slot = np.concatenate([np.asarray(r.kv_slots[: r.prompt_cache_len], np.int64) for r in reused] or [[]])
+    table_slot = table_slot.astype(np.int64, copy=False)
     chunks = plan.prefill
     q_len = np.array([c.length for c in chunks], dtype=np.int64)
     q_start = np.cumsum(q_len) - q_len
