@@ -119,9 +119,9 @@ async def _submit(client: EngineClient, request: Request) -> RequestStream | Res
         stream = await client.submit(body)
         if logger.isEnabledFor(logging.DEBUG):  # the stages from arrival to the router (cheap when off)
             now = time.perf_counter()
-            logger.debug("request timing: rid=%s bytes=%d read_ms=%.1f parse_ms=%.1f prepare_ms=%.1f total_ms=%.1f",
-                         stream.rid, len(raw), (read - start) * 1e3, (parsed - read) * 1e3, (now - parsed) * 1e3,
-                         (now - start) * 1e3)  # fmt: skip
+            logger.debug("request timing: rid=%s bytes=%d read_ms=%.1f parse_ms=%.1f prepare_ms=%.1f total_ms=%.1f "
+                         "start=%.4f", stream.rid, len(raw), (read - start) * 1e3, (parsed - read) * 1e3,
+                         (now - parsed) * 1e3, (now - start) * 1e3, start)  # fmt: skip
         return stream
     except BadRequest as e:
         return _error(e)

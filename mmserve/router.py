@@ -55,6 +55,7 @@ class Router:
         self._own_outputs: list[TokenOutput] = []  # outputs the router makes itself (rejections, early aborts)
         self._abort_issued = False  # the core owes us the final output of an aborted request
         self._last_stats: RouterStats | None = None
+        self._first_token_pending: dict[str, float] = {}  # rid -> arrival (perf_counter), DEBUG logging only
 
     # ------------------------------------------------------------------------------------------ inbox
 
@@ -69,6 +70,8 @@ class Router:
             raise TypeError(f"router got {type(msg).__name__}")
 
     def _on_request(self, msg: TokenizedRequest) -> None:
+        if logger.isEnabledFor(logging.DEBUG):  # with the HTTP side's `request timing` lines: where a TTFT goes
+            self._first_token_pending[msg.rid] = time.perf_counter()
         self._setups.append(DetokSetup(msg.rid, msg.params.stop_sequences, len(msg.prompt_ids)))
         if msg.wait_for_images:
             if msg.rid not in self._early_ready:
@@ -134,6 +137,11 @@ class Router:
         for out in outputs:
             if out.finished:
                 self._live.discard(out.rid)
+            if self._first_token_pending and (out.new_token_ids or out.finished):
+                arrived = self._first_token_pending.pop(out.rid, None)
+                if arrived is not None:
+                    logger.debug("router timing: rid=%s arrived=%.4f first_token_ms=%.1f cached=%d", out.rid, arrived,
+                                 (time.perf_counter() - arrived) * 1e3, out.cached_tokens)  # fmt: skip
         stats = self.stats()
         setups, self._setups = self._setups, []
         if not setups and not outputs and stats == self._last_stats:
