@@ -18,7 +18,16 @@ from PIL import Image
 from mmserve.multimodal.url_fetch import FetchPolicy, fetch_url
 from visual.image_decode import BadImage, open_image
 
-__all__ = ["BadImage", "ImagePolicy", "LoadedImage", "decode_base64", "load_image", "load_images", "open_image"]
+__all__ = [
+    "BadImage",
+    "ImagePolicy",
+    "LoadedImage",
+    "decode_base64",
+    "load_image",
+    "load_image_bytes",
+    "load_images",
+    "open_image",
+]
 
 
 @dataclass(frozen=True)
@@ -31,7 +40,7 @@ class ImagePolicy:
 @dataclass(frozen=True)
 class LoadedImage:
     data: bytes  # the image file as sent: what the cache key hashes and the visual process decodes again
-    image: Image.Image  # fully decoded
+    image: Image.Image | None  # fully decoded; None for an image already decoded and checked before
     width: int
     height: int
 
@@ -44,13 +53,18 @@ def decode_base64(text: str, max_bytes: int) -> bytes:
         head, _, text = text.partition(",")
         if not head.endswith(";base64"):
             raise BadImage("a data: URL image must be base64-encoded")
-    text = "".join(text.split())
-    if len(text) > (max_bytes + 2) // 3 * 4:
+    if len(text) > (max_bytes + 2) // 3 * 4 + len(text) // 64 + 4:  # room for line breaks, checked again below
         raise BadImage(f"image is larger than {max_bytes} bytes")
     try:
         data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise BadImage(f"malformed base64 image data: {e}") from None
+    except (binascii.Error, ValueError):
+        # Line-wrapped base64 (MIME style): strip the whitespace (copying a multi-MB string only in this case).
+        try:
+            data = base64.b64decode("".join(text.split()), validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise BadImage(f"malformed base64 image data: {e}") from None
+    if len(data) > max_bytes:
+        raise BadImage(f"image is larger than {max_bytes} bytes")
     if not data:
         raise BadImage("empty image data")
     return data
@@ -58,6 +72,13 @@ def decode_base64(text: str, max_bytes: int) -> bytes:
 
 def load_image(item: object, policy: ImagePolicy = ImagePolicy()) -> LoadedImage:
     """One `multimodal_params.images` entry: {"type": "base64" | "url", "data": str}."""
+    data = load_image_bytes(item, policy)
+    image = open_image(data, policy.max_pixels)
+    return LoadedImage(data, image, image.width, image.height)
+
+
+def load_image_bytes(item: object, policy: ImagePolicy = ImagePolicy()) -> bytes:
+    """The image file of one entry, not decoded yet."""
     if not isinstance(item, dict):
         raise BadImage('each image must be an object {"type": "base64" | "url", "data": ...}')
     kind, payload = item.get("type"), item.get("data")
@@ -72,8 +93,7 @@ def load_image(item: object, policy: ImagePolicy = ImagePolicy()) -> LoadedImage
             raise BadImage(str(e)) from None
     else:
         raise BadImage(f'unknown image type {kind!r}; expected "base64" or "url"')
-    image = open_image(data, policy.max_pixels)
-    return LoadedImage(data, image, image.width, image.height)
+    return data
 
 
 async def load_images(

@@ -25,7 +25,7 @@ from cache.coordinator import CacheCoordinator, ImageEncodeError
 from cache.index import CacheCapacityError, CacheEntry
 from cache.key import cache_key
 from mmserve.messages import ImageRef
-from mmserve.multimodal.image_io import BadImage, ImagePolicy, LoadedImage, load_image
+from mmserve.multimodal.image_io import BadImage, ImagePolicy, LoadedImage, load_image_bytes, open_image
 from mmserve.multimodal.prompt import MultimodalPrompt, PromptImageMismatch, PromptProcessor
 from mmserve.protocol import BadRequest
 from mmserve.tokenization import PreparedPrompt, RunSync
@@ -34,10 +34,34 @@ FIELD = "multimodal_params.images"
 logger = logging.getLogger(__name__)
 
 
-def load_and_key(item: object, policy: ImagePolicy, salt: str) -> tuple[LoadedImage, str]:
-    """One image entry -> the decoded, checked image and its cache key (one thread-pool hop for both)."""
-    image = load_image(item, policy)
-    return image, cache_key(image.data, salt)
+class SeenImages:
+    """Sizes of images already decoded and checked, by cache key: the same bytes again (a follow-up turn, another
+    question about one picture) skip decoding, which is most of an image's cost on the HTTP side. Bounded: it
+    forgets everything when full. Read and written from the image threads (dict operations are atomic)."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._sizes: dict[str, tuple[int, int]] = {}
+
+    def get(self, key: str) -> tuple[int, int] | None:
+        return self._sizes.get(key)
+
+    def add(self, key: str, size: tuple[int, int]) -> None:
+        if len(self._sizes) >= self.capacity:
+            self._sizes = {}
+        self._sizes[key] = size
+
+
+def load_and_key(item: object, policy: ImagePolicy, salt: str, seen: SeenImages) -> tuple[LoadedImage, str]:
+    """One image entry -> the checked image and its cache key (one thread-pool hop for both)."""
+    data = load_image_bytes(item, policy)
+    key = cache_key(data, salt)
+    size = seen.get(key)
+    if size is not None:
+        return LoadedImage(data, None, *size), key
+    image = open_image(data, policy.max_pixels)
+    seen.add(key, image.size)
+    return LoadedImage(data, image, image.width, image.height), key
 
 
 class MultimodalPreparer:
@@ -51,6 +75,7 @@ class MultimodalPreparer:
         if hasattr(prompt_processor, "max_image_bytes"):  # Qwen-VL reads allowed paths itself: same size limit
             prompt_processor.max_image_bytes = self.policy.max_bytes
         self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
+        self._seen = SeenImages()
 
     async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt:
         start = time.perf_counter()
@@ -104,7 +129,7 @@ class MultimodalPreparer:
     async def _load(self, items: list) -> list[tuple[LoadedImage, str]]:
         loop = asyncio.get_running_loop()
         results = await asyncio.gather(
-            *(loop.run_in_executor(self.image_executor, load_and_key, item, self.policy, self.cache_salt)
+            *(loop.run_in_executor(self.image_executor, load_and_key, item, self.policy, self.cache_salt, self._seen)
               for item in items), return_exceptions=True)  # fmt: skip
         for index, result in enumerate(results):
             if isinstance(result, BadImage):

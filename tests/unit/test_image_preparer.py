@@ -156,3 +156,24 @@ def test_client_errors_are_400_and_hold_nothing(model_dir, vision, prompt, image
         h.preparer.release("bad")  # the server calls it on every failure: must be harmless
 
     run(model_dir, vision, 2, body)
+
+
+def test_an_image_seen_before_is_not_decoded_again():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from mmserve.multimodal.image_io import ImagePolicy
+    from mmserve.multimodal.preparer import SeenImages, load_and_key
+
+    buf = io.BytesIO()
+    Image.new("RGB", (37, 21), (1, 2, 3)).save(buf, format="PNG")
+    item = {"type": "base64", "data": base64.b64encode(buf.getvalue()).decode()}
+    seen = SeenImages(capacity=2)
+    first, key = load_and_key(item, ImagePolicy(), "salt", seen)
+    again, key_again = load_and_key(item, ImagePolicy(), "salt", seen)
+    assert first.image is not None and again.image is None  # the repeat skipped decoding
+    assert key == key_again and (again.width, again.height) == (first.width, first.height) == (37, 21)
+    other, _ = load_and_key(item, ImagePolicy(), "another model", seen)  # another salt: another key
+    assert other.image is not None
