@@ -25,6 +25,14 @@ class ImageEncodeError(Exception):
         self.key, self.error, self.bad_image = key, error, bad_image
 
 
+class MissingImageData(Exception):
+    """acquire() was given no bytes (None) for keys the cache does not hold: the caller must supply them."""
+
+    def __init__(self, keys: list[str]):
+        super().__init__(f"no image bytes for {len(keys)} image(s) that are not cached")
+        self.keys = keys
+
+
 class CacheCoordinator:
     def __init__(self, capacity: int, shm_prefix: str, send_job: Callable[[EncodeJob], None]):
         self.shm_prefix = shm_prefix
@@ -34,18 +42,22 @@ class CacheCoordinator:
         self._room = asyncio.Event()  # replaced (after being set) whenever entries may have become free
         self.images_encoded = 0
 
-    async def acquire(self, images: list[tuple[str, bytes]]) -> list[CacheEntry]:
+    async def acquire(self, images: list[tuple[str, bytes | None]]) -> list[CacheEntry]:
         """Hold the cache entries of one request's images (key, bytes), in order, once all are READY. Waits while
-        the cache has no free room. Raises CacheCapacityError (too many images for the cache) or ImageEncodeError;
-        on any error, or if cancelled, nothing stays held."""
+        the cache has no free room. Bytes may be None for an image the caller expects to be cached already; if it
+        is not, MissingImageData is raised before anything changes. Raises CacheCapacityError (too many images for
+        the cache) or ImageEncodeError; on any error, or if cancelled, nothing stays held."""
         keys = [key for key, _ in images]
+        data = {key: blob for key, blob in images if blob is not None}
         while True:
+            missing = [key for key in dict.fromkeys(keys) if key not in data and self.index.lookup(key) is None]
+            if missing:
+                raise MissingImageData(missing)
             try:
                 entries, new = self.index.acquire(keys)
                 break
             except CacheBusy:
                 await self._room.wait()
-        data = dict(images)
         for key in new:
             self._pending[key] = asyncio.get_running_loop().create_future()
             self._send_job(EncodeJob(key, data[key]))

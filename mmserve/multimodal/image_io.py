@@ -39,7 +39,7 @@ class ImagePolicy:
 
 @dataclass(frozen=True)
 class LoadedImage:
-    data: bytes  # the image file as sent: what the cache key hashes and the visual process decodes again
+    data: bytes | None  # the image file as sent (what the cache key hashes); None: seen before, not decoded again
     image: Image.Image | None  # fully decoded; None for an image already decoded and checked before
     width: int
     height: int

@@ -21,7 +21,9 @@ import logging
 import time
 from concurrent.futures import Executor
 
-from cache.coordinator import CacheCoordinator, ImageEncodeError
+import xxhash
+
+from cache.coordinator import CacheCoordinator, ImageEncodeError, MissingImageData
 from cache.index import CacheCapacityError, CacheEntry
 from cache.key import cache_key
 from mmserve.messages import ImageRef
@@ -35,33 +37,52 @@ logger = logging.getLogger(__name__)
 
 
 class SeenImages:
-    """Sizes of images already decoded and checked, by cache key: the same bytes again (a follow-up turn, another
-    question about one picture) skip decoding, which is most of an image's cost on the HTTP side. Bounded: it
-    forgets everything when full. Read and written from the image threads (dict operations are atomic)."""
+    """Images already decoded and checked: (cache key, width, height) by cache key and by a fingerprint of the
+    base64 text they came in. The same image again (a follow-up turn, another question about one picture) then
+    costs a hash of its text: no base64 decoding and no image decoding, which hold the GIL for ~10 ms per 896 px
+    PNG and were most of the HTTP side's time under such loads. Bounded: it forgets everything when full. Used
+    from the image threads (single dict operations are atomic)."""
 
     def __init__(self, capacity: int = 4096):
         self.capacity = capacity
-        self._sizes: dict[str, tuple[int, int]] = {}
+        self._seen: dict[str, tuple[str, int, int]] = {}
 
-    def get(self, key: str) -> tuple[int, int] | None:
-        return self._sizes.get(key)
+    def get(self, name: str) -> tuple[str, int, int] | None:
+        return self._seen.get(name)
 
-    def add(self, key: str, size: tuple[int, int]) -> None:
-        if len(self._sizes) >= self.capacity:
-            self._sizes = {}
-        self._sizes[key] = size
+    def add(self, names: list[str], value: tuple[str, int, int]) -> None:
+        if len(self._seen) + len(names) > self.capacity:
+            self._seen = {}
+        for name in names:
+            self._seen[name] = value
 
 
-def load_and_key(item: object, policy: ImagePolicy, salt: str, seen: SeenImages) -> tuple[LoadedImage, str]:
-    """One image entry -> the checked image and its cache key (one thread-pool hop for both)."""
+def _fingerprint(item: object) -> str | None:
+    """A name for a base64 entry's text (None for other entries)."""
+    if isinstance(item, dict) and item.get("type") == "base64" and isinstance(item.get("data"), str):
+        return "b64:" + xxhash.xxh3_128_hexdigest(item["data"].encode("utf-8", "surrogatepass"))
+    return None
+
+
+def load_and_key(item: object, policy: ImagePolicy, salt: str, seen: SeenImages | None = None):
+    """One image entry -> (the checked image, its cache key), in one thread-pool hop. An image seen before comes
+    back without its bytes (data None): the cache is expected to hold it (see MultimodalPreparer._acquire)."""
+    fingerprint = _fingerprint(item) if seen is not None else None
+    hit = seen.get(fingerprint) if fingerprint is not None else None
+    if hit is not None:
+        key, width, height = hit
+        return LoadedImage(None, None, width, height), key
     data = load_image_bytes(item, policy)
     key = cache_key(data, salt)
-    size = seen.get(key)
-    if size is not None:
-        return LoadedImage(data, None, *size), key
-    image = open_image(data, policy.max_pixels)
-    seen.add(key, image.size)
-    return LoadedImage(data, image, image.width, image.height), key
+    hit = seen.get(key) if seen is not None else None
+    if hit is not None:  # the same bytes sent another way (URL, data: URL)
+        image, width, height = None, hit[1], hit[2]
+    else:
+        image = open_image(data, policy.max_pixels)
+        width, height = image.size
+    if seen is not None:
+        seen.add([key] + ([fingerprint] if fingerprint else []), (key, width, height))
+    return LoadedImage(data, image, width, height), key
 
 
 class MultimodalPreparer:
@@ -91,7 +112,7 @@ class MultimodalPreparer:
         images, keys = [im for im, _ in loaded], [key for _, key in loaded]
         t_load = time.perf_counter()
         # Send the new images to the visual process first, then tokenize while they encode.
-        acquire = asyncio.ensure_future(self._acquire(rid, list(zip(keys, [im.data for im in images], strict=True))))
+        acquire = asyncio.ensure_future(self._acquire(rid, items, keys, [im.data for im in images]))
         try:
             mm_prompt: MultimodalPrompt = await run_sync(
                 self.prompt_processor.encode, prompt, [(im.width, im.height) for im in images]
@@ -138,17 +159,31 @@ class MultimodalPreparer:
                 raise result
         return results
 
+    async def _fill_bytes(self, items: list, keys: list[str], data: list, wanted: set[str]) -> list[bytes | None]:
+        loop = asyncio.get_running_loop()
+        data = list(data)
+        for i, key in enumerate(keys):
+            if data[i] is None and key in wanted:
+                loaded, _ = await loop.run_in_executor(self.image_executor, load_and_key, items[i], self.policy,
+                                                       self.cache_salt)  # fmt: skip
+                data[i] = loaded.data
+        return data
+
     async def _cancel(self, rid: str, acquire: asyncio.Future) -> None:
         """Undo an acquire that is no longer wanted: nothing stays held (cancelling it releases its entries)."""
         acquire.cancel()
         await asyncio.gather(acquire, return_exceptions=True)
         self.release(rid)
 
-    async def _acquire(self, rid: str, images: list[tuple[str, bytes]]) -> None:
-        if not images:
+    async def _acquire(self, rid: str, items: list, keys: list[str], data: list[bytes | None]) -> None:
+        if not keys:
             return
         try:
-            entries = await self.coordinator.acquire(images)
+            try:
+                entries = await self.coordinator.acquire(list(zip(keys, data, strict=True)))
+            except MissingImageData as e:  # seen before, but evicted since: decode these after all
+                data = await self._fill_bytes(items, keys, data, set(e.keys))
+                entries = await self.coordinator.acquire(list(zip(keys, data, strict=True)))
         except CacheCapacityError as e:
             raise BadRequest(FIELD, str(e)) from None
         except ImageEncodeError as e:

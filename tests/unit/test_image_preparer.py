@@ -159,21 +159,35 @@ def test_client_errors_are_400_and_hold_nothing(model_dir, vision, prompt, image
 
 
 def test_an_image_seen_before_is_not_decoded_again():
-    import base64
-    import io
-
-    from PIL import Image
-
     from mmserve.multimodal.image_io import ImagePolicy
     from mmserve.multimodal.preparer import SeenImages, load_and_key
 
-    buf = io.BytesIO()
-    Image.new("RGB", (37, 21), (1, 2, 3)).save(buf, format="PNG")
-    item = {"type": "base64", "data": base64.b64encode(buf.getvalue()).decode()}
-    seen = SeenImages(capacity=2)
+    item = image_item(37, 21, 9)
+    seen = SeenImages(capacity=8)
     first, key = load_and_key(item, ImagePolicy(), "salt", seen)
     again, key_again = load_and_key(item, ImagePolicy(), "salt", seen)
-    assert first.image is not None and again.image is None  # the repeat skipped decoding
+    assert first.data is not None and again.data is None and again.image is None  # neither base64 nor PNG decoded
     assert key == key_again and (again.width, again.height) == (first.width, first.height) == (37, 21)
-    other, _ = load_and_key(item, ImagePolicy(), "another model", seen)  # another salt: another key
-    assert other.image is not None
+    wrapped = {"type": "base64", "data": "data:image/png;base64," + item["data"]}  # same bytes, other text
+    other, key_wrapped = load_and_key(wrapped, ImagePolicy(), "salt", seen)
+    assert key_wrapped == key and other.data is not None and other.image is None  # bytes decoded, image not
+
+
+def test_a_seen_image_evicted_from_the_cache_is_decoded_and_encoded_again(model_dir, vision):
+    seen_item = image_item(24, 24, 40)
+
+    async def body(h):
+        first = await h.preparer.prepare("a", "USER: <image>\nhi", {"images": [seen_item]}, run_sync)
+        h.preparer.release("a")
+        for i in range(2):  # a cache of 2: two other images push the first one out
+            await h.preparer.prepare(f"o{i}", "USER: <image>\nhi", {"images": [image_item(24, 24, 50 + i)]}, run_sync)
+            h.preparer.release(f"o{i}")
+        assert h.coordinator.index.lookup(first.images[0].key) is None
+        again = await h.preparer.prepare("b", "USER: <image>\nhi", {"images": [seen_item]}, run_sync)
+        assert again.images[0].key == first.images[0].key and h.encoder.images_encoded == 4
+        torch.testing.assert_close(read_embedding(h.prefix, again.images[0].key),
+                                   vision.encode([vision.preprocess(Image.open(io.BytesIO(
+                                       base64.b64decode(seen_item["data"]))))])[0])  # fmt: skip
+        h.preparer.release("b")
+
+    run(model_dir, vision, 2, body)
