@@ -141,6 +141,7 @@ class EngineCore:
             max_total_token_num=num_slots,
             max_req_total_len=max_req_len,
         )
+        self.runner.eos_token_ids = self.model_info.eos_token_ids  # sampling masks and boosts read them
         self.counters = StepCounters()
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -165,6 +166,13 @@ class EngineCore:
             raise ValueError(f"request needs more KV slots than the cache holds ({info.max_total_token_num})")
         if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
             raise ValueError("prompt token id out of the vocabulary")
+        p = req.params
+        for name, ids in (
+            ("allowed_token_ids", p.allowed_token_ids or ()),
+            ("logit_bias", [t for t, _ in p.logit_bias]),
+        ):
+            if any(t < 0 or t >= info.vocab_size for t in ids):
+                raise ValueError(f"parameters.{name}: token id out of the vocabulary (size {info.vocab_size})")
         self.model.prepare_request(req)
         if self.prefix is not None and not req.params.disable_prompt_cache:
             req.cache_ids = cache_ids(req)

@@ -74,6 +74,7 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.vocab_size = model.lm_head.weight.shape[0]
+        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine: min_new_tokens and the EOS length boost
         self.last_token = torch.zeros(kv.dummy_row + 1, dtype=torch.int64, device=device)  # [rows+1]
         self._meta = PinnedStaging(device)
         self._ids_out = PinnedStaging(device)
@@ -87,7 +88,9 @@ class ModelRunner:
         """Run the staged step and sample it, all queued on the device; returns at once."""
         nd = len(staged.decode.reqs)
         reqs = staged.decode.reqs + staged.prefill.reqs
-        all_greedy = all(r.params.greedy and not r.params.has_penalties for r in reqs)
+        # The argmax fast path (and the decode graph's built-in greedy sample) only for plain greedy rows: penalties,
+        # biases and masks change the logits, so any request with one sends the whole step through sample().
+        all_greedy = all(r.params.greedy and not r.params.has_penalties and not r.params.has_logit_masks for r in reqs)
         if not staged.prefill.reqs and self.graphs is not None and self.graphs.can_run(nd):
             logits, ids, logprobs, req_idx = self.graphs.replay(staged.decode)  # greedy samples already stored
         else:
@@ -97,7 +100,8 @@ class ModelRunner:
             if all_greedy:
                 ids, logprobs = sample_greedy(logits)
             else:
-                ids, logprobs = sample(logits, SamplingBatch.build(reqs, self.vocab_size, self.device))
+                sb = SamplingBatch.build(reqs, self.vocab_size, self.device, self.eos_token_ids)
+                ids, logprobs = sample(logits, sb)
             self.last_token[req_idx] = ids  # decode rows of the next step read their input ids from here
         host_ids, host_lps = self._ids_out.host(len(reqs)), self._lp_out.host(len(reqs))
         host_ids.copy_(ids, non_blocking=True)

@@ -1,5 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over
-the whole batch."""
+"""Batched sampling: penalties, logit bias, allowed-token and min-new-tokens masks, the EOS length boost,
+temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over the whole batch."""
 
 from __future__ import annotations
 
@@ -27,9 +27,12 @@ class SamplingBatch:
     any_top: bool
     any_seeded: bool
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    processors: LogitProcessors | None = None
 
     @classmethod
-    def build(cls, reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+    def build(
+        cls, reqs: list[Request], vocab_size: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()
+    ) -> SamplingBatch:
         ps = [r.params for r in reqs]
         greedy = [p.greedy for p in ps]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
@@ -50,7 +53,90 @@ class SamplingBatch:
             any_top=any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
             any_seeded=any(p.seed is not None for p in ps),
             penalties=_penalty_tensors(reqs, device) if any(p.has_penalties for p in ps) else None,
+            processors=(
+                LogitProcessors.build(reqs, eos_token_ids, vocab_size, device)
+                if any(p.has_logit_masks for p in ps)
+                else None
+            ),
         )
+
+
+def _sampled_before(r: Request) -> int:
+    """Output tokens that come before the one this step samples for r. Staging counted this step's sample in
+    `num_sampled` already, and with the overlapped engine `output_ids` may lag a step behind, so it is not used."""
+    return max(r.num_sampled - 1, 0)
+
+
+@dataclass
+class LogitProcessors:
+    """Sparse per-row edits of the logits, as index tensors (no loop over the vocabulary): biases added at (row,
+    id), rows restricted to an allowed set, (row, id) pairs banned (EOS and stop ids before min_new_tokens), and
+    EOS boosts (HF's exponential_decay_length_penalty)."""
+
+    bias_rows: torch.Tensor  # int64 [N]
+    bias_ids: torch.Tensor  # int64 [N]
+    bias: torch.Tensor  # float32 [N]
+    restricted: torch.Tensor | None  # bool [B]: rows with allowed_token_ids; None when no row has them
+    allowed_rows: torch.Tensor  # int64 [A]
+    allowed_ids: torch.Tensor  # int64 [A]
+    ban_rows: torch.Tensor  # int64 [M]
+    ban_ids: torch.Tensor  # int64 [M]
+    boost_rows: torch.Tensor  # int64 [E]
+    boost_ids: torch.Tensor  # int64 [E]
+    boost: torch.Tensor  # float32 [E]: decay_factor ** (generated - start) - 1
+
+    @classmethod
+    def build(
+        cls, reqs: list[Request], eos_token_ids: tuple[int, ...], vocab_size: int, device: torch.device
+    ) -> LogitProcessors:
+        bias_r, bias_i, bias_v, allowed_r, allowed_i, ban_r, ban_i, boost_r, boost_i, boost_v = ([] for _ in range(10))
+        restricted = [False] * len(reqs)
+        for row, r in enumerate(reqs):
+            p = r.params
+            if not p.has_logit_masks:
+                continue
+            for token, b in p.logit_bias:
+                bias_r.append(row), bias_i.append(token), bias_v.append(float(b))
+            if p.allowed_token_ids is not None:
+                restricted[row] = True
+                allowed_r.extend([row] * len(p.allowed_token_ids))
+                allowed_i.extend(p.allowed_token_ids)
+            before = _sampled_before(r)
+            if before < p.min_new_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+                banned = {t for t in banned if t < vocab_size}  # a stop id past the vocabulary never comes
+                ban_r.extend([row] * len(banned))
+                ban_i.extend(sorted(banned))
+            decay = p.exponential_decay_length_penalty
+            if decay is not None and before > decay[0] and eos_token_ids:
+                factor = float(decay[1]) ** (before - decay[0]) - 1.0
+                boost_r.extend([row] * len(eos_token_ids))
+                boost_i.extend(eos_token_ids)
+                boost_v.extend([factor] * len(eos_token_ids))
+
+        def t(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            t(bias_r), t(bias_i), t(bias_v, torch.float32),
+            t(restricted, torch.bool) if any(restricted) else None, t(allowed_r), t(allowed_i),
+            t(ban_r), t(ban_i), t(boost_r), t(boost_i), t(boost_v, torch.float32),
+        )  # fmt: skip
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        if self.bias.numel():
+            logits.index_put_((self.bias_rows, self.bias_ids), self.bias, accumulate=True)
+        if self.boost.numel():  # HF: scores[eos] += |scores[eos]| * (factor ** k - 1)
+            eos = logits[self.boost_rows, self.boost_ids]
+            logits.index_put_((self.boost_rows, self.boost_ids), eos.abs() * self.boost, accumulate=True)
+        if self.restricted is not None:
+            allowed = torch.zeros_like(logits, dtype=torch.bool)
+            allowed[self.allowed_rows, self.allowed_ids] = True
+            logits.masked_fill_(self.restricted[:, None] & ~allowed, float("-inf"))
+        if self.ban_ids.numel():
+            logits[self.ban_rows, self.ban_ids] = float("-inf")
+        return logits
 
 
 def _penalty_tensors(reqs: list[Request], device: torch.device):
@@ -63,6 +149,8 @@ def _penalty_tensors(reqs: list[Request], device: torch.device):
     for i, (r, s) in enumerate(zip(reqs, seen, strict=True)):
         hist[i, : len(s)] = torch.tensor(s)
         out_mask[i, r.prompt_len : len(s)] = True
+        if r.params.input_penalty:  # LightLLM: frequency/presence count the prompt's tokens as well
+            out_mask[i, : len(s)] = True
     rep = torch.tensor([r.params.repetition_penalty for r in reqs], dtype=torch.float32)
     freq = torch.tensor([r.params.frequency_penalty for r in reqs], dtype=torch.float32)
     pres = torch.tensor([r.params.presence_penalty for r in reqs], dtype=torch.float32)
@@ -105,6 +193,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch
     """logits: [B, V] float32 -> (next token ids [B] int64, their log-probabilities [B] float32)."""
     if sb.penalties is not None:
         logits = apply_penalties(logits, sb.penalties)
+    if sb.processors is not None:
+        logits = sb.processors.apply(logits)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     if sb.all_greedy:
         next_ids = logits.argmax(dim=-1)

@@ -13,6 +13,9 @@ class InvalidParams(ValueError):
         self.field = field_name
 
 
+MAX_SEQUENCES = 16  # most sequences (n / best_of) one HTTP request may ask for
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     do_sample: bool = False
@@ -29,6 +32,25 @@ class SamplingParams:
     seed: int | None = None
     return_details: bool = False
     disable_prompt_cache: bool = False  # neither reuse nor share this request's KV (LightLLM's name)
+    # EOS (unless ignore_eos) and stop_token_ids are masked out of the logits until this many tokens are out.
+    min_new_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None  # only these ids may be sampled
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's semantics
+    # HF's (start_index, decay_factor): after start_index output tokens, the EOS logit grows by
+    # |logit| * (decay_factor ** (generated - start_index) - 1).
+    exponential_decay_length_penalty: tuple[int, float] | None = None
+    input_penalty: bool = False  # LightLLM: frequency/presence penalties count the prompt's tokens too
+    # The HTTP side fans n / best_of out into that many engine requests and keeps the n most likely (the engine
+    # itself always runs one sequence per request).
+    n: int = 1
+    best_of: int | None = None
+    # Text: how the detokenizer decodes (skip_special_tokens, add_spaces_between_special_tokens), whether the EOS /
+    # stop token that ended generation shows in the text, and add_special_tokens for the prompt (None: the
+    # tokenizer's default).
+    skip_special_tokens: bool = True
+    add_spaces_between_special_tokens: bool = True
+    print_eos_token: bool = False
+    add_special_tokens: bool | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -38,6 +60,21 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def has_logit_masks(self) -> bool:
+        """Needs logits processing (bias, masks, EOS boost): never takes the greedy argmax fast path."""
+        return (
+            self.min_new_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.logit_bias)
+            or self.exponential_decay_length_penalty is not None
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        """Engine requests the HTTP side runs for this one (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
     def validate(self) -> SamplingParams:
         if not isinstance(self.do_sample, bool):
@@ -66,6 +103,36 @@ class SamplingParams:
             raise InvalidParams("stop_token_ids", "must be non-negative integers")
         if not all(isinstance(s, str) and s for s in self.stop_sequences):
             raise InvalidParams("stop_sequences", "must be non-empty strings")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise InvalidParams("min_new_tokens", "must be an integer >= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise InvalidParams("min_new_tokens", "must not exceed max_new_tokens")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise InvalidParams("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        for pair in self.logit_bias:
+            if len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0:
+                raise InvalidParams("logit_bias", "keys must be non-negative token ids")
+            if not _is_number(pair[1]) or not -100.0 <= pair[1] <= 100.0:
+                raise InvalidParams("logit_bias", "biases must be numbers in [-100, 100]")
+        decay = self.exponential_decay_length_penalty
+        if decay is not None and (
+            len(decay) != 2 or not _is_int(decay[0]) or decay[0] < 0 or not _is_number(decay[1]) or decay[1] < 1.0
+        ):
+            raise InvalidParams("exponential_decay_length_penalty", "must be [start_index >= 0, decay_factor >= 1]")
+        for name in ("input_penalty", "skip_special_tokens", "add_spaces_between_special_tokens", "print_eos_token"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParams(name, "must be a boolean")
+        if self.add_special_tokens is not None and not isinstance(self.add_special_tokens, bool):
+            raise InvalidParams("add_special_tokens", "must be a boolean")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SEQUENCES:
+            raise InvalidParams("n", f"must be an integer in [1, {MAX_SEQUENCES}]")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or not 1 <= self.best_of <= MAX_SEQUENCES:
+                raise InvalidParams("best_of", f"must be an integer in [1, {MAX_SEQUENCES}]")
+            if self.best_of < self.n:
+                raise InvalidParams("best_of", "must be >= n")
         return self
 
 

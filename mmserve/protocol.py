@@ -24,8 +24,31 @@ PARAMETER_NAMES = frozenset(
         "seed",
         "return_details",
         "disable_prompt_cache",
+        "n",
+        "best_of",
+        "min_new_tokens",
+        "allowed_token_ids",
+        "logit_bias",
+        "exponential_decay_length_penalty",
+        "input_penalty",
+        "skip_special_tokens",
+        "add_special_tokens",
+        "add_spaces_between_special_tokens",
+        "print_eos_token",
+        # Accepted and ignored: LightLLM's InternVL knob (no family here tiles images), and its request-group id
+        # (LightLLM's own n/best_of bookkeeping; here the HTTP side groups sub-requests itself).
+        "image_max_patch_num",
+        "group_request_id",
     }
 )
+# LightLLM names that are refused by name when given (anything but null): constrained decoding is not implemented,
+# nor are prompt log-probs (they need logits over the prompt positions, which the engine never computes).
+UNSUPPORTED_PARAMETERS = {
+    "guided_json": "constrained decoding is not supported",
+    "regular_constraint": "constrained decoding is not supported",
+    "guided_grammar": "constrained decoding is not supported",
+    "prompt_logprobs": "prompt log-probabilities are not supported",
+}
 TOP_LEVEL_NAMES = frozenset({"inputs", "input", "parameters", "multimodal_params"})
 
 
@@ -86,10 +109,18 @@ def parse_parameters(raw: object) -> SamplingParams:
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequest("parameters", "must be a JSON object")
-    for name in raw:
-        if name not in PARAMETER_NAMES:
+    for name, value in raw.items():
+        if name in UNSUPPORTED_PARAMETERS:
+            if value is not None and value is not False:
+                raise BadRequest(f"parameters.{name}", UNSUPPORTED_PARAMETERS[name])
+        elif name not in PARAMETER_NAMES:
             raise BadRequest(f"parameters.{name}", "unknown parameter")
-    kwargs = dict(raw)
+    kwargs = {k: v for k, v in raw.items() if k not in UNSUPPORTED_PARAMETERS}
+    _check_ignored(kwargs)
+    _convert_lists(kwargs)
+    for name in ("n", "best_of", "min_new_tokens", "add_special_tokens"):
+        if kwargs.get(name, 0) is None:  # null: the default
+            del kwargs[name]
     if "stop_sequences" in kwargs:
         kwargs["stop_sequences"] = _string_tuple("stop_sequences", kwargs["stop_sequences"])
     if "stop_token_ids" in kwargs:
@@ -103,6 +134,49 @@ def parse_parameters(raw: object) -> SamplingParams:
         return SamplingParams(**kwargs).validate()
     except InvalidParams as e:
         raise BadRequest(f"parameters.{e.field}", str(e).split(": ", 1)[-1]) from None
+
+
+def _check_ignored(kwargs: dict) -> None:
+    """image_max_patch_num (LightLLM's InternVL tiling cap; -1 = the model's) and group_request_id are validated and
+    dropped: neither means anything here."""
+    patches = kwargs.pop("image_max_patch_num", None)
+    if patches is not None and (not _is_int(patches) or patches < -1):
+        raise BadRequest("parameters.image_max_patch_num", "must be -1 or a non-negative integer")
+    group = kwargs.pop("group_request_id", None)
+    if group is not None and not _is_int(group):
+        raise BadRequest("parameters.group_request_id", "must be an integer")
+
+
+def _convert_lists(kwargs: dict) -> None:
+    """JSON lists and objects -> the tuples SamplingParams holds."""
+    if "allowed_token_ids" in kwargs and kwargs["allowed_token_ids"] is not None:
+        ids = kwargs["allowed_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+            raise BadRequest("parameters.allowed_token_ids", "must be a non-empty list of token ids")
+        kwargs["allowed_token_ids"] = tuple(sorted(set(ids)))
+    if "logit_bias" in kwargs:
+        bias = kwargs["logit_bias"]
+        if bias is None:
+            bias = {}
+        if not isinstance(bias, dict):
+            raise BadRequest("parameters.logit_bias", "must be an object mapping token ids to biases")
+        pairs = []
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest("parameters.logit_bias", f"key {key!r} is not a token id") from None
+            pairs.append((token, value))
+        kwargs["logit_bias"] = tuple(sorted(pairs))
+    if "exponential_decay_length_penalty" in kwargs and kwargs["exponential_decay_length_penalty"] is not None:
+        decay = kwargs["exponential_decay_length_penalty"]
+        if not isinstance(decay, list) or len(decay) != 2:
+            raise BadRequest("parameters.exponential_decay_length_penalty", "must be [start_index, decay_factor]")
+        kwargs["exponential_decay_length_penalty"] = tuple(decay)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _string_tuple(name: str, value: object) -> tuple[str, ...]:
