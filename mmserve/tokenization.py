@@ -91,6 +91,8 @@ class RequestPreparer:
     @staticmethod
     def _images_of(req: GenerateInput) -> list:
         for name in req.multimodal_params:
+            if name == "videos":
+                raise BadRequest("multimodal_params.videos", "video input is not supported (images only)")
             if name != "images":
                 raise BadRequest(f"multimodal_params.{name}", "unknown field (expected 'images')")
         images = req.multimodal_params.get("images") or []

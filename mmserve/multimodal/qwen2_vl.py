@@ -7,8 +7,10 @@ from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProces
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from mmserve.multimodal.prompt import MultimodalPrompt, check_image_count, register_prompt_processor
+from mmserve.protocol import BadRequest
 
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"  # the chat template's video placeholder: rejected with a 400
 
 
 @register_prompt_processor("Qwen2VLForConditionalGeneration")
@@ -49,6 +51,8 @@ class Qwen2VLPromptProcessor:
         return 1, h // self.patch_size, w // self.patch_size
 
     def count_images(self, prompt: str) -> int:
+        if VIDEO_PAD in prompt:
+            raise BadRequest("inputs", f"video input is not supported: the prompt has {VIDEO_PAD} (images only)")
         return prompt.count(IMAGE_PAD)
 
     def encode(self, prompt: str, image_sizes: list[tuple[int, int]]) -> MultimodalPrompt:
