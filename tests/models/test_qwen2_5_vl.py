@@ -180,3 +180,79 @@ def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_pref
         assert inputs["input_ids"][0].tolist() == prompt
         extra = {k: v for k, v in inputs.items() if k != "input_ids"}
         assert gen.token_ids == hf_greedy(hf_model, prompt, 24, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", ["tiny", "7b"])
+def test_packed_tower_on_gpu_matches_hf_sdpa(shape: str, published_dir: str) -> None:
+    """bf16 on CUDA: our packed tower (flash varlen over image and window boundaries) is as close to transformers'
+    fp32 sdpa tower as transformers' own bf16 sdpa tower is, for a batch of different grids; 7b: the published tower
+    shape (transformers' random init, built in memory)."""
+    import copy
+
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from visual.models.packed_attention import torch_varlen_attn
+    from visual.models.qwen2_5_vl import Qwen2_5_VLVisionModel
+
+    assert torch_varlen_attn() is not None  # the packed path, not the per-image fallback
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    ours = vision_model_class(ARCH).from_pretrained(published_dir, device, dtype)
+    if shape == "7b":
+        config = Qwen2_5_VLConfig(**qwen2_5_vl_config("7b", dtype)).vision_config
+        torch.manual_seed(0)
+        with torch.device(device):
+            tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
+        ours = Qwen2_5_VLVisionModel(tower, ours.processor, "bench")
+    hf_bf16 = copy.deepcopy(ours.tower)
+    hf_bf16.set_attn_implementation("sdpa")
+    hf_fp32 = copy.deepcopy(hf_bf16).float()
+    sizes = [(150, 100), (60, 200), (333, 77), (224, 224), (640, 480)]  # within the tiny max_pixels: up to 256 tokens
+    images = [ours.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(sizes)]
+    got = torch.cat(ours.encode(images)).float()
+    with torch.inference_mode():
+        pixels = torch.cat([im.pixel_values for im in images]).to(device)
+        grid = torch.tensor([im.grid_thw for im in images], device=device)
+        exact = hf_fp32(pixels, grid_thw=grid).pooler_output
+        hf = hf_bf16(pixels.to(dtype), grid_thw=grid).pooler_output.float()
+
+    def rel(a: torch.Tensor) -> float:
+        return ((a - exact).norm() / exact.norm()).item()
+
+    assert rel(got) <= 1.5 * rel(hf) + 1e-3, (rel(got), rel(hf))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_generation_matches_hf_on_gpu(published_dir: str, hf_model) -> None:
+    """The engine on CUDA (Triton kernels, CUDA-graph decode, M-RoPE) with the tower on CUDA, float32: HF's tokens."""
+    from language.llm import LLM
+    from language.request import MultimodalItem
+    from language.sampling_params import SamplingParams
+    from mmserve.multimodal.prompt import prompt_processor_class
+    from tests.models.hf_reference import hf_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(published_dir)
+    prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, tokenizer)
+    vision = vision_model_class(ARCH).from_pretrained(published_dir, torch.device("cuda"), torch.float32)
+    hf_processor = _hf_processor(published_dir)
+    cases = [
+        (CHAT.format(VISION + "Describe this picture."), [_image(150, 100, 1)]),
+        (CHAT.format(f"{VISION}and{VISION}Compare the two cities."), [_image(60, 200, 2), _image(333, 77, 3)]),
+        (CHAT.format("What is AI?"), []),
+    ]
+    prompts, items = [], []
+    for text, images in cases:
+        mm = prompter.encode(text, [im.size for im in images])
+        embeds = vision.encode([vision.preprocess(im) for im in images]) if images else []
+        prompts.append(mm.token_ids)
+        placed = zip(mm.offsets, embeds, mm.grid_thw, strict=True)
+        items.append([MultimodalItem(offset=o, embeds=e.cpu(), grid_thw=g) for o, e, g in placed])
+    llm = LLM(published_dir, max_total_token_num=4096, device="cuda", dtype="float32", chunked_prefill_size=13)
+    ours = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), mm_items=items)
+    for (text, images), prompt, gen in zip(cases, prompts, ours, strict=True):
+        inputs = hf_processor(text=[text], images=images or None, return_tensors="pt")
+        extra = {k: v for k, v in inputs.items() if k != "input_ids"}
+        assert gen.token_ids == hf_greedy(hf_model, prompt, 24, **extra)
