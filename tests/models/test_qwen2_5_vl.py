@@ -182,6 +182,31 @@ def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_pref
         assert gen.token_ids == hf_greedy(hf_model, prompt, 24, **extra)
 
 
+def test_v5_dialect_generation_matches_hf(published_dir: str, hf_model, tmp_path) -> None:
+    """The transformers-5 dialect (nested text_config with rope_parameters, `model.language_model.*` /
+    `model.visual.*`, processor_config.json) loads into the same model: one image, HF's greedy tokens (the same seed
+    writes the same weights under either set of names)."""
+    from language.llm import LLM
+    from language.request import MultimodalItem
+    from language.sampling_params import SamplingParams
+    from mmserve.multimodal.prompt import prompt_processor_class
+    from tests.models.hf_reference import hf_greedy
+
+    model_dir = build_qwen2_5_vl(str(tmp_path), dialect="v5")
+    prompter = prompt_processor_class(ARCH).from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
+    vision = vision_model_class(ARCH).from_pretrained(model_dir, torch.device("cpu"), torch.float32)
+    text, image = CHAT.format(VISION + "Describe this picture."), _image(150, 100, 1)
+    mm = prompter.encode(text, [image.size])
+    embeds = vision.encode([vision.preprocess(image)])
+    llm = LLM(model_dir, max_total_token_num=1024, device="cpu")
+    items = [[MultimodalItem(offset=mm.offsets[0], embeds=embeds[0], grid_thw=mm.grid_thw[0])]]
+    ours = llm.generate([mm.token_ids], SamplingParams(max_new_tokens=16, ignore_eos=True), mm_items=items)[0]
+    inputs = _hf_processor(published_dir)(text=[text], images=[image], return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == mm.token_ids
+    extra = {k: v for k, v in inputs.items() if k != "input_ids"}
+    assert ours.token_ids == hf_greedy(hf_model, mm.token_ids, 16, **extra)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", ["tiny", "7b"])
