@@ -13,7 +13,6 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from visual.models.base import ImageInput, register_vision_model
-from visual.models.compile import compile_blocks, compile_enabled, warm_up
 from visual.models.packed_attention import pack_index, use_packed_attention
 from visual.models.weights import load_prefixed_tensors
 from visual.staging import HostStaging
@@ -73,19 +72,7 @@ class Qwen2VLVisionModel:
             )
         size = processor.size
         salt = json.dumps(["qwen2_vl", os.path.realpath(model_dir), size.shortest_edge, size.longest_edge, str(dtype)])
-        model = cls(tower.to(device=device, dtype=dtype), processor, salt)
-        if compile_enabled(device):
-            compile_blocks(model.tower.blocks)
-            warm_up(model.encode_dummy, "Qwen2-VL vision tower")
-        return model
-
-    def encode_dummy(self) -> list[torch.Tensor]:
-        """Two small random images of different sizes through the tower (warms kernels and the compiled graph)."""
-        patch, merge = self.processor.patch_size, self.merge_size
-        channels = self.tower.config.in_channels * self.tower.config.temporal_patch_size * patch * patch
-        grids = [(1, 2 * merge, 3 * merge), (1, 4 * merge, 2 * merge)]
-        images = [ImageInput(torch.randn(t * h * w, channels), t * h * w // merge**2, (t, h, w)) for t, h, w in grids]
-        return self.encode(images)
+        return cls(tower.to(device=device, dtype=dtype), processor, salt)
 
     def preprocessor(self) -> Qwen2VLPreprocessor:
         return self._preprocessor
