@@ -2,7 +2,19 @@
 
 The implementation lives in `visual.shm_segments` (the visual process writes the segments, and `visual` sits below
 `cache` in the import flow); the cache and the server use it through this module.
+
+Every segment a server makes (embeddings, and the preprocessing pool's pixel segments) starts with its prefix,
+`mmsv_<pid of the server>_<random>_`, so after a crash (SIGKILL, the OOM killer) the next server start can tell
+whose they were: `remove_dead_segments` unlinks those whose server pid is no longer running, and never touches a
+live server's. (A pid reused by another process keeps its dead server's segments until that process ends: the
+check errs towards keeping. Servers in other pid namespaces that share this /dev/shm, e.g. containers run with
+`--ipc=host`, would look dead: do not share /dev/shm across pid namespaces.)
 """
+
+from __future__ import annotations
+
+import os
+import re
 
 from visual.shm_segments import (
     list_segments,
@@ -18,8 +30,45 @@ __all__ = [
     "list_segments",
     "new_prefix",
     "read_embedding",
+    "remove_dead_segments",
     "segment_name",
     "unlink_all",
     "unlink_segment",
     "write_embedding",
 ]
+
+_SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory
+_OWNER = re.compile(r"mmsv_(\d+)_")  # the start of every name new_prefix() makes
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie counts: its parent may still clean up after it)."""
+    if pid <= 0:
+        return True  # not a pid we can ask about: keep
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def remove_dead_segments() -> list[str]:
+    """Unlink the segments of mmserve servers that are no longer running (named by new_prefix() with a pid that is
+    not alive); returns their names. Segments of live servers, other users' and anything not ours stay."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for name in sorted(names):
+        owner = _OWNER.match(name)
+        if owner is None or pid_alive(int(owner.group(1))):
+            continue
+        try:
+            if unlink_segment(name):
+                removed.append(name)
+        except PermissionError:  # another user's segment in a sticky /dev/shm
+            pass
+    return removed

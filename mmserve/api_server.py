@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import uvicorn
 
-from cache.shm_store import new_prefix, unlink_all
+from cache.shm_store import new_prefix, remove_dead_segments, unlink_all
 from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
 from mmserve.demo import demo_for, ensure_demo_checkpoint
@@ -83,6 +83,9 @@ def resolve_model(config: ServerConfig) -> ServerConfig:
 
 
 def serve(config: ServerConfig) -> int:
+    removed = remove_dead_segments()  # what servers killed outright (SIGKILL, OOM) left in /dev/shm
+    if removed:
+        logger.info("removed %d shared-memory segment(s) left by servers no longer running", len(removed))
     endpoints = Endpoints.create()
     shm_prefix = new_prefix() if config.enable_multimodal else None
     children: list[ChildProcess] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from mmserve.config import DTYPE_NAMES, ServerConfig
+from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST, DTYPE_NAMES, ServerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
     p.add_argument(
+        "--max_image_pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="most pixels (width * height) of one image, checked from its header before decoding; larger: a 400",
+    )
+    p.add_argument(
+        "--max_images_per_request",
+        type=int,
+        default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+        help="most images in one request; more: a 400",
+    )
+    p.add_argument(
         "--vision_tower_dir",
         default=None,
         help="original LLaVA layout: the CLIP vision tower folder (default: mm_vision_tower of config)",
@@ -87,6 +99,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             device=args.device,
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
+            max_image_pixels=args.max_image_pixels,
+            max_images_per_request=args.max_images_per_request,
             vision_tower_dir=args.vision_tower_dir,
             served_model_name=args.served_model_name,
             chat_template=args.chat_template,

@@ -16,6 +16,12 @@ DTYPE_NAMES = {
     "auto": "auto",
 }
 
+# Image caps. LightLLM's --max_image_pixels defaults to 3686400 (2560x1440) and downsizes larger images; here an
+# image over the cap is refused with a 400, so the default is higher: 2**25 px takes 8K UHD frames and 24-30 MP
+# camera photos (an RGB decode of at most 100 MB), and everything above it is refused before decoding.
+DEFAULT_MAX_IMAGE_PIXELS = 1 << 25
+DEFAULT_MAX_IMAGES_PER_REQUEST = 16
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -42,6 +48,8 @@ class ServerConfig:
     # Our own flags
     allow_private_urls: bool = False  # image URLs may resolve to loopback/private addresses
     image_dir: str | None = None  # the only directory image paths inside a prompt may be read from
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width * height of one image, checked from its header
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
     vision_tower_dir: str | None = None  # original LLaVA layout: the CLIP folder (instead of mm_vision_tower)
     served_model_name: str | None = None  # the model id of the OpenAI API; None: the model folder's name
     chat_template: str | None = None  # a Jinja chat template file that overrides the checkpoint's
@@ -68,6 +76,10 @@ class ServerConfig:
             raise ValueError("--graph_max_batch_size must be >= 1")
         if self.cache_capacity < 1:
             raise ValueError("--cache_capacity must be >= 1")
+        if self.max_image_pixels < 1:
+            raise ValueError("--max_image_pixels must be >= 1")
+        if self.max_images_per_request < 1:
+            raise ValueError("--max_images_per_request must be >= 1")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat_template: no such file {self.chat_template!r}")
         if not 0 < self.port < 65536:

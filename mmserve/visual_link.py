@@ -74,7 +74,11 @@ class VisualLink:
         processor = prompt_processor_class(ready.architecture).from_pretrained(config.model_dir, tokenizer)
         if hasattr(processor, "image_dir"):  # Qwen-VL: paths inside <img></img> only from --image_dir
             processor.image_dir = config.image_dir
-        policy = ImagePolicy(fetch=FetchPolicy(allow_private=config.allow_private_urls))
+        policy = ImagePolicy(
+            max_pixels=config.max_image_pixels,
+            max_images=config.max_images_per_request,
+            fetch=FetchPolicy(allow_private=config.allow_private_urls),
+        )
         self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="image")
         self.preparer = MultimodalPreparer(processor, self.coordinator, ready.cache_salt, policy, self._image_pool)
         self._ctx: zmq.asyncio.Context | None = None

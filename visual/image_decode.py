@@ -1,10 +1,22 @@
 """Decoding image files, shared by the HTTP process (which validates every image it accepts) and the visual
 process's preprocessing workers. It lives in `visual/` so that both sides import it along the package flow
-(`mmserve` -> `cache` -> `visual`)."""
+(`mmserve` -> `cache` -> `visual`).
+
+Abuse it stops before decoding a pixel:
+- decompression bombs: the size the header declares is checked against the pixel cap (`--max_image_pixels`) right
+  after `Image.open`, which reads headers only; PIL's own bomb guard (2 x `Image.MAX_IMAGE_PIXELS`) answers first
+  for absurd sizes and gets the same message;
+- formats whose decoded size need not match their header, or that run outside code: only the raster formats in
+  `FORMATS` are opened (not ICO/ICNS/CUR, whose entries embed PNGs of any size, nor EPS, which runs Ghostscript,
+  nor the scientific and game formats PIL also reads). The size is checked again after decoding.
+Multi-frame files (GIF, APNG, TIFF, WebP, MPO) decode frame 0 only: `Image.open` stands on frame 0 and nothing here
+seeks, which is also what HF's processors see when handed the opened file.
+"""
 
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 from PIL import Image
@@ -14,24 +26,46 @@ class BadImage(ValueError):
     """An image input that cannot be used; the message says why (shown to the client)."""
 
 
-def open_image(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode `data` completely. The size in the header is checked against max_pixels before any pixel is decoded
-    (a small file can declare a huge image); truncated files fail here rather than later in the visual process."""
+# The formats accepted (PIL format names); MPO is how PIL names many camera JPEGs (multi-picture).
+FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "DIB", "TIFF", "PPM", "TGA", "AVIF")
+_OPENERS = [f for f in FORMATS if f != "MPO"]  # the JPEG opener answers MPO files
+PIXELS_FLAG = "--max_image_pixels"
+
+
+def _over_cap(width: int, height: int, max_pixels: int, limit_name: str) -> BadImage:
+    return BadImage(
+        f"image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels} ({limit_name})"
+    )
+
+
+def open_image(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> Image.Image:
+    """Decode frame 0 of `data` completely. The size in the header is checked against max_pixels before any pixel
+    is decoded (a small file can declare a huge image); truncated files fail here rather than later in the visual
+    process. `limit_name` names the cap in the message (the server flag that sets it)."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise BadImage(f"image has more than {max_pixels} pixels") from None
+            # PIL warns above MAX_IMAGE_PIXELS; our own cap below decides (it may be higher or lower).
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=_OPENERS)
+    except Image.DecompressionBombError as e:  # PIL's hard guard: more than 2 x MAX_IMAGE_PIXELS declared
+        declared = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{declared.group(1)} pixels" if declared else "more pixels than PIL decodes"
+        raise BadImage(f"image declares {size}, more than the limit of {max_pixels} ({limit_name})") from None
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, struct.error, ...)
-        raise BadImage(f"data is not a readable image: {e}") from None
+        raise BadImage(f"data is not a readable image (accepted formats: {', '.join(FORMATS)}): {e}") from None
+    if image.format not in FORMATS:  # a plugin answering for another format's bytes
+        raise BadImage(f"unsupported image format {image.format}; accepted: {', '.join(FORMATS)}")
     width, height = image.size
     if width < 1 or height < 1:
         raise BadImage(f"image has an empty size {width}x{height}")
     if width * height > max_pixels:
-        raise BadImage(f"image is {width}x{height} = {width * height} pixels, more than the limit of {max_pixels}")
+        raise _over_cap(width, height, max_pixels, limit_name)
     try:
-        image.load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image.load()  # frame 0
     except Exception as e:
         raise BadImage(f"image data is truncated or corrupt: {e}") from None
+    if image.width * image.height > max_pixels:  # a decoder that grew the image past its header
+        raise _over_cap(image.width, image.height, max_pixels, limit_name)
     return image

@@ -19,7 +19,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 import torch
 from PIL import Image
 
-from visual.image_decode import open_image
+from visual.image_decode import BadImage, open_image
 from visual.models.base import ImageInput
 from visual.shared_pixels import SharedPixels, discard, share_tensor, take_tensor
 
@@ -44,12 +44,46 @@ def _init_worker(preprocessor: Preprocessor) -> None:
         pass
 
 
+def rgb_conversion(preprocessor: Preprocessor) -> str:
+    """How a family's reference turns an image into RGB: "hf" (transformers' `convert_to_rgb`: transparency onto
+    white) or "pil" (`image.convert("RGB")`). A preprocessor (or the model of a bound `preprocess`) may declare it as
+    an `rgb_conversion` attribute; otherwise a preprocessor that wraps a transformers image processor which converts
+    (`processor` / `image_processor` with `do_convert_rgb` not False) is "hf", except LLaVA's pad-to-square path
+    (the original LLaVA code, which pads a `convert("RGB")` image), and anything else is "pil"."""
+    for obj in (preprocessor, getattr(preprocessor, "__self__", None)):
+        declared = getattr(obj, "rgb_conversion", None)
+        if declared in ("hf", "pil"):
+            return declared
+    if getattr(preprocessor, "pad_to_square", False):
+        return "pil"
+    processor = getattr(preprocessor, "processor", None) or getattr(preprocessor, "image_processor", None)
+    converts = getattr(processor, "do_convert_rgb", True) is not False
+    if type(processor).__module__.startswith("transformers.") and converts:
+        return "hf"
+    return "pil"
+
+
+def to_rgb(image: Image.Image, conversion: str) -> Image.Image:
+    """`image` (frame 0 of it) in RGB, converted as `conversion` says (see `rgb_conversion`)."""
+    if image.mode == "RGB" and "transparency" not in image.info:
+        return image
+    try:
+        if conversion == "hf":
+            from transformers.image_transforms import convert_to_rgb
+
+            return Image.fromarray(convert_to_rgb(image, return_numpy=True))
+        return image.convert("RGB")
+    except Exception as e:  # a mode PIL cannot convert (e.g. La)
+        raise BadImage(f"cannot convert a {image.mode} image to RGB: {e}") from None
+
+
 def decode_and_preprocess(data: bytes, preprocessor: Preprocessor | None = None) -> ImageInput:
     """Image file bytes -> the model's input. Raises BadImage if the bytes do not decode."""
     start = time.perf_counter()
-    image = open_image(data, MAX_PIXELS)
+    preprocessor = preprocessor or _worker_preprocessor
+    image = to_rgb(open_image(data, MAX_PIXELS), rgb_conversion(preprocessor))
     decoded = time.perf_counter()
-    out = (preprocessor or _worker_preprocessor)(image)
+    out = preprocessor(image)
     out.decode_s, out.preprocess_s = decoded - start, time.perf_counter() - decoded
     return out
 

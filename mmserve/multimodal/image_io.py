@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
 from mmserve.multimodal.url_fetch import FetchPolicy, fetch_url
 from visual.image_decode import BadImage, open_image
 
@@ -32,7 +33,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ImagePolicy:
-    max_pixels: int = 64 * 1024 * 1024  # width * height, checked from the header before decoding
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # --max_image_pixels: width * height, checked from the header
+    max_images: int = DEFAULT_MAX_IMAGES_PER_REQUEST  # --max_images_per_request
     max_bytes: int = 32 * 1024 * 1024  # encoded size (base64 payloads and downloads)
     fetch: FetchPolicy = FetchPolicy()
 

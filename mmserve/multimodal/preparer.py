@@ -101,7 +101,9 @@ class MultimodalPreparer:
     async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt:
         start = time.perf_counter()
         items = multimodal_params.get("images") or []
+        self._check_image_count(len(items) if isinstance(items, list) else 0)
         if hasattr(self.prompt_processor, "image_items"):  # Qwen-VL: images named inside <img>...</img>
+            self._check_image_count(self.prompt_processor.count_images(prompt))  # before reading any of them
             items = await self._prompt_image_items(prompt, items, run_sync)
         expected = self.prompt_processor.count_images(prompt)
         if expected != len(items):
@@ -135,6 +137,11 @@ class MultimodalPreparer:
             for i, (key, offset, n) in enumerate(zip(keys, mm_prompt.offsets, mm_prompt.num_tokens, strict=True))
         )
         return PreparedPrompt(mm_prompt.token_ids, refs, False)  # images are ready: no wait
+
+    def _check_image_count(self, count: int) -> None:
+        if count > self.policy.max_images:
+            raise BadRequest(FIELD, f"{count} images in one request, more than the limit of "
+                                    f"{self.policy.max_images} (--max_images_per_request)")  # fmt: skip
 
     def release(self, rid: str) -> None:
         entries = self._held.pop(rid, None)
