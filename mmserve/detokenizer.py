@@ -28,14 +28,15 @@ _INCOMPLETE = "\ufffd"
 class IncrementalDecoder:
     """One request's decoding state."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, decode_kwargs: dict | None = None):
         self._tokenizer = tokenizer
+        self._kwargs = DECODE_KWARGS if decode_kwargs is None else decode_kwargs
         self.ids: list[int] = []
         self._prefix_offset = 0  # window start: the text of ids[prefix:read] was emitted already
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, **DECODE_KWARGS)
+        return self._tokenizer.decode(ids, **self._kwargs)
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text it completes ("" while a character is still incomplete)."""
@@ -106,6 +107,7 @@ class _RequestState:
     stops: StopMatcher
     prompt_tokens: int
     output_tokens: int = 0
+    print_eos_token: bool = False
 
 
 class Detokenizer:
@@ -114,6 +116,8 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self._spaces_kwarg: bool | None = None  # whether decode() takes spaces_between_special_tokens (learnt once)
 
     @property
     def num_requests(self) -> int:
@@ -137,15 +141,45 @@ class Detokenizer:
         return DetokBatch(outputs=outputs, stats=batch.stats), aborts
 
     def _setup(self, setup: DetokSetup) -> None:
+        kwargs = DECODE_KWARGS
+        if not setup.skip_special_tokens or not setup.spaces_between_special_tokens:
+            kwargs = {**DECODE_KWARGS, "skip_special_tokens": setup.skip_special_tokens}
+            if not setup.spaces_between_special_tokens and self._takes_spaces_kwarg():
+                kwargs["spaces_between_special_tokens"] = False
         self._states[setup.rid] = _RequestState(
-            IncrementalDecoder(self._tokenizer), StopMatcher(setup.stop_sequences), setup.prompt_tokens
+            IncrementalDecoder(self._tokenizer, kwargs),
+            StopMatcher(setup.stop_sequences),
+            setup.prompt_tokens,
+            print_eos_token=setup.print_eos_token,
         )
+
+    def _takes_spaces_kwarg(self) -> bool:
+        """Slow HF tokenizers take spaces_between_special_tokens; others may refuse it (or ignore it, harmlessly)."""
+        if self._spaces_kwarg is None:
+            try:
+                self._tokenizer.decode([], spaces_between_special_tokens=False)
+                self._spaces_kwarg = True
+            except TypeError:
+                self._spaces_kwarg = False
+        return self._spaces_kwarg
 
     def _step(self, state: _RequestState, out: TokenOutput) -> TextOutput:
         text = ""
         tokens: list[TokenDetail] = []
-        for token_id, logprob in zip(out.new_token_ids, out.new_logprobs, strict=True):
-            piece = state.decoder.push(token_id)
+        # The engine stops on a token id (EOS or stop_token_ids) with finish_reason "stop": the last new token. A
+        # special one shows in the text only with print_eos_token (appended after everything before it is flushed),
+        # whatever skip_special_tokens says; a plain-text stop token is decoded as any other.
+        stop_token = None
+        if out.finished and out.finish_reason == "stop" and out.new_token_ids:
+            if out.new_token_ids[-1] in self._special_ids:
+                stop_token = len(out.new_token_ids) - 1
+        for i, (token_id, logprob) in enumerate(zip(out.new_token_ids, out.new_logprobs, strict=True)):
+            if i == stop_token:
+                piece = state.decoder.flush()
+                if state.print_eos_token:
+                    piece += self._tokenizer.decode([token_id], skip_special_tokens=False)
+            else:
+                piece = state.decoder.push(token_id)
             state.output_tokens += 1
             tokens.append(TokenDetail(token_id, piece, logprob))
             text += state.stops.add(piece)

@@ -9,15 +9,17 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
+from language.sampling_params import SamplingParams
 from mmserve.messages import AbortRequest, DetokBatch, TextOutput
 from mmserve.metrics import ServerMetrics
 from mmserve.processes import ChildProcess
-from mmserve.protocol import GenerateInput
+from mmserve.protocol import BadRequest, GenerateInput
 from mmserve.tokenization import RequestPreparer
 from mmserve.zmq_queue import AsyncPullQueue, AsyncPushQueue, Endpoints
 
@@ -88,6 +90,8 @@ class EngineClient:
         self.failure: str | None = None
         self.on_fatal: Callable[[], None] = lambda: None  # set by whoever runs the HTTP server
         self._streams: dict[str, RequestStream] = {}
+        self._group_of: dict[str, str] = {}  # member rid -> the group's (tokenized) rid, for n / best_of > 1
+        self._group_left: dict[str, int] = {}  # group rid -> members not yet ended
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="tokenize")
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -126,6 +130,13 @@ class EngineClient:
 
     async def submit(self, req: GenerateInput) -> RequestStream:
         """Tokenize off the event loop and hand to the router; raises BadRequest or ServerFailure."""
+        (stream,) = await self.submit_group(req, 1)
+        return stream
+
+    async def submit_group(self, req: GenerateInput, count: int) -> list[RequestStream]:
+        """As submit, fanned out into `count` engine requests (n / best_of) that share one tokenization and the
+        images it holds: rids `<rid>-0` ... `<rid>-<count-1>`; request i > 0 with a seed samples with seed + i, so
+        the sequences differ yet repeat. What the preparer holds is released when the last of them ends."""
         if self.failure is not None:
             raise ServerFailure(self.failure)
         rid = uuid.uuid4().hex
@@ -133,19 +144,49 @@ class EngineClient:
         if self.failure is not None:
             self.preparer.release(rid)
             raise ServerFailure(self.failure)
-        stream = RequestStream(rid, req.params.return_details)
-        self._streams[rid] = stream
-        self._to_router.send_nowait(tokenized)
+        if count == 1:
+            subs = [tokenized]
+        else:
+            if tokenized.wait_for_images:  # ImagesReady names the tokenized rid: it cannot be shared
+                self.preparer.release(rid)
+                raise BadRequest("parameters.n", "n / best_of > 1 is not supported for this request")
+            subs = [replace(tokenized, rid=f"{rid}-{i}", params=_sub_params(tokenized.params, i)) for i in range(count)]
+            self._group_left[rid] = count
+            for sub in subs:
+                self._group_of[sub.rid] = rid
+        streams = []
+        for sub in subs:
+            stream = RequestStream(sub.rid, req.params.return_details)
+            self._streams[sub.rid] = stream
+            self._to_router.send_nowait(sub)
+            streams.append(stream)
         self.metrics.requests.inc()
-        return stream
+        return streams
 
     def abort(self, rid: str) -> None:
         """The client is gone: stop generating and free the request's KV slots."""
         if self._streams.pop(rid, None) is None:
             return
-        self.preparer.release(rid)
+        self._release(rid)
         if self.failure is None:
             self._to_router.send_nowait(AbortRequest(rid))
+
+    def _release(self, rid: str) -> None:
+        """One engine request ended (each exactly once: whoever pops its stream calls this). A group's preparer
+        entries go when its last member ends."""
+        group = self._group_of.pop(rid, None)
+        if group is None:
+            self.preparer.release(rid)
+            return
+        self._group_left[group] -= 1
+        if self._group_left[group] == 0:
+            del self._group_left[group]
+            self.preparer.release(group)
+
+    @property
+    def num_groups(self) -> int:
+        """Fanned-out requests with members still running (0 once everything has ended: nothing leaks)."""
+        return len(self._group_left)
 
     async def _unless_failed(self, coro):
         """Await coro, but raise ServerFailure as soon as a child dies (it may be waiting on that child, e.g. for
@@ -195,7 +236,7 @@ class EngineClient:
                 self.metrics.ttft.observe(now - stream.arrival)
             if out.finished:
                 del self._streams[out.rid]
-                self.preparer.release(out.rid)
+                self._release(out.rid)
                 if stream.first_token_time is not None and out.output_tokens > 1:
                     self.metrics.tpot.observe((now - stream.first_token_time) / (out.output_tokens - 1))
             stream.queue.put_nowait(out)
@@ -218,5 +259,11 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
-            self.preparer.release(rid)
+            self._release(rid)
             stream.queue.put_nowait(ServerFailure(reason))
+
+
+def _sub_params(params: SamplingParams, i: int) -> SamplingParams:
+    if params.seed is None or i == 0:
+        return params
+    return replace(params, seed=(params.seed + i) % (1 << 63))

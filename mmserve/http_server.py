@@ -12,11 +12,19 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from language.sampling_params import SamplingParams
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.messages import TextOutput, TokenDetail
 from mmserve.metrics import CONTENT_TYPE
 from mmserve.openai_protocol import OpenAIOptions
-from mmserve.protocol import BadRequest, error_event, generate_response, parse_generate_body, stream_event
+from mmserve.protocol import (
+    BadRequest,
+    error_event,
+    generate_group_response,
+    generate_response,
+    parse_generate_body,
+    stream_event,
+)
 
 MAX_BODY_BYTES = 64 << 20  # a request with a few base64 images fits easily
 logger = logging.getLogger(__name__)
@@ -51,47 +59,52 @@ def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> Fast
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        stream_or_error = await _submit(client, request)
-        if isinstance(stream_or_error, Response):
-            return stream_or_error
-        stream = stream_or_error
+        streams_or_error = await _submit(client, request, streaming=False)
+        if isinstance(streams_or_error, Response):
+            return streams_or_error
+        streams, params = streams_or_error
         disconnected = _watch_disconnect(request)
-        text: list[str] = []
-        tokens: list[TokenDetail] = []
+        tasks = [asyncio.ensure_future(_collect(stream, disconnected)) for stream in streams]
         try:
-            while True:
-                out = await stream.next(disconnected)
-                if out.error is not None:
-                    return _error(BadRequest("inputs", out.error))
-                text.append(out.text)
-                tokens.extend(out.tokens)
-                if out.finished:
-                    break
+            results = await asyncio.gather(*tasks)
         except ServerFailure as e:
             return _server_failure(e)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
         finally:
             disconnected.cancel()
-            if not stream.finished:
-                client.abort(stream.rid)
-        body = generate_response(
-            "".join(text),
-            tokens,
-            out.finish_reason,
-            out.prompt_tokens,
-            out.output_tokens,
-            stream.return_details,
-            out.cached_tokens,
-        )
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                if not stream.finished:
+                    client.abort(stream.rid)
+        for out, _, _ in results:
+            if out.error is not None:
+                return _error(_engine_error(out.error))
+        if len(results) > params.n:  # best_of: the n sequences with the highest cumulative log-probability
+            ranked = sorted(range(len(results)), key=lambda i: -sum(t.logprob for t in results[i][2]))
+            results = [results[i] for i in sorted(ranked[: params.n])]
+        if len(results) == 1:
+            out, text, tokens = results[0]
+            body = generate_response(
+                text,
+                tokens,
+                out.finish_reason,
+                out.prompt_tokens,
+                out.output_tokens,
+                streams[0].return_details,
+                out.cached_tokens,
+            )
+        else:
+            body = generate_group_response(results, streams[0].return_details)
         return JSONResponse(body)
 
     @app.post("/generate_stream")
     async def generate_stream(request: Request) -> Response:
-        stream_or_error = await _submit(client, request)
-        if isinstance(stream_or_error, Response):
-            return stream_or_error
-        stream = stream_or_error
+        streams_or_error = await _submit(client, request, streaming=True)
+        if isinstance(streams_or_error, Response):
+            return streams_or_error
+        (stream,), _ = streams_or_error
         disconnected = _watch_disconnect(request)
         # Wait for the first piece before answering 200, so that a rejection or a failure that comes before any
         # token still gets its proper status code.
@@ -103,30 +116,60 @@ def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> Fast
             return _server_failure(e) if isinstance(e, ServerFailure) else Response(status_code=_CLIENT_CLOSED)
         if first.error is not None:
             disconnected.cancel()
-            return _error(BadRequest("inputs", first.error))
+            return _error(_engine_error(first.error))
         return StreamingResponse(_sse(client, stream, first, disconnected), media_type="text/event-stream")
 
     return app
 
 
-async def _submit(client: EngineClient, request: Request) -> RequestStream | Response:
+async def _submit(
+    client: EngineClient, request: Request, streaming: bool
+) -> tuple[list[RequestStream], SamplingParams] | Response:
+    """Parse and submit: one stream per sequence (n / best_of fan out into that many engine requests)."""
     try:
         start = time.perf_counter()
         raw = await _read_body(request)
         read = time.perf_counter()
         body = await client.run_sync(parse_generate_body, raw)  # big bodies: parse off the loop
         parsed = time.perf_counter()
-        stream = await client.submit(body)
+        count = body.params.num_sequences
+        if streaming and count > 1:  # as LightLLM's stream API
+            name = "best_of" if body.params.best_of not in (None, 1) else "n"
+            raise BadRequest(f"parameters.{name}", "/generate_stream returns one sequence: use /generate for n > 1")
+        streams = await client.submit_group(body, count)
         if logger.isEnabledFor(logging.DEBUG):  # the stages from arrival to the router (cheap when off)
             now = time.perf_counter()
             logger.debug("request timing: rid=%s bytes=%d read_ms=%.1f parse_ms=%.1f prepare_ms=%.1f total_ms=%.1f "
-                         "start=%.4f", stream.rid, len(raw), (read - start) * 1e3, (parsed - read) * 1e3,
+                         "start=%.4f", streams[0].rid, len(raw), (read - start) * 1e3, (parsed - read) * 1e3,
                          (now - parsed) * 1e3, (now - start) * 1e3, start)  # fmt: skip
-        return stream
+        return streams, body.params
     except BadRequest as e:
         return _error(e)
     except ServerFailure as e:
         return _server_failure(e)
+
+
+async def _collect(stream: RequestStream, disconnected: asyncio.Future) -> tuple[TextOutput, str, list[TokenDetail]]:
+    """All of one sequence: (its last output, the whole text, every token)."""
+    text: list[str] = []
+    tokens: list[TokenDetail] = []
+    while True:
+        out = await stream.next(disconnected)
+        if out.error is not None:
+            return out, "", []
+        text.append(out.text)
+        tokens.extend(out.tokens)
+        if out.finished:
+            return out, "".join(text), tokens
+
+
+def _engine_error(message: str) -> BadRequest:
+    """The router refused the request: a parameter the engine checks names itself ("parameters.x: ..."), anything
+    else is about the prompt."""
+    name, sep, rest = message.partition(": ")
+    if sep and name.startswith("parameters."):
+        return BadRequest(name, rest)
+    return BadRequest("inputs", message)
 
 
 async def _sse(

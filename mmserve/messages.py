@@ -68,6 +68,21 @@ class DetokSetup:
     rid: str
     stop_sequences: tuple[str, ...]
     prompt_tokens: int
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    print_eos_token: bool = False  # the special token that ended generation (EOS, a stop id) shows in the text
+
+    @classmethod
+    def of(cls, req: TokenizedRequest) -> DetokSetup:
+        p = req.params
+        return cls(
+            req.rid,
+            p.stop_sequences,
+            len(req.prompt_ids),
+            p.skip_special_tokens,
+            p.add_spaces_between_special_tokens,
+            p.print_eos_token,
+        )
 
 
 @dataclass

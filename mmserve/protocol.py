@@ -217,6 +217,22 @@ def generate_response(
     return out
 
 
+def generate_group_response(results: list, return_details: bool) -> dict:
+    """n > 1, as LightLLM: generated_text, count_output_tokens, finish_reason (and tokens) are lists, one entry per
+    sequence. results: (last TextOutput, text, tokens) per sequence."""
+    first = results[0][0]
+    out = {
+        "generated_text": [text for _, text, _ in results],
+        "count_output_tokens": [o.output_tokens for o, _, _ in results],
+        "finish_reason": [o.finish_reason for o, _, _ in results],
+        "prompt_tokens": first.prompt_tokens,
+    }
+    if return_details:
+        out["tokens"] = [[token_json(t) for t in tokens] for _, _, tokens in results]
+        out["prompt_cache_len"] = [o.cached_tokens for o, _, _ in results]
+    return out
+
+
 def stream_event(
     piece: str,
     tokens: list[TokenDetail],

@@ -72,7 +72,7 @@ class Router:
     def _on_request(self, msg: TokenizedRequest) -> None:
         if logger.isEnabledFor(logging.DEBUG):  # with the HTTP side's `request timing` lines: where a TTFT goes
             self._first_token_pending[msg.rid] = time.perf_counter()
-        self._setups.append(DetokSetup(msg.rid, msg.params.stop_sequences, len(msg.prompt_ids)))
+        self._setups.append(DetokSetup.of(msg))
         if msg.wait_for_images:
             if msg.rid not in self._early_ready:
                 self._awaiting_images[msg.rid] = msg

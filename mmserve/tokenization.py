@@ -7,6 +7,7 @@ one installed, every request (text-only too) goes through it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -56,16 +57,26 @@ class RequestPreparer:
         self.limits = limits
         self.images = images
         self._special_ids = frozenset(tokenizer.all_special_ids)
+        self._added: tuple[list[int], list[int]] | None = None
 
     async def prepare(self, rid: str, req: GenerateInput, run_sync: RunSync) -> TokenizedRequest:
         """Validate, tokenize (in the pool) and check limits; raises BadRequest."""
         images = self._images_of(req)
+        add_special = req.params.add_special_tokens
         if self.images is not None:
             prepared = await self.images.prepare(rid, req.prompt, req.multimodal_params, run_sync)
+            if add_special is False:
+                prepared = self._without_special_tokens(prepared)
         elif images:
             raise BadRequest("multimodal_params.images", "this server was started without --enable_multimodal")
-        else:
+        elif add_special is None:
             prepared = PreparedPrompt(await run_sync(self.tokenizer.encode, req.prompt))
+        else:
+            encode = functools.partial(self.tokenizer.encode, add_special_tokens=add_special)
+            prepared = PreparedPrompt(await run_sync(encode, req.prompt))
+        if not prepared.prompt_ids:  # e.g. add_special_tokens false and a prompt that tokenizes to nothing
+            self.release(rid)
+            raise BadRequest("inputs", "tokenizes to no tokens")
         try:
             params = req.params
             if req.fill_context:
@@ -87,6 +98,33 @@ class RequestPreparer:
     def release(self, rid: str) -> None:
         if self.images is not None:
             self.images.release(rid)
+
+    def _without_special_tokens(self, prepared: PreparedPrompt) -> PreparedPrompt:
+        """add_special_tokens false on a prompt the image preparer tokenized its own way (with the tokenizer's
+        special tokens): drop the ids the tokenizer adds around any text (LLaVA's BOS), moving image offsets."""
+        head, tail = self._added_ids()
+        ids = prepared.prompt_ids
+        if not head and not tail:
+            return prepared
+        if ids[: len(head)] != head or (tail and ids[-len(tail) :] != tail):
+            return prepared  # the preparer did not add them for this prompt
+        ids = ids[len(head) : len(ids) - len(tail)]
+        images = tuple(replace(ref, offset=ref.offset - len(head)) for ref in prepared.images)
+        return replace(prepared, prompt_ids=ids, images=images)
+
+    def _added_ids(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a text with add_special_tokens (its default)."""
+        if self._added is None:
+            probe = "a b"
+            plain = self.tokenizer.encode(probe, add_special_tokens=False)
+            full = self.tokenizer.encode(probe)
+            head, tail = [], []
+            for start in range(len(full) - len(plain) + 1):
+                if full[start : start + len(plain)] == plain:
+                    head, tail = full[:start], full[start + len(plain) :]
+                    break
+            self._added = (head, tail)
+        return self._added
 
     @staticmethod
     def _images_of(req: GenerateInput) -> list:

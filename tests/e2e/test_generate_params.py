@@ -1,0 +1,160 @@
+"""LightLLM's /generate parameters through the real server (tiny random Llama, byte-level BPE with <s>=1, </s>=2):
+n and best_of fan out and join, each parameter shows its effect over HTTP, unsupported ones get a 400 naming them,
+and nothing is left running or held once requests end or their clients leave."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.e2e.server_proc import ServerProcess
+
+PROMPT = "A chat between a curious human and an artificial intelligence assistant. USER: Describe Beijing."
+BOS, EOS = 1, 2
+
+
+@pytest.fixture(scope="module")
+def server(e2e_model_dir, tmp_path_factory):
+    srv = ServerProcess(
+        e2e_model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num", "2048"
+    )
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, srv.log()
+        assert srv.leftover_children() == [], "child processes outlived the server"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(e2e_model_dir):
+    return AutoTokenizer.from_pretrained(e2e_model_dir)
+
+
+def post(server, path: str = "/generate", inputs: str = PROMPT, **parameters) -> httpx.Response:
+    return httpx.post(server.url + path, json={"inputs": inputs, "parameters": parameters}, timeout=120)
+
+
+def generate(server, **parameters) -> dict:
+    r = post(server, **parameters)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def settled(server) -> None:
+    server.wait_metric("mmserve_requests_running", lambda v: v == 0)
+    server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0)
+
+
+def test_n_returns_n_texts(server):
+    one = generate(server, max_new_tokens=12, ignore_eos=True)
+    assert len(one["generated_text"]) == 1 and one["count_output_tokens"] == 12  # n = 1: as before
+    greedy = generate(server, n=2, max_new_tokens=12, ignore_eos=True, return_details=True)
+    assert greedy["generated_text"] == one["generated_text"] * 2  # greedy sequences are all the same
+    assert greedy["count_output_tokens"] == [12, 12] and greedy["finish_reason"] == ["length", "length"]
+    assert len(greedy["tokens"]) == 2 and all(len(t) == 12 for t in greedy["tokens"])
+    sampled = generate(server, n=3, do_sample=True, temperature=1.5, seed=7, max_new_tokens=16, ignore_eos=True)
+    texts = sampled["generated_text"]
+    assert len(texts) == 3 and len(set(texts)) > 1  # distinct sub-seeds
+    again = generate(server, n=3, do_sample=True, temperature=1.5, seed=7, max_new_tokens=16, ignore_eos=True)
+    assert again["generated_text"] == texts  # and reproducible
+    settled(server)
+
+
+def test_best_of_keeps_the_most_likely(server):
+    params = {"do_sample": True, "temperature": 1.5, "seed": 11, "max_new_tokens": 10, "ignore_eos": True}
+    all_three = generate(server, n=3, return_details=True, **params)
+    best = generate(server, n=1, best_of=3, return_details=True, **params)
+    scores = [sum(t["logprob"] for t in tokens) for tokens in all_three["tokens"]]
+    winner = max(range(3), key=lambda i: scores[i])
+    assert best["generated_text"] == [all_three["generated_text"][winner]]
+    assert best["count_output_tokens"] == 10  # one sequence: scalar fields, as LightLLM
+    settled(server)
+
+
+def test_allowed_token_ids_logit_bias_min_new_tokens(server, tokenizer):
+    allowed = [300, 301, 302, 303]
+    out = generate(
+        server, allowed_token_ids=allowed, do_sample=True, max_new_tokens=20, ignore_eos=True, return_details=True
+    )
+    assert {t["id"] for t in out["tokens"]} <= set(allowed) and len(out["tokens"]) == 20
+    forced = generate(server, logit_bias={"305": 100}, max_new_tokens=6, ignore_eos=True, return_details=True)
+    assert [t["id"] for t in forced["tokens"]] == [305] * 6
+    early = generate(server, logit_bias={str(EOS): 100}, max_new_tokens=20, return_details=True)
+    assert [t["id"] for t in early["tokens"]] == [EOS] and early["finish_reason"] == "stop"
+    held = generate(server, logit_bias={str(EOS): 100}, min_new_tokens=7, max_new_tokens=20, return_details=True)
+    ids = [t["id"] for t in held["tokens"]]
+    assert len(ids) == 8 and EOS not in ids[:7] and ids[-1] == EOS and held["finish_reason"] == "stop"
+
+
+def test_text_options(server, tokenizer):
+    forced_eos = {"logit_bias": {str(EOS): 100}, "min_new_tokens": 3, "max_new_tokens": 10}
+    plain = generate(server, **forced_eos)
+    printed = generate(server, print_eos_token=True, **forced_eos)
+    assert not plain["generated_text"][0].endswith("</s>")
+    assert printed["generated_text"][0] == plain["generated_text"][0] + "</s>"
+    bos = {"logit_bias": {str(BOS): 100}, "max_new_tokens": 3, "ignore_eos": True}
+    assert generate(server, **bos)["generated_text"] == [""]  # special tokens skipped, as before
+    assert generate(server, skip_special_tokens=False, **bos)["generated_text"] == ["<s><s><s>"]
+    with_bos = generate(server, max_new_tokens=2)["prompt_tokens"]
+    assert with_bos == len(tokenizer(PROMPT).input_ids)
+    assert generate(server, add_special_tokens=False, max_new_tokens=2)["prompt_tokens"] == with_bos - 1
+    accepted = generate(
+        server,
+        max_new_tokens=4,
+        add_spaces_between_special_tokens=False,
+        image_max_patch_num=-1,
+        group_request_id=3,
+        input_penalty=True,
+        presence_penalty=0.5,
+        exponential_decay_length_penalty=[2, 1.1],
+        prompt_logprobs=None,
+    )
+    assert len(accepted["generated_text"]) == 1
+
+
+@pytest.mark.parametrize(
+    "path,parameters,field",
+    [
+        ("/generate", {"guided_json": {"type": "object"}}, "parameters.guided_json"),
+        ("/generate", {"regular_constraint": "a+"}, "parameters.regular_constraint"),
+        ("/generate", {"guided_grammar": "root ::= x"}, "parameters.guided_grammar"),
+        ("/generate", {"prompt_logprobs": 1}, "parameters.prompt_logprobs"),
+        ("/generate", {"skip_special_token": True}, "parameters.skip_special_token"),
+        ("/generate", {"logit_bias": {"100000": 1}}, "parameters.logit_bias"),
+        ("/generate", {"allowed_token_ids": [100000]}, "parameters.allowed_token_ids"),
+        ("/generate", {"n": 2, "logit_bias": {"100000": 1}}, "parameters.logit_bias"),
+        ("/generate", {"n": 3, "best_of": 2}, "parameters.best_of"),
+        ("/generate_stream", {"n": 2}, "parameters.n"),
+        ("/generate_stream", {"best_of": 2}, "parameters.best_of"),
+    ],
+)
+def test_refusals_name_the_parameter(server, path, parameters, field):
+    r = post(server, path, **parameters)
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == field
+    settled(server)
+
+
+def test_client_leaving_aborts_every_sequence(server):
+    params = {"n": 3, "max_new_tokens": 600, "ignore_eos": True}
+
+    async def start_then_leave():
+        async with httpx.AsyncClient(timeout=120) as client:
+            task = asyncio.create_task(
+                client.post(server.url + "/generate", json={"inputs": PROMPT, "parameters": params})
+            )
+            await asyncio.to_thread(server.wait_metric, "mmserve_requests_running", lambda v: v == 3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    before = server.metrics()["mmserve_generated_tokens_total"]
+    asyncio.run(start_then_leave())
+    settled(server)
+    assert server.metrics()["mmserve_generated_tokens_total"] - before < 3 * 600
+    assert len(generate(server, n=2, max_new_tokens=3)["generated_text"]) == 2  # and it keeps serving
