@@ -86,6 +86,15 @@ def test_7b_config_shapes() -> None:
     assert vision.out_hidden_size == 3584
     assert (vision.window_size, vision.fullatt_block_indexes) == (112, [7, 15, 23, 31])
     assert config.image_token_id == 151655
+    # The tensors `--shape 7b` writes: Qwen2.5-VL-7B-Instruct's 8.29B parameters (without writing 16 GB here).
+    import math
+
+    from mmserve.checkpoints.llama import llama_tensor_specs
+    from mmserve.checkpoints.qwen2_5_vl import vision_tensor_specs
+
+    raw = qwen2_5_vl_config("7b", torch.bfloat16)
+    specs = llama_tensor_specs(raw, bias=True) + vision_tensor_specs(raw["vision_config"], "visual.")
+    assert sum(math.prod(s.shape) for s in specs) == 8_292_166_656
 
 
 @pytest.mark.parametrize("dialect", ["published", "v5"])
