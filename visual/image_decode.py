@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import re
-import warnings
 
 from PIL import Image
 
@@ -42,12 +41,11 @@ def open_image(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> I
     """Decode frame 0 of `data` completely. The size in the header is checked against max_pixels before any pixel
     is decoded (a small file can declare a huge image); truncated files fail here rather than later in the visual
     process. `limit_name` names the cap in the message (the server flag that sets it)."""
+    # No warnings.catch_warnings() here: it swaps process-wide state, and this runs in many threads at once. PIL's
+    # DecompressionBombWarning (above MAX_IMAGE_PIXELS) is only a warning; our own cap below decides.
     try:
-        with warnings.catch_warnings():
-            # PIL warns above MAX_IMAGE_PIXELS; our own cap below decides (it may be higher or lower).
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=_OPENERS)
-    except Image.DecompressionBombError as e:  # PIL's hard guard: more than 2 x MAX_IMAGE_PIXELS declared
+        image = Image.open(io.BytesIO(data), formats=_OPENERS)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # PIL's guard (or -W error)
         declared = re.search(r"\((\d+) pixels\)", str(e))
         size = f"{declared.group(1)} pixels" if declared else "more pixels than PIL decodes"
         raise BadImage(f"image declares {size}, more than the limit of {max_pixels} ({limit_name})") from None
@@ -61,9 +59,7 @@ def open_image(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> I
     if width * height > max_pixels:
         raise _over_cap(width, height, max_pixels, limit_name)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image.load()  # frame 0
+        image.load()  # frame 0
     except Exception as e:
         raise BadImage(f"image data is truncated or corrupt: {e}") from None
     if image.width * image.height > max_pixels:  # a decoder that grew the image past its header
