@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13's serving comparison on the GPU host: mmserve, then (optionally) LightLLM v1.2.0 and HF transformers, on
-# one Qwen2-VL-7B-shaped random bf16 checkpoint, with the same client (benchmarks/serve_bench.py) and loads.
+# one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl), with the same
+# client (benchmarks/serve_bench.py) and loads.
 #
 # Before: ../shared/gpu/wheels.sh (-> .whl) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both.
 # On the GPU host, from the repo root, begin the command with the wheels header:
@@ -10,7 +11,11 @@
 #   --lightllm        also LightLLM (bash .lightllm/serve.sh CKPT PORT): ~3 min start-up + ~1 min of loads
 #   --hf              also HF transformers generate on --hf_loads (default img336_x64,img896_x64): ~1.5 min
 #   --no_mmserve      skip our server (e.g. a second call for LightLLM only)
-#   --loads LIST      server loads (default all); --hf_loads LIST; --ckpt DIR (default /tmp/q2vl7b)
+#   --family F        qwen2_vl (default) or qwen2_5_vl: serve_bench's --family and the default checkpoint
+#   --loads LIST      server loads (default all); --hf_loads LIST
+#   --ckpt DIR        default per family: /tmp/q2vl7b (Qwen2-VL-7B-shaped, .lightllm/make_qwen2vl_7b.py when carried,
+#                     else mmserve.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
+#                     python3 -m mmserve.checkpoints.qwen2_5_vl --shape 7b); built when DIR has no config.json
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
 # Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
 # logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
@@ -19,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-lightllm=0; hf=0; mmserve=1; loads=all; hf_loads=img336_x64,img896_x64; ckpt=/tmp/q2vl7b; bench_args=""
+lightllm=0; hf=0; mmserve=1; loads=all; hf_loads=img336_x64,img896_x64; family=qwen2_vl; ckpt=""; bench_args=""
 port=18080; lport=18090
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,11 +34,17 @@ while [ $# -gt 0 ]; do
     --loads) loads=$2; shift ;;
     --hf_loads) hf_loads=$2; shift ;;
     --ckpt) ckpt=$2; shift ;;
+    --family) family=$2; shift ;;
     --bench_args) bench_args=$2; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
   shift
 done
+case "$family" in
+  qwen2_vl) ckpt=${ckpt:-/tmp/q2vl7b} ;;
+  qwen2_5_vl) ckpt=${ckpt:-/tmp/q25vl7b} ;;
+  *) echo "unknown --family $family (qwen2_vl or qwen2_5_vl)" >&2; exit 2 ;;
+esac
 logs=${OUT:-/tmp}
 jsonl=${OUT:+$OUT/bench.jsonl}
 export TOKENIZERS_PARALLELISM=false
@@ -43,7 +54,7 @@ collect() { if [ -n "$jsonl" ]; then tee -a "$jsonl"; else cat; fi; }
 bench() {  # bench LOGNAME ARGS...: serve_bench with its JSON lines collected, its stderr in a log
   local name=$1; shift
   # shellcheck disable=SC2086
-  python3 benchmarks/serve_bench.py --family qwen2_vl "$@" $bench_args 2> "$logs/$name.log" | collect
+  python3 benchmarks/serve_bench.py --family "$family" "$@" $bench_args 2> "$logs/$name.log" | collect
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
   return "$rc"
@@ -52,7 +63,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 |
 echo "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)\"," \
   "\"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)\"}" | collect
 
-if [ ! -f "$ckpt/config.json" ]; then
+if [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen2_5_vl ]; then
+  say "building a Qwen2.5-VL-7B-shaped checkpoint in $ckpt"
+  python3 -m mmserve.checkpoints.qwen2_5_vl --out "$ckpt" --shape 7b >&2 || exit 1
+elif [ ! -f "$ckpt/config.json" ]; then
   say "building a Qwen2-VL-7B-shaped checkpoint in $ckpt"
   if [ -f .lightllm/make_qwen2vl_7b.py ]; then  # the layout both servers and HF read
     python3 .lightllm/make_qwen2vl_7b.py "$ckpt" >&2 || exit 1

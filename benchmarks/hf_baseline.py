@@ -10,6 +10,7 @@ says `skipped`."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import statistics
 import time
@@ -22,6 +23,8 @@ from benchmarks.loads import Load, RequestSpec, requests_for
 from mmserve.tokenizers import load_tokenizer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# per-token model inputs, left-padded like input_ids when requests are batched
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
 
 def _sync() -> None:
@@ -38,6 +41,13 @@ class HFRunner:
 
             cls, dtype = LlavaForConditionalGeneration, torch.float16
             self.processor = CLIPImageProcessor.from_pretrained(model_dir)
+        elif family == "qwen2_5_vl":
+            from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+            # the checkpoint's own Qwen2_5_VLProcessor: it expands the image placeholder and returns everything the
+            # model takes (input_ids, attention_mask, pixel_values, image_grid_thw, mm_token_type_ids)
+            cls, dtype = Qwen2_5_VLForConditionalGeneration, torch.bfloat16
+            self.processor = AutoProcessor.from_pretrained(model_dir)
         else:
             from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
 
@@ -45,12 +55,22 @@ class HFRunner:
             self.processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
         self.model = cls.from_pretrained(model_dir, dtype=dtype if DEVICE == "cuda" else torch.float32)
         self.model = self.model.to(DEVICE).eval()
+        # transformers >= 5 takes the image-token mask as `mm_token_type_ids`; older ones find image tokens by id
+        self.takes_mm_types = "mm_token_type_ids" in inspect.signature(self.model.forward).parameters
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.model.generation_config.eos_token_id = None
         self.model.generation_config.pad_token_id = self.pad
 
     def item(self, spec: RequestSpec) -> dict:
-        """One request's model inputs: ids with the image placeholder expanded, and its pixel tensors."""
+        """One request's model inputs: ids with the image placeholder expanded, and its pixel tensors; for the Qwen
+        families also `mm_token_type_ids` (1 on image tokens), without which HF's generate silently gives every
+        token plain 1-D positions instead of M-RoPE's."""
+        if self.family == "qwen2_5_vl":
+            images = [Image.open(io.BytesIO(png)).convert("RGB") for png in spec.images] or None
+            out = dict(self.processor(text=[spec.prompt], images=images, return_tensors="pt"))
+            if not self.takes_mm_types:
+                out.pop("mm_token_type_ids", None)
+            return out
         if spec.image_png is None:
             return {"input_ids": torch.tensor([self.tokenizer(spec.prompt).input_ids])}
         image = Image.open(io.BytesIO(spec.image_png)).convert("RGB")
@@ -67,26 +87,39 @@ class HFRunner:
         out = self.processor([image], return_tensors="pt")
         n = int(out.image_grid_thw.prod()) // self.processor.merge_size**2
         text = spec.prompt.replace("<|image_pad|>", "<|image_pad|>" * n)
-        return {
-            "input_ids": torch.tensor([self.tokenizer(text).input_ids]),
-            "pixel_values": out.pixel_values,
-            "image_grid_thw": out.image_grid_thw,
-        }
+        ids = torch.tensor([self.tokenizer(text).input_ids])
+        item = {"input_ids": ids, "pixel_values": out.pixel_values, "image_grid_thw": out.image_grid_thw}
+        if self.takes_mm_types:  # what Qwen2VLProcessor returns: 1 on the image pads, 0 elsewhere
+            item["mm_token_type_ids"] = (ids == self.model.config.image_token_id).long()
+        return item
 
     def collate(self, items: list[dict]) -> dict:
-        """Left-pad input ids to one batch; image tensors concatenate."""
+        """Left-pad the per-token tensors (input_ids, attention_mask, mm_token_type_ids) to one batch; image
+        tensors (pixel_values, image_grid_thw) concatenate. Every key of the items reaches the batch."""
         width = max(it["input_ids"].shape[1] for it in items)
-        ids = torch.full((len(items), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(items), width), dtype=torch.long)
-        for i, it in enumerate(items):
-            n = it["input_ids"].shape[1]
-            ids[i, width - n :] = it["input_ids"][0]
-            mask[i, width - n :] = 1
-        batch = {"input_ids": ids, "attention_mask": mask}
+        batch = {}
         for key in items[0]:
-            if key != "input_ids":
+            if key in SEQUENCE_KEYS:
+                fill = self.pad if key == "input_ids" else 0
+                col = torch.full((len(items), width), fill, dtype=items[0][key].dtype)
+                for i, it in enumerate(items):
+                    n = it[key].shape[1]
+                    col[i, width - n :] = it[key][0]
+                batch[key] = col
+            else:
                 batch[key] = torch.cat([it[key] for it in items])
+        if "attention_mask" not in batch:
+            batch["attention_mask"] = torch.zeros((len(items), width), dtype=torch.long)
+            for i, it in enumerate(items):
+                batch["attention_mask"][i, width - it["input_ids"].shape[1] :] = 1
         return {k: v.to(DEVICE) for k, v in batch.items()}
+
+    @torch.inference_mode()
+    def greedy(self, items: list[dict], new_tokens: int) -> list[list[int]]:
+        """The new token ids of one batched greedy generate (for checking batched against alone)."""
+        batch = self.collate(items)
+        out = self.model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return out[:, batch["input_ids"].shape[1] :].tolist()
 
     @torch.inference_mode()
     def generate(self, items: list[dict], new_tokens: int) -> float:

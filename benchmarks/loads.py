@@ -79,8 +79,16 @@ WORDS = (
 ).split()
 
 SYSTEM = "You are a helpful assistant."
-IMAGE_MARK = {"llava": "<image>\n", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+QWEN_VL_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+# Qwen2.5-VL prompts are Qwen2-VL's: ChatML, the same vision block per image
+IMAGE_MARK = {"llava": "<image>\n", "qwen2_vl": QWEN_VL_MARK, "qwen2_5_vl": QWEN_VL_MARK}
 FAMILIES = tuple(IMAGE_MARK)
+# the placeholder pieces an answer put back into the history must not contain (see `clean_answer`)
+IMAGE_MARKERS = {
+    "llava": ("<image>",),
+    "qwen2_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
+    "qwen2_5_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
+}
 
 
 def select_loads(
@@ -221,7 +229,7 @@ def chat_prompt(family: str, turns: list[ChatTurn], answers: list[str]) -> str:
 def clean_answer(family: str, text: str) -> str:
     """An answer as it goes back into the history: the server's text, less any image placeholder (a random model's
     text could spell one, and the server would then expect one image more than the request has)."""
-    for marker in {"llava": ("<image>",), "qwen2_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}[family]:
+    for marker in IMAGE_MARKERS[family]:
         text = text.replace(marker, "")
     return text
 

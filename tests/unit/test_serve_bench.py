@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.bench_stats import (
     LATENCY_MINUS_TTFT,
@@ -22,6 +23,7 @@ from benchmarks.bench_stats import (
     tpot_method,
 )
 from benchmarks.loads import (
+    FAMILIES,
     LOADS,
     ChatTurn,
     build_prompt,
@@ -31,7 +33,7 @@ from benchmarks.loads import (
     select_loads,
     warmup_requests,
 )
-from benchmarks.serve_bench import event_count, event_prompt_tokens, event_text
+from benchmarks.serve_bench import event_count, event_prompt_tokens, event_text, parse_args
 
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -243,3 +245,68 @@ def test_hf_baseline_skips_chat_loads() -> None:
     # no checkpoint is read when every load is a chat: the model is never loaded
     lines = list(hf_baseline.run_hf_loads("qwen2_vl", "/nonexistent", [chat_load(1)], 8, 4))
     assert lines == [{"load": "chat896_5turn", "skipped": lines[0]["skipped"]}] and "chat" in lines[0]["skipped"]
+
+
+def test_qwen2_5_vl_family_prompts() -> None:
+    """Qwen2.5-VL: ChatML with Qwen2-VL's vision block, so both Qwen families get byte-identical requests."""
+    assert "qwen2_5_vl" in FAMILIES and parse_args(["--family", "qwen2_5_vl"]).family == "qwen2_5_vl"
+    assert build_prompt("qwen2_5_vl", "hi", True) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        f"<|im_start|>user\n{QWEN_MARK}hi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert build_prompt("qwen2_5_vl", "hi", False) == build_prompt("qwen2_vl", "hi", False)
+    assert QWEN_MARK not in build_prompt("qwen2_5_vl", "hi", False)
+    for name in ("img336_x64", "img896_same_x64", "text_x64", "one_896"):
+        load = select_loads(name, num_requests=3, repeats=2)[0]
+        assert requests_for(load, "qwen2_5_vl", n_words=8) == requests_for(load, "qwen2_vl", n_words=8)
+    warm = warmup_requests([LOADS["img336_x64"], LOADS["text_x64"]], "qwen2_5_vl", n_words=4)
+    assert [s.prompt.count(QWEN_MARK) for s in warm] == [0, 0, 1, 1]
+    # chats: the same history format, and an answer spelling the vision block does not add an image
+    conv = chat_conversations(chat_load(1), "qwen2_5_vl", n_words=4)[0]
+    twin = chat_conversations(chat_load(1), "qwen2_vl", n_words=4)[0]
+    answers = ["a" + QWEN_MARK + "b", "c"]
+    assert conv.request(answers).body(16) == twin.request(answers).body(16)
+    spec = conv.request(answers[:1])
+    assert spec.prompt.count(QWEN_MARK) == 1 and "ab<|im_end|>" in spec.prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_vl(tmp_path_factory):
+    """Tiny random checkpoints of both Qwen families (CPU, float32)."""
+    pytest.importorskip("transformers")
+    from mmserve.checkpoints.qwen2_5_vl import build_qwen2_5_vl
+    from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+
+    root = tmp_path_factory.mktemp("qwen_vl")
+    return {
+        "qwen2_vl": build_qwen2_vl(str(root / "q2vl")),
+        "qwen2_5_vl": build_qwen2_5_vl(str(root / "q25vl")),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_hf_baseline_batched_equals_alone_with_mrope(family: str, tiny_qwen_vl: dict) -> None:
+    """HF's batched greedy (left-padded) gives each request the tokens it gets alone, and the batch carries the
+    image-token mask, so generate uses M-RoPE (non-zero rope deltas) rather than falling back to 1-D positions."""
+    hf_baseline = pytest.importorskip("benchmarks.hf_baseline")
+    runner = hf_baseline.HFRunner(family, tiny_qwen_vl[family])
+    (a,), _ = requests_for(select_loads("img336_x64", num_requests=1)[0], family, n_words=40)
+    (b,), _ = requests_for(select_loads("img896_x64", num_requests=1)[0], family, n_words=6)
+    items = [runner.item(a), runner.item(b)]
+    widths = [it["input_ids"].shape[1] for it in items]
+    assert widths[0] > widths[1]  # the second request is left-padded in the batch
+    if runner.takes_mm_types:
+        batch = runner.collate(items)
+        assert {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"} <= set(batch)
+        types = batch["mm_token_type_ids"].cpu()
+        pad = widths[0] - widths[1]
+        assert types[1, :pad].sum() == 0 and torch.equal(types[1, pad:], items[1]["mm_token_type_ids"][0])
+        image_id = runner.model.config.image_token_id
+        assert torch.equal(types.bool(), (batch["input_ids"].cpu() == image_id) & batch["attention_mask"].cpu().bool())
+    alone = [runner.greedy([it], 5)[0] for it in items]
+    together = runner.greedy(items, 5)
+    assert together == alone
+    if runner.takes_mm_types:
+        deltas = runner.model.model.rope_deltas.flatten().tolist()
+        assert len(deltas) == 2 and all(d < 0 for d in deltas)  # images take fewer positions than tokens
