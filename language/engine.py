@@ -173,6 +173,10 @@ class EngineCore:
         ):
             if any(t < 0 or t >= info.vocab_size for t in ids):
                 raise ValueError(f"parameters.{name}: token id out of the vocabulary (size {info.vocab_size})")
+        if p.min_new_tokens and p.allowed_token_ids is not None:
+            masked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(info.eos_token_ids))
+            if set(p.allowed_token_ids) <= masked:
+                raise ValueError("parameters.allowed_token_ids: min_new_tokens masks all of them (EOS, stop ids)")
         self.model.prepare_request(req)
         if self.prefix is not None and not req.params.disable_prompt_cache:
             req.cache_ids = cache_ids(req)

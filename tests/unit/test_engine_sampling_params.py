@@ -73,3 +73,6 @@ def test_out_of_vocabulary_ids_are_refused(llm):
         llm.generate([_prompt(0)], SamplingParams(allowed_token_ids=(vocab,)))
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate([_prompt(0)], SamplingParams(logit_bias=((vocab + 5, 1.0),)))
+    eos = llm.engine.model_info.eos_token_ids[0]
+    with pytest.raises(ValueError, match="allowed_token_ids"):  # nothing would be left to sample
+        llm.generate([_prompt(0)], SamplingParams(allowed_token_ids=(eos,), min_new_tokens=2))
