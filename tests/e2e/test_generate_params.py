@@ -5,9 +5,14 @@ and nothing is left running or held once requests end or their clients leave."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import os
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 from transformers import AutoTokenizer
 
 from tests.e2e.server_proc import ServerProcess
@@ -158,3 +163,48 @@ def test_client_leaving_aborts_every_sequence(server):
     settled(server)
     assert server.metrics()["mmserve_generated_tokens_total"] - before < 3 * 600
     assert len(generate(server, n=2, max_new_tokens=3)["generated_text"]) == 2  # and it keeps serving
+
+
+# ------------------------------------------------------------------------- with images (tiny Qwen2-VL, multimodal)
+
+
+@pytest.fixture(scope="module")
+def mm_server(tmp_path_factory):
+    from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+
+    model_dir = build_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+    log = str(tmp_path_factory.mktemp("log") / "server.log")
+    srv = ServerProcess(model_dir, log, "--max_total_token_num", "4096", "--enable_multimodal")
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.log()
+        assert srv.leftover_children() == []
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
+
+
+def test_n_with_an_image_shares_it_and_lets_go(mm_server):
+    rng = np.random.default_rng(3)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (90, 120, 3), dtype=np.uint8)).save(buf, format="PNG")
+    prompt = (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe it.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    body = {
+        "inputs": prompt,
+        "multimodal_params": {"images": [{"type": "base64", "data": base64.b64encode(buf.getvalue()).decode()}]},
+    }
+
+    def ask(**parameters) -> dict:
+        r = httpx.post(mm_server.url + "/generate", json={**body, "parameters": parameters}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    one = ask(max_new_tokens=8, ignore_eos=True)
+    two = ask(n=2, max_new_tokens=8, ignore_eos=True)
+    assert two["generated_text"] == one["generated_text"] * 2 and two["prompt_tokens"] == one["prompt_tokens"]
+    sampled = ask(n=3, do_sample=True, seed=1, max_new_tokens=8, ignore_eos=True, add_special_tokens=False)
+    assert len(sampled["generated_text"]) == 3 and sampled["prompt_tokens"] == one["prompt_tokens"]  # no BOS here
+    assert mm_server.metrics()["mmserve_images_encoded_total"] == 1  # one image, encoded once for all sequences
+    settled(mm_server)
