@@ -37,10 +37,11 @@ def _over_cap(width: int, height: int, max_pixels: int, limit_name: str) -> BadI
     )
 
 
-def open_image(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> Image.Image:
-    """Decode frame 0 of `data` completely. The size in the header is checked against max_pixels before any pixel
-    is decoded (a small file can declare a huge image); truncated files fail here rather than later in the visual
-    process. `limit_name` names the cap in the message (the server flag that sets it)."""
+def open_header(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> Image.Image:
+    """Open `data` and check what its header declares (format, size against max_pixels) without decoding a pixel.
+    The HTTP side needs no more (the size sets the prompt's token count); the visual process decodes it fully with
+    `open_image`, which also checks that the decoded size is the declared one. `limit_name` names the cap in the
+    message (the server flag that sets it)."""
     # No warnings.catch_warnings() here: it swaps process-wide state, and this runs in many threads at once. PIL's
     # DecompressionBombWarning (above MAX_IMAGE_PIXELS) is only a warning; our own cap below decides.
     try:
@@ -58,10 +59,19 @@ def open_image(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> I
         raise BadImage(f"image has an empty size {width}x{height}")
     if width * height > max_pixels:
         raise _over_cap(width, height, max_pixels, limit_name)
+    return image
+
+
+def open_image(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> Image.Image:
+    """Decode frame 0 of `data` completely, after `open_header`'s checks (a bomb is refused before any pixel is
+    decoded)."""
+    image = open_header(data, max_pixels, limit_name)
+    declared = image.size
     try:
         image.load()  # frame 0
     except Exception as e:
         raise BadImage(f"image data is truncated or corrupt: {e}") from None
-    if image.width * image.height > max_pixels:  # a decoder that grew the image past its header
-        raise _over_cap(image.width, image.height, max_pixels, limit_name)
+    if image.size != declared:  # a decoder that changed the size: the prompt was expanded for the header's
+        width, height = declared
+        raise BadImage(f"image decodes to {image.width}x{image.height}, not the {width}x{height} it declares")
     return image

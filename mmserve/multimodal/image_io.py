@@ -17,7 +17,7 @@ from PIL import Image
 
 from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
 from mmserve.multimodal.url_fetch import FetchPolicy, fetch_url
-from visual.image_decode import BadImage, open_image
+from visual.image_decode import BadImage, open_header, open_image
 
 __all__ = [
     "BadImage",
@@ -27,6 +27,7 @@ __all__ = [
     "load_image",
     "load_image_bytes",
     "load_images",
+    "open_header",
     "open_image",
 ]
 
