@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mmserve.chat_templates import builtin_chat_template, model_architecture
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.http_server import _read_body, _watch_disconnect
 from mmserve.messages import TextOutput
@@ -62,7 +63,10 @@ class OpenAIServing:
             with open(options.chat_template) as f:
                 self.template = f.read()
         else:
-            self.template = find_chat_template(self.tokenizer, self.model_dir)
+            # the checkpoint's own, else the family's built-in (chat_templates.py)
+            self.template = find_chat_template(self.tokenizer, self.model_dir) or builtin_chat_template(
+                model_architecture(self.model_dir)
+            )
         self.created = int(time.time())
         self.image_dir = options.image_dir
 

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from mmserve.chat_templates import LLAVA_SYSTEM_PROMPT
 from mmserve.checkpoints.llama import SHAPES as LLAMA_SHAPES
 from mmserve.checkpoints.llama import llama_config, llama_tensor_specs
 from mmserve.checkpoints.tokenizer import build_tokenizer
@@ -45,10 +46,7 @@ SHAPES = {
     ),
 }  # fmt: skip
 
-SYSTEM_PROMPT = (
-    "A chat between a curious human and an artificial intelligence assistant. "
-    "The assistant gives helpful, detailed, and polite answers to the human's questions."
-)
+SYSTEM_PROMPT = LLAVA_SYSTEM_PROMPT  # LLaVA-1.5's conv_vicuna_v1 system prompt
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

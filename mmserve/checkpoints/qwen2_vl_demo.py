@@ -9,25 +9,12 @@ import os
 
 import torch
 
+from mmserve.chat_templates import QWEN2_VL
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
 from mmserve.checkpoints.writer import write_json
 
-# Qwen2-VL's chat template, as published with the Instruct checkpoints (tokenizer_config.json and
-# chat_template.json of Qwen/Qwen2-VL-7B-Instruct): a default system turn, one vision block per image part.
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
-    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen2-VL's chat template, as published with the Instruct checkpoints (the server's built-in one for the family).
+CHAT_TEMPLATE = QWEN2_VL
 
 # Images up to 448x448 pixels (1024 patches, 256 image tokens after the 2x2 merge): large enough to show the dynamic
 # resolution at work, small enough that the tiny tower encodes one in well under a second on a laptop CPU.

@@ -1,0 +1,103 @@
+"""Built-in chat templates (Jinja, rendered by transformers' `apply_chat_template`) for checkpoints that carry none,
+chosen by the model family (config.json's `architectures[0]`). A checkpoint's own template comes first and
+`--chat_template FILE` overrides both. Image parts arrive as `{"type": "image"}` (openai_protocol.chat_messages);
+each template writes its family's placeholder for them, the one the family's prompt processor expands.
+
+- LLaVA-1.5 (`LlavaForConditionalGeneration`, `LlavaLlamaForCausalLM`): LLaVA's `conv_vicuna_v1`
+  (`llava_v1` in LLaVA's code): `<system> USER: <image>\\n... ASSISTANT: <answer></s>USER: ... ASSISTANT:`, with
+  LLaVA-1.5's system prompt unless the messages bring one. A message's images come first, one `<image>\\n` each (as
+  LLaVA was trained and as llava-hf's published template puts them), then its text parts joined by spaces.
+- Qwen-VL-Chat (`QWenLMHeadModel`): ChatML as Qwen's `make_context` builds it (default system "You are a helpful
+  assistant."); each image is `Picture N: <img></img>\\n` as Qwen's `from_list_format` writes it, N counting the
+  conversation's images as Qwen-VL's web demo does. The empty `<img></img>` takes the request's next image.
+- Qwen2-VL / Qwen2.5-VL: ChatML as Qwen2-VL-*-Instruct publish it, one
+  `<|vision_start|><|image_pad|><|vision_end|>` per image (`add_vision_id=True` in chat_template_kwargs numbers them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+LLAVA_SYSTEM_PROMPT = (
+    "A chat between a curious human and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the human's questions."
+)
+
+LLAVA_1_5 = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] if messages[0]['content'] is string "
+    "else messages[0]['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join(' ') %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set system = '" + LLAVA_SYSTEM_PROMPT.replace("'", "\\'") + "' %}"
+    "{% set loop_messages = messages %}{% endif %}"
+    "{{ system }} "
+    "{% for message in loop_messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('a system message may only come first') }}{% endif %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}"
+    "{% else %}{% set images = message['content'] | selectattr('type', 'equalto', 'image') | list | length %}"
+    "{% set text = '<image>\n' * images + message['content'] | selectattr('type', 'equalto', 'text') "
+    "| map(attribute='text') | join(' ') %}"
+    "{% endif %}"
+    "{% if message['role'] == 'user' %}USER: {{ text }} {% else %}ASSISTANT: {{ text }}</s>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+QWEN_VL_CHAT = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{% set image_count.value = image_count.value + 1 %}"
+    "Picture {{ image_count.value }}: <img></img>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# As published with Qwen/Qwen2-VL-7B-Instruct (tokenizer_config.json and chat_template.json): a default system turn,
+# one vision block per image part.
+QWEN2_VL = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+BUILTIN_TEMPLATES = {
+    "LlavaForConditionalGeneration": LLAVA_1_5,
+    "LlavaLlamaForCausalLM": LLAVA_1_5,
+    "QWenLMHeadModel": QWEN_VL_CHAT,
+    "Qwen2VLForConditionalGeneration": QWEN2_VL,
+    "Qwen2_5_VLForConditionalGeneration": QWEN2_VL,
+}
+
+
+def model_architecture(model_dir: str | None) -> str | None:
+    """config.json's architectures[0], or None."""
+    if not model_dir:
+        return None
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or [None]
+    except (OSError, ValueError):
+        return None
+    return architectures[0]
+
+
+def builtin_chat_template(architecture: str | None) -> str | None:
+    """The family's built-in template (None for a family without one, e.g. text-only Llama)."""
+    return BUILTIN_TEMPLATES.get(architecture or "")
