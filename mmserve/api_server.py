@@ -28,7 +28,7 @@ from mmserve.processes import ChildProcess, ChildStartError, exit_now, spawn_chi
 from mmserve.router import run_router_process
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
 from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
-from mmserve.zmq_queue import Endpoints
+from mmserve.zmq_queue import Endpoints, remove_dead_ipc_dirs
 
 logger = logging.getLogger("mmserve")
 
@@ -86,6 +86,9 @@ def serve(config: ServerConfig) -> int:
     removed = remove_dead_segments()  # what servers killed outright (SIGKILL, OOM) left in /dev/shm
     if removed:
         logger.info("removed %d shared-memory segment(s) left by servers no longer running", len(removed))
+    removed = remove_dead_ipc_dirs()  # and their zmq ipc socket directories
+    if removed:
+        logger.info("removed %d ipc socket dir(s) left by servers no longer running", len(removed))
     endpoints = Endpoints.create()
     shm_prefix = new_prefix() if config.enable_multimodal else None
     children: list[ChildProcess] = []

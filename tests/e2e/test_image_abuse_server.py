@@ -1,7 +1,7 @@
 """Abuse and crashes through a real server (tiny random Qwen2-VL, CPU): the image caps answer 400s that name their
 flags (LightLLM's JSON and the OpenAI API), a decompression bomb is refused, a 2-frame GIF is answered as its frame
 0 and an RGBA image as HF's processor sees it (on white), and after a SIGKILL of the whole server the next start
-removes the dead server's shared-memory segments."""
+removes the dead server's shared-memory segments and ipc socket directory."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import io
 import os
 import signal
 import struct
+import tempfile
 import time
 import zlib
 
@@ -139,6 +140,10 @@ def test_an_rgba_image_is_seen_on_white_as_hf_processors_see_it(server):
     assert ours != answer(server, [item(encode(rgba.convert("RGB")))])  # alpha dropped: what HF does not do
 
 
+def ipc_dirs(pid: int) -> list[str]:
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"mmserve-ipc-{pid}-")]
+
+
 def test_after_a_sigkill_the_next_start_removes_the_dead_servers_segments(server, model_dir, tmp_path):
     answer(server, [item(encode(picture(30, 30, 9)))])  # at least one embedding in shared memory
     pid = server.proc.pid
@@ -147,14 +152,18 @@ def test_after_a_sigkill_the_next_start_removes_the_dead_servers_segments(server
     server.stop(signal.SIGKILL)
     assert server.leftover_children(grace_s=15) == []  # the children die with it (PR_SET_PDEATHSIG)
     assert [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{pid}_")]  # nobody cleaned up: SIGKILL
+    assert len(ipc_dirs(pid)) == 1  # its sockets neither
 
     again = ServerProcess(model_dir, str(tmp_path / "again.log"), "--max_total_token_num", "1024",
                           "--enable_multimodal")  # fmt: skip
     try:
         again.wait_healthy()
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{pid}_")] == []
+        assert ipc_dirs(pid) == []
+        assert len(ipc_dirs(again.proc.pid)) == 1  # its own stays
         assert len(answer(again, [item(encode(picture(30, 30, 9)))])) == 6
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{again.proc.pid}_")]  # its own stay
     finally:
         assert again.stop() == 0, again.log()
     assert [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{again.proc.pid}_")] == []
+    assert ipc_dirs(again.proc.pid) == []  # a normal stop removes its own
