@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import subprocess
 import sys
@@ -316,6 +317,19 @@ def test_example_client_runs(server):
     )
     assert out.returncode == 0, out.stderr
     assert '"completion_tokens":4' in out.stdout
+
+
+def test_multiturn_two_image_example_runs(server):
+    """examples/openai_multiturn_images.py: three streamed turns about two drawn pictures, the history growing."""
+    script = os.path.join(ROOT, "examples", "openai_multiturn_images.py")
+    out = subprocess.run([sys.executable, script, "--base_url", server.url + "/v1", "--max_tokens", "4"],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    usage = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("[usage ")]
+    assert len(usage) == 3 and all(0 < u["completion_tokens"] <= 4 for u in usage), out.stdout
+    for before, after in zip(usage[:-1], usage[1:], strict=True):  # each turn resends the pictures, the replies and the questions
+        assert after["prompt_tokens"] > before["prompt_tokens"] + before["completion_tokens"]
+    assert usage[0]["prompt_tokens"] > 2 * 4  # the two pictures' vision tokens are in every prompt
 
 
 def test_no_max_tokens_fills_the_context(client, server):
