@@ -327,7 +327,8 @@ def test_multiturn_two_image_example_runs(server):
     assert out.returncode == 0, out.stderr
     usage = [json.loads(line.split("] ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("[usage ")]
     assert len(usage) == 3 and all(0 < u["completion_tokens"] <= 4 for u in usage), out.stdout
-    for before, after in zip(usage[:-1], usage[1:], strict=True):  # each turn resends the pictures, the replies and the questions
+    # each turn resends the pictures, the earlier questions and replies
+    for before, after in zip(usage[:-1], usage[1:], strict=True):
         assert after["prompt_tokens"] > before["prompt_tokens"] + before["completion_tokens"]
     assert usage[0]["prompt_tokens"] > 2 * 4  # the two pictures' vision tokens are in every prompt
 
