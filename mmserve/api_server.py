@@ -1,6 +1,6 @@
 """`python -m mmserve.api_server` / `mmserve`: start the router and detokenizer processes, wait until the model is
-loaded, then serve HTTP until SIGINT/SIGTERM (or a child dies, then exit non-zero). Every child is stopped on
-the way out."""
+loaded, then serve HTTP until SIGINT/SIGTERM (a drain: see mmserve.drain; or a child dies, then exit non-zero).
+Every child is stopped on the way out, and the server's sockets and shared memory are removed."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
 from mmserve.demo import demo_for, ensure_demo_checkpoint
 from mmserve.detokenizer_process import run_detokenizer_process
+from mmserve.drain import DrainGate, DrainingServer
 from mmserve.engine_client import EngineClient
 from mmserve.http_server import build_app
 from mmserve.messages import RouterStats
@@ -112,15 +113,21 @@ def serve(config: ServerConfig) -> int:
         client = EngineClient(
             preparer, children, endpoints, metrics, config.tokenizer_workers, services=[visual] if visual else []
         )
-        server = uvicorn.Server(
+        gate = DrainGate(
+            build_app(client, OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template))
+        )
+        server = DrainingServer(
             uvicorn.Config(
-                build_app(client, OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template)),
+                gate,
                 host=config.host,
                 port=config.port,
                 log_level=config.log_level,
                 access_log=config.log_level == "debug",
-                timeout_graceful_shutdown=3,
-            )
+                timeout_graceful_shutdown=3,  # after the drain: for the last bytes of the answers
+            ),
+            gate,
+            config.graceful_timeout,
+            on_timeout=lambda: client.fail_in_flight("the server is shutting down (--graceful_timeout ran out)"),
         )
         client.on_fatal = lambda: setattr(server, "should_exit", True)
         logger.info(
@@ -130,7 +137,10 @@ def serve(config: ServerConfig) -> int:
             config.port,
             seconds_since_process_start(),
         )
-        server.run()
+        try:
+            server.run()
+        except KeyboardInterrupt:  # the stopping signal, re-raised by uvicorn once it has stopped
+            pass
         if client.failure is not None:
             logger.error("exiting after a failure: %s", client.failure)
             return 1

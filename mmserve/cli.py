@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat_template", default=None, help="a Jinja chat template file overriding the checkpoint's")
     p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--tokenizer_workers", type=int, default=2)
+    p.add_argument(
+        "--graceful_timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish while new ones get 503",
+    )
     return p
 
 
@@ -106,6 +112,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             chat_template=args.chat_template,
             log_level=args.log_level,
             tokenizer_workers=args.tokenizer_workers,
+            graceful_timeout=args.graceful_timeout,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -56,6 +56,7 @@ class ServerConfig:
     log_level: str = "info"
     tokenizer_workers: int = 2  # threads that tokenize (off the event loop)
     startup_timeout_s: float = 600.0  # model load limit for the child processes
+    graceful_timeout: float = 30.0  # on SIGTERM: seconds in-flight requests may take to finish (LightLLM's name)
 
     def __post_init__(self) -> None:
         if self.tp != 1:
@@ -82,6 +83,8 @@ class ServerConfig:
             raise ValueError("--max_images_per_request must be >= 1")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ValueError(f"--chat_template: no such file {self.chat_template!r}")
+        if self.graceful_timeout < 0:
+            raise ValueError("--graceful_timeout must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 

@@ -119,6 +119,11 @@ class EngineClient:
         self._ctx.term()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def fail_in_flight(self, reason: str) -> None:
+        """End every request still running with a ServerFailure (503, or an error event): the server is stopping."""
+        self._fail_all(reason)
+        # the router is stopped next, and its KV with it: no aborts to send
+
     def healthy(self) -> bool:
         return self.failure is None and all(c.alive() for c in self.children)
 

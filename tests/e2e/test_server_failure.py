@@ -1,11 +1,13 @@
 """A child process that dies takes the server down promptly and cleanly: in-flight requests get 5xx, /health stops
-answering 200, the server exits non-zero, and no process is left behind. Also: a clean stop by SIGINT."""
+answering 200, the server exits non-zero, and no process is left behind. Also: a clean stop by SIGINT, and the
+graceful stop on SIGTERM (a request in flight completes, new ones get 503 with Retry-After, the server exits 0)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -20,8 +22,8 @@ def comm(pid: int) -> str:
         return f.read().strip()
 
 
-def start(model_dir: str, tmp_path) -> ServerProcess:
-    srv = ServerProcess(model_dir, str(tmp_path / "server.log"), "--max_total_token_num", "8192")
+def start(model_dir: str, tmp_path, *args: str) -> ServerProcess:
+    srv = ServerProcess(model_dir, str(tmp_path / "server.log"), "--max_total_token_num", "8192", *args)
     srv.wait_healthy()
     return srv
 
@@ -76,3 +78,61 @@ def test_sigint_stops_every_process(e2e_model_dir, tmp_path):
     assert srv.stop(signal.SIGINT) == 0
     assert srv.leftover_children() == []
     assert "Traceback" not in srv.log()
+
+
+def wait_draining(srv: ServerProcess, timeout_s: float = 10.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while (r := httpx.get(srv.url + "/health", timeout=5)).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return r
+
+
+def ipc_dirs(pid: int) -> list[str]:
+    return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"mmserve-ipc-{pid}-")]
+
+
+def test_sigterm_lets_a_request_in_flight_complete_refuses_new_ones_and_exits_0(e2e_model_dir, tmp_path):
+    srv = start(e2e_model_dir, tmp_path, "--graceful_timeout", "120")  # ample on a loaded CI machine
+    assert len(ipc_dirs(srv.proc.pid)) == 1
+    try:
+        long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 1000, "ignore_eos": True}}  # a few s
+        with httpx.stream("POST", srv.url + "/generate_stream", json=long, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data:")  # streaming has begun
+            srv.proc.send_signal(signal.SIGTERM)
+            health = wait_draining(srv)
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            refused = httpx.post(srv.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
+            assert "shutting down" in refused.json()["error"]
+            assert srv.proc.poll() is None  # still draining
+            events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        assert events[-1]["finished"] and events[-1]["finish_reason"] == "length", (events[-1], srv.log())
+        assert events[-1]["count_output_tokens"] == 1000
+        assert srv.proc.wait(30) == 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop(signal.SIGKILL)
+    assert srv.leftover_children() == []
+    assert ipc_dirs(srv.proc.pid) == []  # its sockets are gone
+    assert "Traceback" not in srv.log()
+
+
+def test_sigterm_ends_what_outlasts_graceful_timeout_and_exits_0(e2e_model_dir, tmp_path):
+    srv = start(e2e_model_dir, tmp_path, "--graceful_timeout", "1")
+    try:
+        long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}  # ~10 s
+        with httpx.stream("POST", srv.url + "/generate_stream", json=long, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data:")
+            stopped_at = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        assert events[-1]["finished"] and events[-1]["finish_reason"] == "error"  # ended, not left hanging
+        assert srv.proc.wait(30) == 0
+        assert time.monotonic() - stopped_at < 10
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop(signal.SIGKILL)
+    assert srv.leftover_children() == []
+    assert ipc_dirs(srv.proc.pid) == []

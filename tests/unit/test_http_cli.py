@@ -23,6 +23,7 @@ def test_lightllm_launch_lines():
     assert cfg.trust_remote_code and cfg.enable_multimodal and cfg.model_dir == "/path/of/Qwen-VL-Chat"
     cfg = parse_config(shlex.split(LLAMA_LINE))
     assert cfg.max_total_token_num is None and cfg.mem_fraction == 0.9
+    assert cfg.graceful_timeout == 30.0 and parse_config(["--graceful_timeout", "2.5"]).graceful_timeout == 2.5
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.port = 1
 
@@ -39,7 +40,15 @@ def test_engine_config_from_server_config():
 
 @pytest.mark.parametrize(
     "flags",
-    ["--tp 2", "--mem_fraction 0", "--max_total_token_num 0", "--data_type int4", "--port 0", "--chat_template /nope"],
+    [
+        "--tp 2",
+        "--mem_fraction 0",
+        "--max_total_token_num 0",
+        "--data_type int4",
+        "--port 0",
+        "--chat_template /nope",
+        "--graceful_timeout -1",
+    ],
 )
 def test_bad_flags_exit_with_a_message(flags, capsys):
     with pytest.raises(SystemExit) as e:
