@@ -5,6 +5,7 @@ and its stop handling. Errors come in OpenAI's shape {"error": {"message", "type
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -15,14 +16,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mmserve.chat_templates import builtin_chat_template, model_architecture
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
-from mmserve.http_server import _read_body, _watch_disconnect
-from mmserve.messages import TextOutput
+from mmserve.http_server import _collect, _read_body, _watch_disconnect
+from mmserve.messages import TextOutput, TokenDetail
 from mmserve.openai_protocol import (
     OpenAIOptions,
     chat_input,
     completion_input,
     find_chat_template,
     include_usage,
+    wants_logprobs,
 )
 from mmserve.protocol import BadRequest, GenerateInput, parse_json
 
@@ -80,8 +82,9 @@ class OpenAIServing:
         return {"object": "list", "data": [card]}
 
     async def submit(self, request: Request, parse: Callable[[dict, int], GenerateInput], prompt_field: str):
-        """-> (body, RequestStream) or an error response. A chat with no max_tokens may fill the context, as vLLM's
-        (`fill_context`: the preparer sizes it once the prompt is tokenized)."""
+        """-> (body, one RequestStream per choice) or an error response. A chat with no max_tokens may fill the
+        context, as vLLM's (`fill_context`: the preparer sizes it once the prompt is tokenized). n > 1 fans out
+        as /generate's n does (one tokenization and image encoding shared, sequence i seeded with seed + i)."""
         try:
             body = parse_json(await _read_body(request))
             include_usage(body)  # checked before anything is submitted
@@ -89,7 +92,7 @@ class OpenAIServing:
             if model is not None and model != self.model_name:
                 return openai_error(f"The model `{model}` does not exist.", 404, "model")
             req = await self.client.run_sync(parse, body, self.max_len)
-            return body, await self.client.submit(req)
+            return body, await self.client.submit_group(req, req.params.num_sequences)
         except BadRequest as e:
             return _bad_request(e, prompt_field)
         except ServerFailure as e:
@@ -104,97 +107,163 @@ class OpenAIServing:
         result = await self.submit(request, parse, "messages" if chat else "prompt")
         if isinstance(result, Response):
             return result
-        body, stream = result
-        rid = ("chatcmpl-" if chat else "cmpl-") + stream.rid
+        body, streams = result
+        rid = ("chatcmpl-" if chat else "cmpl-") + streams[0].rid.split("-")[0]
+        logprobs = wants_logprobs(body, chat)
         disconnected = _watch_disconnect(request)
         if body.get("stream"):
-            return await self._start_stream(request, body, stream, rid, chat, disconnected)
-        pieces: list[str] = []
+            return await self._start_stream(body, streams, rid, chat, logprobs, disconnected)
+        tasks = [asyncio.ensure_future(_collect(stream, disconnected)) for stream in streams]
         try:
-            while True:
-                out = await stream.next(disconnected)
-                if out.error is not None:
-                    return openai_error(out.error, 400, "messages" if chat else "prompt")
-                pieces.append(out.text)
-                if out.finished:
-                    break
+            results = await asyncio.gather(*tasks)
         except ServerFailure as e:
             return openai_error(f"server failure: {e}", 503)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
         finally:
             disconnected.cancel()
-            if not stream.finished:
-                self.client.abort(stream.rid)
-        text = "".join(pieces)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": out.finish_reason}  # fmt: skip
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+            for task in tasks:
+                task.cancel()
+            self._abort_unfinished(streams)
+        for out, _, _ in results:
+            if out.error is not None:
+                return openai_error(out.error, 400, "messages" if chat else "prompt")
+        choices = []
+        for index, (out, text, tokens) in enumerate(results):
+            lp = _logprobs(tokens, chat, 0) if logprobs else None
+            if chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                          "finish_reason": out.finish_reason}  # fmt: skip
+            else:
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+            choices.append(choice)
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice], "usage": _usage(out),
+            "model": self.model_name, "choices": choices, "usage": _usage([out for out, _, _ in results]),
         })  # fmt: skip
 
-    async def _start_stream(self, request, body, stream: RequestStream, rid, chat, disconnected) -> Response:
+    def _abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.client.abort(stream.rid)
+
+    async def _start_stream(self, body, streams, rid, chat, logprobs, disconnected) -> Response:
         usage = include_usage(body)
-        try:
-            first = await stream.next(disconnected)  # a rejection before any token still gets its status code
+        tasks = [asyncio.ensure_future(stream.next(disconnected)) for stream in streams]
+        try:  # a rejection before any token still gets its status code
+            firsts = await asyncio.gather(*tasks)
         except (ServerFailure, ClientDisconnected) as e:
+            for task in tasks:
+                task.cancel()
             disconnected.cancel()
-            self.client.abort(stream.rid)
+            self._abort_unfinished(streams)
             if isinstance(e, ServerFailure):
                 return openai_error(f"server failure: {e}", 503)
             return Response(status_code=_CLIENT_CLOSED)
-        if first.error is not None:
-            disconnected.cancel()
-            return openai_error(first.error, 400, "messages" if chat else "prompt")
-        events = self._events(stream, first, rid, chat, usage, disconnected)
+        for first in firsts:
+            if first.error is not None:
+                disconnected.cancel()
+                self._abort_unfinished(streams)
+                return openai_error(first.error, 400, "messages" if chat else "prompt")
+        events = self._events(streams, firsts, rid, chat, usage, logprobs, disconnected)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, stream, first: TextOutput, rid, chat, usage, disconnected) -> AsyncIterator[str]:
+    async def _events(self, streams, firsts, rid, chat, usage, logprobs, disconnected) -> AsyncIterator[str]:
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        offsets = [0] * len(streams)  # completions' text_offset, per choice
 
         def chunk(choices: list, **extra) -> str:
             event = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             return f"data: {json.dumps({**event, **extra}, ensure_ascii=False)}\n\n"
 
-        def choice(text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        def choice(index: int, out: TextOutput | None, finish_reason: str | None = None, role: bool = False) -> dict:
+            text = out.text if out is not None else ""
+            lp = None
+            if logprobs and out is not None:
+                lp = _logprobs(out.tokens, chat, offsets[index])
+                offsets[index] += sum(len(t.text) for t in out.tokens)
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
-        out = first
+        finals: list[TextOutput | None] = [None] * len(streams)
+        merged = _merge(streams, firsts, disconnected)
         try:
             if chat:
-                yield chunk([choice(None, None, role=True)])
-            while True:
-                if out.text:
-                    yield chunk([choice(out.text, None)])
+                for index in range(len(streams)):
+                    yield chunk([choice(index, None, role=True)])
+            async for index, out in merged:
+                if out.text or (logprobs and out.tokens):
+                    yield chunk([choice(index, out)])
                 if out.finished:
-                    yield chunk([choice(None, out.finish_reason)])
-                    if usage:
-                        yield chunk([], usage=_usage(out))
-                    yield "data: [DONE]\n\n"
-                    return
-                out = await stream.next(disconnected)
+                    finals[index] = out
+                    yield chunk([choice(index, None, out.finish_reason)])
+            if usage:
+                yield chunk([], usage=_usage(finals))
+            yield "data: [DONE]\n\n"
         except ServerFailure as e:
             error = {"message": f"server failure: {e}", "type": "server_error", "param": None, "code": 503}
             yield f"data: {json.dumps({'error': error})}\n\n"
         except ClientDisconnected:
             return
         finally:
+            await merged.aclose()
             disconnected.cancel()
-            if not stream.finished:
-                self.client.abort(stream.rid)
+            self._abort_unfinished(streams)
 
 
-def _usage(out: TextOutput) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.output_tokens,
-            "total_tokens": out.prompt_tokens + out.output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}  # fmt: skip
+async def _merge(streams: list[RequestStream], firsts: list[TextOutput], disconnected) -> AsyncIterator[tuple]:
+    """(choice index, output) of every stream as they arrive, until each has finished; a stream's ServerFailure or
+    ClientDisconnected is raised here."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream, out: TextOutput) -> None:
+        try:
+            while True:
+                queue.put_nowait((index, out))
+                if out.finished:
+                    return
+                out = await stream.next(disconnected)
+        except (ServerFailure, ClientDisconnected) as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
+    try:
+        left = len(streams)
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                left -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _logprobs(tokens: list[TokenDetail], chat: bool, offset: int) -> dict:
+    """OpenAI's logprobs of a choice (or of a chunk's tokens): each chosen token with its own log-probability.
+    A token's text is the text it completed (TokenDetail.text: "" for the first bytes of a multi-byte character),
+    so the tokens join to the generated text before any stop cut."""
+    if chat:
+        content = [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()), "top_logprobs": []}
+                   for t in tokens]  # fmt: skip
+        return {"content": content}
+    text_offset = []
+    for t in tokens:
+        text_offset.append(offset)
+        offset += len(t.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens], "top_logprobs": None,
+            "text_offset": text_offset}  # fmt: skip
+
+
+def _usage(finals: list[TextOutput]) -> dict:
+    """The prompt counted once, the completion tokens of every choice summed (as OpenAI's n)."""
+    prompt, completion = finals[0].prompt_tokens, sum(out.output_tokens for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens}}  # fmt: skip
 
 
 def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> None:

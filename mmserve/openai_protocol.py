@@ -32,13 +32,8 @@ def check_names(body: dict, allowed: frozenset) -> None:
 
 
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    """OpenAI's sampling fields -> SamplingParams (validated); n > 1 and logprobs are refused by name."""
-    n = body.get("n", 1)
-    if n not in (None, 1):
-        raise BadRequest("n", "only n=1 is supported")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        name = "logprobs" if body.get("logprobs") else "top_logprobs"
-        raise BadRequest(name, "log probabilities are not supported yet")
+    """OpenAI's sampling fields -> SamplingParams (validated); n > 1 fans out as /generate's n does."""
+    n = body.get("n")
     max_tokens = body.get("max_completion_tokens")
     max_name = "max_completion_tokens"
     if max_tokens is None:
@@ -58,6 +53,7 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
         "stop_sequences": tuple(stop),
         "return_details": True,
+        "n": 1 if n is None else n,
     }
     for name in ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
         if body.get(name) is not None:
@@ -67,6 +63,33 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     except InvalidParams as e:
         name = max_name if e.field == "max_new_tokens" else e.field
         raise BadRequest(name, str(e).split(": ", 1)[-1]) from None
+
+
+def wants_logprobs(body: dict, chat: bool) -> bool:
+    """Whether each token's own log-probability is returned. Chat: `logprobs: true` (`top_logprobs` 0 or unset);
+    completions: `logprobs: 0`. Top-k alternatives (top_logprobs > 0, completions' logprobs > 0) are refused."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise BadRequest("logprobs", "must be a boolean")
+        if top is not None:
+            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+                raise BadRequest("top_logprobs", "must be an integer in [0, 20]")
+            if not logprobs:
+                raise BadRequest("top_logprobs", "requires logprobs: true")
+            if top > 0:
+                raise BadRequest("top_logprobs", "top_logprobs > 0 is not supported yet: only 0 (each chosen "
+                                 "token's own logprob, with logprobs: true)")  # fmt: skip
+        return bool(logprobs)
+    if top is not None:
+        raise BadRequest("top_logprobs", "is a chat field: /v1/completions takes logprobs (an integer)")
+    if logprobs is None:
+        return False
+    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 5:
+        raise BadRequest("logprobs", "must be an integer in [0, 5]")
+    if logprobs > 0:
+        raise BadRequest("logprobs", "logprobs > 0 is not supported yet: only 0 (each chosen token's own logprob)")
+    return True
 
 
 def include_usage(body: dict) -> bool:
@@ -198,6 +221,7 @@ def chat_input(body: dict, tokenizer, template: str | None, image_dir: str | Non
     """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering and file reads are slow)."""
     check_names(body, CHAT_NAMES)
     params = sampling_params(body, default_max)
+    wants_logprobs(body, chat=True)
     messages, images = chat_messages(body.get("messages"), image_dir)
     prompt = render_chat(tokenizer, template, messages, body)
     unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
@@ -214,4 +238,6 @@ def completion_input(body: dict, default_max: int) -> GenerateInput:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt", "must be a non-empty string (one prompt per request)")
-    return GenerateInput(prompt, sampling_params(body, min(16, default_max)))
+    params = sampling_params(body, min(16, default_max))
+    wants_logprobs(body, chat=False)
+    return GenerateInput(prompt, params)

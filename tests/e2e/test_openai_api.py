@@ -262,8 +262,8 @@ def test_errors_in_openai_shape_and_the_server_keeps_serving(client, server):
 
     text = [{"role": "user", "content": "Hi"}]
     for kwargs, param in [
-        ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"n": 0}, "n"),
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 5000}, "max_tokens"),
         ({"extra_body": {"bogus": 1}}, "bogus"),
