@@ -9,6 +9,7 @@ their pixels back through shared memory (`visual.shared_pixels`), not through th
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing as mp
 import secrets
 import signal
@@ -143,4 +144,9 @@ class PreprocessPool:
         future.add_done_callback(free)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers and wait for them (a task already running finishes; queued ones are cancelled). A
+        process pool's queues hold POSIX semaphores registered with multiprocessing's resource tracker, unlinked
+        only when the queues are collected: the visual process leaves by os._exit, which skips that, and the tracker
+        warned about "leaked semaphore objects" at every stop. Joining the pool drops its queues; collect them now."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        gc.collect()

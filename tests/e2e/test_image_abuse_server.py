@@ -167,3 +167,4 @@ def test_after_a_sigkill_the_next_start_removes_the_dead_servers_segments(server
         assert again.stop() == 0, again.log()
     assert [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{again.proc.pid}_")] == []
     assert ipc_dirs(again.proc.pid) == []  # a normal stop removes its own
+    assert "leaked semaphore" not in again.log()  # the visual process's preprocessing pool is stopped cleanly
