@@ -3,12 +3,14 @@ checks that every process it started is gone after it stops."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -135,6 +137,22 @@ class ServerProcess:
         while (alive := [pid for pid in self.children if pid_alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         return [f"{pid}: {_cmdline(pid)}" for pid in alive]
+
+    def stop_cleanly(self) -> None:
+        """Stop it (SIGTERM) and check it left nothing: exit code 0, no child process, no shared-memory segment."""
+        assert self.stop() == 0, self.log()
+        assert self.leftover_children() == []
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{self.proc.pid}_")]
+
+
+@contextlib.contextmanager
+def serving(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """A module fixture's server: healthy on entry, stopped cleanly (`ServerProcess.stop_cleanly`) on exit."""
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop_cleanly()
 
 
 def _cmdline(pid: int) -> str:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,12 +20,8 @@ def demo_server(tmp_path_factory):
     cache = tmp_path_factory.mktemp("xdg_cache")
     # MMSERVE_DEMO_DIR emptied: the default location under $XDG_CACHE_HOME is what this test checks.
     srv = ServerProcess(None, str(cache / "server.log"), env={"XDG_CACHE_HOME": str(cache), "MMSERVE_DEMO_DIR": ""})
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv, cache
-    finally:
-        assert srv.stop() == 0
-        assert srv.leftover_children() == []
 
 
 def run_example(name: str, url: str, *args: str) -> str:

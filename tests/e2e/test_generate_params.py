@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 
 import httpx
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 from PIL import Image
 from transformers import AutoTokenizer
 
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 
 PROMPT = "A chat between a curious human and an artificial intelligence assistant. USER: Describe Beijing."
 BOS, EOS = 1, 2
@@ -175,13 +174,8 @@ def mm_server(tmp_path_factory):
     model_dir = build_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
     log = str(tmp_path_factory.mktemp("log") / "server.log")
     srv = ServerProcess(model_dir, log, "--max_total_token_num", "4096", "--enable_multimodal")
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
 
 
 def test_n_with_an_image_shares_it_and_lets_go(mm_server):

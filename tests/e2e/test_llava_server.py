@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,7 +15,7 @@ from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
 from mmserve.checkpoints.llava import SYSTEM_PROMPT, build_llava_hf, build_llava_original
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.test_llava import IMAGES, hf_llava_from_original, noise_image, pad_processor
 
 NEW_TOKENS = 16
@@ -47,13 +46,8 @@ def server(request, tmp_path_factory):
     tower = ["--vision_tower_dir", model_dir + "-clip"] if layout == "original" else []
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num",
                         "2048", "--enable_multimodal", "--cache_capacity", str(CACHE_CAPACITY), *tower)  # fmt: skip
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv, model_dir, layout
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
 
 
 def generate(srv: ServerProcess, prompt: str, images: list[Image.Image], max_new_tokens: int) -> dict:

@@ -21,7 +21,7 @@ from PIL import Image
 
 from mmserve.checkpoints.qwen2_vl_demo import CHAT_TEMPLATE
 from mmserve.demo import DEMO_DIR_ENV, MULTIMODAL_DEMO, ensure_demo_checkpoint
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture.<|im_end|>\n<|im_start|>assistant\n"  # noqa: E501
@@ -41,13 +41,8 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mm_demo")
     env = {DEMO_DIR_ENV: str(tmp / "demos"), "HOME": str(tmp / "home"), "XDG_CACHE_HOME": str(tmp / "xdg")}
     srv = ServerProcess(None, str(tmp / "server.log"), "--enable_multimodal", "--log_level", "info", env=env)
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv, tmp
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
 
 
 def generate(srv: ServerProcess, image: dict, max_new_tokens: int = 8) -> httpx.Response:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 
 import httpx
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from PIL import Image
 
 from mmserve.checkpoints.llava import build_llava_hf
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 
 PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
 
@@ -38,13 +37,8 @@ def server(tmp_path_factory):
         "--cache_capacity",
         "2",
     )
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
 
 
 def ask(server, *images: str, **parameters) -> httpx.Response:

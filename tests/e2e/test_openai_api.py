@@ -30,7 +30,7 @@ from transformers import (
 from mmserve.checkpoints.qwen2_vl_demo import build_qwen2_vl_demo
 from mmserve.openai_protocol import render_chat
 from mmserve.protocol import BadRequest
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -110,12 +110,8 @@ def server(model_dir, image_dir, tmp_path_factory):
         "--image_dir",
         image_dir,
     )
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGenera
 
 from mmserve.chat_templates import LLAVA_1_5, LLAVA_SYSTEM_PROMPT
 from mmserve.checkpoints.llava import build_llava_hf
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 from tests.e2e.test_openai_api import hf_messages, openai_messages, picture
 from tests.models.hf_reference import hf_greedy
 
@@ -41,12 +41,8 @@ def model_dir(tmp_path_factory) -> str:
 def server(model_dir, tmp_path_factory):
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num", "2048",
                         "--enable_multimodal")  # fmt: skip
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
 
 
 @pytest.fixture(scope="module")

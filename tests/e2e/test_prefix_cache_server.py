@@ -36,7 +36,7 @@ from transformers import (
 
 from mmserve.checkpoints.llava import SYSTEM_PROMPT, build_llava_hf
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
 NEW_TOKENS = 10
@@ -256,12 +256,6 @@ class Served:
         assert self.srv.wait_metric(HITS, lambda v: v == self.hits) == self.hits
 
 
-def stop_and_check(srv: ServerProcess) -> None:
-    assert srv.stop() == 0, srv.log()
-    assert srv.leftover_children() == []
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
-
-
 def build(name: str, root) -> str:
     return build_llava_hf(str(root)) if name == "llava" else build_qwen2_vl(str(root))
 
@@ -272,11 +266,8 @@ def served(request, tmp_path_factory):
     model_dir = build(name, tmp_path_factory.mktemp(name))
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / f"{name}.log"), "--max_total_token_num",
                         str(KV_SLOTS), "--enable_multimodal")  # fmt: skip
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield Served(Family(name, model_dir), srv)
-    finally:
-        stop_and_check(srv)
 
 
 # ----------------------------------------------------------------------------------------------------- tests
@@ -425,7 +416,7 @@ def test_server_with_the_cache_disabled(tmp_path):
         metrics = srv.metrics()
         assert metrics[HITS] == 0 and metrics[TREE] == 0
     finally:
-        stop_and_check(srv)
+        srv.stop_cleanly()
 
 
 EVICT_SLOTS = 256  # about twice the longest request of the load below
@@ -500,4 +491,4 @@ def test_eviction_under_random_load(tmp_path):
         assert srv.wait_metric(USED, lambda v: v == 0) == 0
         assert srv.metrics()[TREE] <= EVICT_SLOTS
     finally:
-        stop_and_check(srv)
+        srv.stop_cleanly()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,7 +24,7 @@ from transformers import (
 )
 
 from mmserve.checkpoints.qwen2_5_vl import build_qwen2_5_vl
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -63,13 +62,8 @@ def model_dir(tmp_path_factory) -> str:
 def server(model_dir, tmp_path_factory):
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num",
                         "4096", "--enable_multimodal")  # fmt: skip
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
 
 
 @pytest.fixture(scope="module")

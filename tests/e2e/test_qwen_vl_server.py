@@ -28,7 +28,7 @@ from language.sampling_params import SamplingParams
 from mmserve.checkpoints.qwen_vl import build_qwen_vl
 from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.tokenizers import load_tokenizer
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, serving
 from visual.models.base import vision_model_class
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,13 +69,8 @@ def model_dir(tmp_path_factory) -> str:
 def server(model_dir, tmp_path_factory):
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num",
                         "4096", "--enable_multimodal", "--trust_remote_code")  # fmt: skip
-    try:
-        srv.wait_healthy()
+    with serving(srv):
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
-        assert srv.leftover_children() == []
-        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
 
 
 def post(server, prompt: str, images: list[Image.Image], **parameters) -> httpx.Response:
