@@ -12,20 +12,17 @@ the device does no per-image work and nothing syncs before the end of the batch.
 from __future__ import annotations
 
 import functools
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, Qwen2VLImageProcessor
+from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.vision_utils import get_vision_window_index
 
 from visual.models.base import ImageInput, register_vision_model
 from visual.models.packed_attention import pack_index
-from visual.models.qwen2_vl import VISION_PREFIXES, Qwen2VLVisionModel
-from visual.models.weights import load_prefixed_tensors
+from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,11 @@ def _grid_window_index(
 
 @register_vision_model("Qwen2_5_VLForConditionalGeneration")
 class Qwen2_5_VLVisionModel(Qwen2VLVisionModel):
-    """Qwen2-VL's wrapper (preprocessing, token counts, batching) around the Qwen2.5-VL tower."""
+    """Qwen2-VL's wrapper (loading, preprocessing, token counts, batching) around the Qwen2.5-VL tower."""
+
+    tower_class = Qwen2_5_VisionTransformerPretrainedModel
+    family = "qwen2_5_vl"
+    display_name = "Qwen2.5-VL"
 
     def __init__(
         self,
@@ -78,27 +79,6 @@ class Qwen2_5_VLVisionModel(Qwen2VLVisionModel):
         self.window_size: int = tower.config.window_size
         self.patch_size: int = tower.config.patch_size
 
-    @classmethod
-    def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> Qwen2_5_VLVisionModel:
-        config = AutoConfig.from_pretrained(model_dir)  # flat (published) or nested (transformers 5) config.json
-        # Reads preprocessor_config.json, or processor_config.json's nested "image_processor".
-        processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
-        # Built on the target device so that the (overwritten) random init is fast for 7B-sized towers.
-        with torch.device(device):
-            tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config, dtype=dtype)
-        state = load_prefixed_tensors(model_dir, VISION_PREFIXES)
-        missing, unexpected = tower.load_state_dict(state, strict=False)
-        missing = [k for k in missing if "inv_freq" not in k]  # the rotary table is computed, not stored
-        if missing or unexpected:
-            raise ValueError(
-                f"Qwen2.5-VL vision weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
-        size = processor.size
-        salt = json.dumps(
-            ["qwen2_5_vl", os.path.realpath(model_dir), size.shortest_edge, size.longest_edge, str(dtype)]
-        )
-        return cls(tower.to(device=device, dtype=dtype), processor, salt)
-
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         weight = self.tower.patch_embed.proj.weight
@@ -107,10 +87,7 @@ class Qwen2_5_VLVisionModel(Qwen2VLVisionModel):
         # On the host: no per-image device work, no sync.
         index = pack_index(grids, self.merge_size)
         windows = window_index(grids, self.merge_size, self.window_size, self.patch_size)
-        # One gather into a (pinned) host buffer, one asynchronous upload, the cast on the device.
-        host = self._pixels.cat([im.pixel_values for im in images], device)  # [patches, C*T*P*P]
-        pixels = host.to(device, non_blocking=True).to(dtype)
-        self._pixels.fence(device)  # the next batch's gather waits for this upload
+        pixels = self.upload_pixels(images, device, dtype)
         merged = self.tower(
             pixels,
             grid_thw=torch.tensor(grids),  # [images, 3]; unused by the tower when the indexes below are given

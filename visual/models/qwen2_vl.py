@@ -40,6 +40,11 @@ class Qwen2VLPreprocessor:
 
 @register_vision_model("Qwen2VLForConditionalGeneration")
 class Qwen2VLVisionModel:
+    # What a subclass for a later Qwen-VL generation changes: its tower class and its names.
+    tower_class = Qwen2VisionTransformerPretrainedModel
+    family = "qwen2_vl"  # in the cache salt
+    display_name = "Qwen2-VL"  # in error messages
+
     def __init__(
         self,
         tower: Qwen2VisionTransformerPretrainedModel,
@@ -62,16 +67,16 @@ class Qwen2VLVisionModel:
         processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
         # Built on the target device so that the (overwritten) random init is fast for 7B-sized towers.
         with torch.device(device):
-            tower = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config, dtype=dtype)
+            tower = cls.tower_class._from_config(config.vision_config, dtype=dtype)
         state = load_prefixed_tensors(model_dir, VISION_PREFIXES)
         missing, unexpected = tower.load_state_dict(state, strict=False)
         missing = [k for k in missing if "inv_freq" not in k]  # the rotary table is computed, not stored
         if missing or unexpected:
             raise ValueError(
-                f"Qwen2-VL vision weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                f"{cls.display_name} vision weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
         size = processor.size
-        salt = json.dumps(["qwen2_vl", os.path.realpath(model_dir), size.shortest_edge, size.longest_edge, str(dtype)])
+        salt = json.dumps([cls.family, os.path.realpath(model_dir), size.shortest_edge, size.longest_edge, str(dtype)])
         return cls(tower.to(device=device, dtype=dtype), processor, salt)
 
     def preprocessor(self) -> Qwen2VLPreprocessor:
@@ -96,15 +101,20 @@ class Qwen2VLVisionModel:
         )
         return 1, h // patch, w // patch
 
+    def upload_pixels(self, images: list[ImageInput], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The batch's pixels on the device, [patches, C*T*P*P]: one gather into a (pinned) host buffer, one
+        asynchronous upload, the cast on the device."""
+        host = self._pixels.cat([im.pixel_values for im in images], device)
+        pixels = host.to(device, non_blocking=True).to(dtype)
+        self._pixels.fence(device)  # the next batch's gather waits for this upload
+        return pixels
+
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         device, dtype = self.tower.get_device(), self.tower.get_dtype()
         grids = [im.grid_thw for im in images]
         index = pack_index(grids, self.merge_size)  # on the host: no per-image device work, no sync
-        # One gather into a (pinned) host buffer, one asynchronous upload, the cast on the device.
-        host = self._pixels.cat([im.pixel_values for im in images], device)  # [patches, C*T*P*P]
-        pixels = host.to(device, non_blocking=True).to(dtype)
-        self._pixels.fence(device)  # the next batch's gather waits for this upload
+        pixels = self.upload_pixels(images, device, dtype)
         merged = self.tower(
             pixels,
             grid_thw=torch.tensor(grids),  # [images, 3]; unused by the tower when the index below is given
