@@ -15,11 +15,9 @@ import os
 
 import torch
 
-from mmserve.checkpoints.llama import llama_tensor_specs
-from mmserve.checkpoints.qwen2_vl import CLIP_MEAN, CLIP_STD, SPECIAL_TOKENS, _linear
+from mmserve.checkpoints.qwen2_vl import SPECIAL_TOKENS, _linear, build_qwen2_vl_tokenizer, write_qwen_vl_layout
 from mmserve.checkpoints.qwen2_vl_demo import CHAT_TEMPLATE, add_chat_template
-from mmserve.checkpoints.tokenizer import build_tokenizer
-from mmserve.checkpoints.writer import TensorSpec, linear_std, write_checkpoint, write_json
+from mmserve.checkpoints.writer import TensorSpec, linear_std
 
 # Qwen2.5's tokenizer adds these after Qwen2-VL's specials (151657 on), as ordinary (non-special) added tokens.
 EXTRA_TOKENS = (
@@ -119,22 +117,6 @@ def _rms_norm(name: str, dim: int) -> TensorSpec:
     return TensorSpec(name + ".weight", (dim,), 0.1, mean=1.0)
 
 
-def build_qwen2_5_vl_tokenizer(out_dir: str, base_id: int) -> None:
-    """A small byte-level BPE with the Qwen2 special tokens from base_id on (reserved fillers below it), then
-    Qwen2.5's tool-call / fill-in-the-middle tokens; eos `<|im_end|>`, no BOS."""
-    fast = build_tokenizer(out_dir, add_bos=False)
-    backend = fast.backend_tokenizer
-    # One batched call: the 7B's specials sit past 151k ids and adding fillers one by one would be slow.
-    backend.add_special_tokens([f"<|reserved_{i}|>" for i in range(backend.get_vocab_size(), base_id)])
-    if backend.get_vocab_size() != base_id:
-        raise ValueError(f"the base tokenizer already has {backend.get_vocab_size()} > {base_id} ids")
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
-    backend.add_tokens(list(EXTRA_TOKENS))
-    fast.eos_token = "<|im_end|>"
-    fast.pad_token = "<|endoftext|>"
-    fast.save_pretrained(out_dir)
-
-
 def build_qwen2_5_vl(
     out_dir: str,
     shape: str = "tiny",
@@ -150,40 +132,12 @@ def build_qwen2_5_vl(
     dialect "published" (flat config, `visual.*`, `model.*`) or "v5" (what transformers 5 saves)."""
     os.makedirs(out_dir, exist_ok=True)
     cfg = qwen2_5_vl_config(shape, dtype)
-    build_qwen2_5_vl_tokenizer(out_dir, SHAPES[shape]["base_id"])
+    build_qwen2_vl_tokenizer(out_dir, SHAPES[shape]["base_id"], EXTRA_TOKENS)
     add_chat_template(out_dir, QWEN2_5_VL_CHAT_TEMPLATE)
-    image_processor = {
-        "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 14, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-        "image_processor_type": "Qwen2VLImageProcessor",
-    }  # fmt: skip
-    text_prefix, vision_prefix, lm_head = "model.", "visual.", "lm_head.weight"
-    if dialect == "published":
-        write_json(os.path.join(out_dir, "config.json"), cfg)
-        write_json(
-            os.path.join(out_dir, "preprocessor_config.json"),
-            {**image_processor, "processor_class": "Qwen2_5_VLProcessor"},
-        )
-    elif dialect == "v5":
-        from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen2_5_VLConfig
 
-        Qwen2_5_VLConfig(**cfg).save_pretrained(out_dir)  # nested text_config, rope_parameters, dtype
-        nested = {k: v for k, v in image_processor.items() if not k.endswith("_pixels")}
-        nested["size"] = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-        write_json(
-            os.path.join(out_dir, "processor_config.json"),
-            {"image_processor": nested, "processor_class": "Qwen2_5_VLProcessor"},
-        )
-        text_prefix, vision_prefix = "model.language_model.", "model.visual."
-    else:
-        raise ValueError(f"unknown dialect {dialect!r}")
-    write_json(
-        os.path.join(out_dir, "generation_config.json"),
-        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]},
-    )
-    specs = llama_tensor_specs(cfg, prefix=text_prefix, lm_head=lm_head, bias=True)
-    specs += vision_tensor_specs(cfg["vision_config"], vision_prefix)
-    write_checkpoint(out_dir, specs, dtype, num_shards=num_shards, seed=seed, device=device)
+    write_qwen_vl_layout(out_dir, cfg, Qwen2_5_VLConfig, "Qwen2_5_VLProcessor", vision_tensor_specs, dialect,
+                         min_pixels, max_pixels, dtype, num_shards, seed, device)  # fmt: skip
     return out_dir
 
 

@@ -107,9 +107,10 @@ def _layer_norm(name: str, dim: int) -> list[TensorSpec]:
     return [TensorSpec(name + ".weight", (dim,), 0.1, mean=1.0), TensorSpec(name + ".bias", (dim,), 0.02)]
 
 
-def build_qwen2_vl_tokenizer(out_dir: str, base_id: int) -> None:
-    """A small byte-level BPE with the Qwen2 special tokens from base_id on (reserved fillers below it), eos
-    `<|im_end|>`, no BOS: tokenizes `<|vision_start|><|image_pad|><|vision_end|>` to the config's ids."""
+def build_qwen2_vl_tokenizer(out_dir: str, base_id: int, extra_tokens: tuple[str, ...] = ()) -> None:
+    """A small byte-level BPE with the Qwen2 special tokens from base_id on (reserved fillers below it), then
+    `extra_tokens` as ordinary added tokens (a later generation's), eos `<|im_end|>`, no BOS: tokenizes
+    `<|vision_start|><|image_pad|><|vision_end|>` to the config's ids."""
     fast = build_tokenizer(out_dir, add_bos=False)
     backend = fast.backend_tokenizer
     # One batched call: the 7B's specials sit past 151k ids and adding fillers one by one would be slow.
@@ -117,6 +118,8 @@ def build_qwen2_vl_tokenizer(out_dir: str, base_id: int) -> None:
     if backend.get_vocab_size() != base_id:
         raise ValueError(f"the base tokenizer already has {backend.get_vocab_size()} > {base_id} ids")
     backend.add_special_tokens(list(SPECIAL_TOKENS))
+    if extra_tokens:
+        backend.add_tokens(list(extra_tokens))
     fast.eos_token = "<|im_end|>"
     fast.pad_token = "<|endoftext|>"
     fast.save_pretrained(out_dir)
@@ -138,6 +141,29 @@ def build_qwen2_vl(
     os.makedirs(out_dir, exist_ok=True)
     cfg = qwen2_vl_config(shape, dtype)
     build_qwen2_vl_tokenizer(out_dir, SHAPES[shape]["base_id"])
+    from transformers import Qwen2VLConfig
+
+    write_qwen_vl_layout(out_dir, cfg, Qwen2VLConfig, "Qwen2VLProcessor", vision_tensor_specs, dialect, min_pixels,
+                         max_pixels, dtype, num_shards, seed, device)  # fmt: skip
+    return out_dir
+
+
+def write_qwen_vl_layout(
+    out_dir: str,
+    cfg: dict,
+    config_class: type,
+    processor_class: str,
+    vision_specs,
+    dialect: str,
+    min_pixels: int,
+    max_pixels: int,
+    dtype: torch.dtype,
+    num_shards: int | None,
+    seed: int,
+    device: str,
+) -> None:
+    """Config, image processor config, generation config and random weights of a Qwen2-VL-style checkpoint (Qwen2-VL,
+    Qwen2.5-VL) in `dialect`; `vision_specs(vision_config, prefix)` lists the tower's tensors."""
     image_processor = {
         "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": 14, "temporal_patch_size": 2,
         "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
@@ -148,18 +174,16 @@ def build_qwen2_vl(
         write_json(os.path.join(out_dir, "config.json"), cfg)
         write_json(
             os.path.join(out_dir, "preprocessor_config.json"),
-            {**image_processor, "processor_class": "Qwen2VLProcessor"},
+            {**image_processor, "processor_class": processor_class},
         )
     elif dialect == "v5":
-        from transformers import Qwen2VLConfig
-
-        Qwen2VLConfig(**cfg).save_pretrained(out_dir)  # nested text_config, rope_parameters, dtype
+        config_class(**cfg).save_pretrained(out_dir)  # nested text_config, rope_parameters, dtype
         size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
         nested = {k: v for k, v in image_processor.items() if not k.endswith("_pixels")}
         nested["size"] = size
         write_json(
             os.path.join(out_dir, "processor_config.json"),
-            {"image_processor": nested, "processor_class": "Qwen2VLProcessor"},
+            {"image_processor": nested, "processor_class": processor_class},
         )
         text_prefix, vision_prefix = "model.language_model.", "model.visual."
     else:
@@ -169,9 +193,8 @@ def build_qwen2_vl(
         os.path.join(out_dir, "generation_config.json"), {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos}
     )
     specs = llama_tensor_specs(cfg, prefix=text_prefix, lm_head=lm_head, bias=True)
-    specs += vision_tensor_specs(cfg["vision_config"], vision_prefix)
+    specs += vision_specs(cfg["vision_config"], vision_prefix)
     write_checkpoint(out_dir, specs, dtype, num_shards=num_shards, seed=seed, device=device)
-    return out_dir
 
 
 def main() -> None:
