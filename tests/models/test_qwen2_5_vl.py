@@ -155,10 +155,9 @@ def test_video_placeholder_is_refused(published_dir: str) -> None:
         prompter.count_images(CHAT.format("<|vision_start|><|video_pad|><|vision_end|>What happens?"))
 
 
-@pytest.mark.parametrize("chunked_prefill_size", [4096, 6])
-def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_prefill_size: int) -> None:
-    """1 image, 2 images of different sizes and a text-only prompt, batched in our engine: each equals HF generate,
-    whether prompts run whole or in 6-token chunks (images and their M-RoPE positions split across steps)."""
+def _check_generation(published_dir: str, hf_model, device: str, chunked_prefill_size: int) -> None:
+    """1 image, 2 images of different sizes and a text-only prompt, batched in our engine on `device` (the tower
+    there too, float32): each prompt equals HF's processor output and each answer HF generate's."""
     from language.llm import LLM
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
@@ -167,7 +166,7 @@ def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_pref
 
     tokenizer = AutoTokenizer.from_pretrained(published_dir)
     prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, tokenizer)
-    vision = vision_model_class(ARCH).from_pretrained(published_dir, torch.device("cpu"), torch.float32)
+    vision = vision_model_class(ARCH).from_pretrained(published_dir, torch.device(device), torch.float32)
     hf_processor = _hf_processor(published_dir)
     cases = [
         (CHAT.format(VISION + "Describe this picture."), [_image(150, 100, 1)]),
@@ -180,15 +179,22 @@ def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_pref
         embeds = vision.encode([vision.preprocess(im) for im in images]) if images else []
         prompts.append(mm.token_ids)
         placed = zip(mm.offsets, embeds, mm.grid_thw, strict=True)
-        items.append([MultimodalItem(offset=o, embeds=e, grid_thw=g) for o, e, g in placed])
-    llm = LLM(published_dir, max_total_token_num=4096, device="cpu", chunked_prefill_size=chunked_prefill_size)
+        items.append([MultimodalItem(offset=o, embeds=e.cpu(), grid_thw=g) for o, e, g in placed])
+    llm = LLM(published_dir, max_total_token_num=4096, device=device, dtype="float32",
+              chunked_prefill_size=chunked_prefill_size)  # fmt: skip
     ours = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), mm_items=items)
-
     for (text, images), prompt, gen in zip(cases, prompts, ours, strict=True):
         inputs = hf_processor(text=[text], images=images or None, return_tensors="pt")
         assert inputs["input_ids"][0].tolist() == prompt
         extra = {k: v for k, v in inputs.items() if k != "input_ids"}
         assert gen.token_ids == hf_greedy(hf_model, prompt, 24, **extra)
+
+
+@pytest.mark.parametrize("chunked_prefill_size", [4096, 6])
+def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_prefill_size: int) -> None:
+    """1 image, 2 images of different sizes and a text-only prompt, batched in our engine: each equals HF generate,
+    whether prompts run whole or in 6-token chunks (images and their M-RoPE positions split across steps)."""
+    _check_generation(published_dir, hf_model, "cpu", chunked_prefill_size)
 
 
 def test_v5_dialect_generation_matches_hf(published_dir: str, hf_model, tmp_path) -> None:
@@ -262,31 +268,4 @@ def test_packed_tower_on_gpu_matches_hf_sdpa(shape: str, published_dir: str) -> 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_greedy_generation_matches_hf_on_gpu(published_dir: str, hf_model) -> None:
     """The engine on CUDA (Triton kernels, CUDA-graph decode, M-RoPE) with the tower on CUDA, float32: HF's tokens."""
-    from language.llm import LLM
-    from language.request import MultimodalItem
-    from language.sampling_params import SamplingParams
-    from mmserve.multimodal.prompt import prompt_processor_class
-    from tests.models.hf_reference import hf_greedy
-
-    tokenizer = AutoTokenizer.from_pretrained(published_dir)
-    prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, tokenizer)
-    vision = vision_model_class(ARCH).from_pretrained(published_dir, torch.device("cuda"), torch.float32)
-    hf_processor = _hf_processor(published_dir)
-    cases = [
-        (CHAT.format(VISION + "Describe this picture."), [_image(150, 100, 1)]),
-        (CHAT.format(f"{VISION}and{VISION}Compare the two cities."), [_image(60, 200, 2), _image(333, 77, 3)]),
-        (CHAT.format("What is AI?"), []),
-    ]
-    prompts, items = [], []
-    for text, images in cases:
-        mm = prompter.encode(text, [im.size for im in images])
-        embeds = vision.encode([vision.preprocess(im) for im in images]) if images else []
-        prompts.append(mm.token_ids)
-        placed = zip(mm.offsets, embeds, mm.grid_thw, strict=True)
-        items.append([MultimodalItem(offset=o, embeds=e.cpu(), grid_thw=g) for o, e, g in placed])
-    llm = LLM(published_dir, max_total_token_num=4096, device="cuda", dtype="float32", chunked_prefill_size=13)
-    ours = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), mm_items=items)
-    for (text, images), prompt, gen in zip(cases, prompts, ours, strict=True):
-        inputs = hf_processor(text=[text], images=images or None, return_tensors="pt")
-        extra = {k: v for k, v in inputs.items() if k != "input_ids"}
-        assert gen.token_ids == hf_greedy(hf_model, prompt, 24, **extra)
+    _check_generation(published_dir, hf_model, "cuda", chunked_prefill_size=13)
