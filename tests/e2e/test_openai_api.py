@@ -7,14 +7,12 @@ a multi-turn two-image conversation; errors in OpenAI's shape with the right sta
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import subprocess
 import sys
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
@@ -30,6 +28,7 @@ from transformers import (
 from mmserve.checkpoints.qwen2_vl_demo import build_qwen2_vl_demo
 from mmserve.openai_protocol import render_chat
 from mmserve.protocol import BadRequest
+from tests.e2e.images import picture, png_b64
 from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
@@ -38,14 +37,8 @@ NEW_TOKENS = 12
 MODEL = "qwen2vl"  # the model folder's name
 
 
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
 def data_url(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")  # lossless: the server decodes exactly the pixels HF sees
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return "data:image/png;base64," + png_b64(image)
 
 
 def openai_messages(turns: list) -> list[dict]:

@@ -10,9 +10,7 @@ evicted (the KV cache is sized for that). Eviction is checked on its own small s
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import io
 import json
 import os
 import random
@@ -20,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -36,6 +33,7 @@ from transformers import (
 
 from mmserve.checkpoints.llava import SYSTEM_PROMPT, build_llava_hf
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from tests.e2e.images import picture, png_b64
 from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
@@ -44,17 +42,6 @@ KV_SLOTS = 16384  # the per-family servers never evict: their tree is compared w
 LONG_SYSTEM = " ".join(["You are a careful assistant who looks at every picture twice before answering."] * 6)
 USED, TREE, HITS = "mmserve_kv_tokens_used", "mmserve_prefix_cache_tokens", "mmserve_prefix_cache_hit_tokens_total"
 LOGPROB_TOL = 1e-4  # cache on vs off: the same math, in differently shaped batches and chunks
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png_b64(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")  # lossless: the server decodes exactly the pixels HF sees
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 # ------------------------------------------------------------------------------------------ the two families

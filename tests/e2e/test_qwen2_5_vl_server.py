@@ -6,12 +6,9 @@ once; video input gets a 400 that says it is not supported."""
 
 from __future__ import annotations
 
-import base64
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -24,6 +21,7 @@ from transformers import (
 )
 
 from mmserve.checkpoints.qwen2_5_vl import build_qwen2_5_vl
+from tests.e2e.images import picture, png_b64
 from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
@@ -32,17 +30,6 @@ VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 NEW_TOKENS = 20
 ENCODED = "mmserve_images_encoded_total"
 MODEL = "qwen2_5_vl"  # the model folder's name, as /v1/models reports it
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png_b64(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")  # lossless: the server decodes exactly the pixels HF sees
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 CASES = [

@@ -4,12 +4,9 @@ with HF Qwen2VLForConditionalGeneration's greedy tokens; repeated and concurrent
 
 from __future__ import annotations
 
-import base64
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -22,6 +19,7 @@ from transformers import (
 )
 
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from tests.e2e.images import picture, png_b64
 from tests.e2e.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
@@ -29,17 +27,6 @@ CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 NEW_TOKENS = 20
 ENCODED = "mmserve_images_encoded_total"
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def png_b64(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")  # lossless: the server decodes exactly the pixels HF sees
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 CASES = [

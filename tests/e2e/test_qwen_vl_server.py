@@ -16,7 +16,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -28,6 +27,7 @@ from language.sampling_params import SamplingParams
 from mmserve.checkpoints.qwen_vl import build_qwen_vl
 from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.tokenizers import load_tokenizer
+from tests.e2e.images import picture
 from tests.e2e.server_proc import ServerProcess, serving
 from visual.models.base import vision_model_class
 
@@ -42,10 +42,6 @@ def _example_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 def png_bytes(image: Image.Image) -> bytes:
