@@ -43,12 +43,45 @@ def decode_ms_per_step(core: EngineCore, batch: int, prompt_len: int, steps: int
     return elapsed * 1e3
 
 
+def profile_steps(core: EngineCore, batch: int, prompt_len: int, steps: int) -> None:
+    """Where one decode step's time goes: GPU kernel time per step against the step's wall time (the difference
+    is the GPU idle between kernels and steps), and the kernels that take the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_new_tokens=steps + 40, ignore_eos=True)
+    reqs = [Request(f"p{batch}-{i}", [1 + (i + j) % 1000 for j in range(prompt_len)], params) for i in range(batch)]
+    for r in reqs:
+        core.add_request(r)
+    while core.stats().waiting:
+        core.step()
+    for _ in range(5):
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) / steps * 1e6
+    for r in reqs:
+        core.abort(r.rid)
+    core.step()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    gpu_us = sum(e.device_time_total for e in kernels) / steps
+    launches = sum(e.count for e in kernels) / steps
+    print(f"batch {batch}: {wall_us:.0f} us per step, GPU busy {gpu_us:.0f} us ({launches:.0f} kernels), "
+          f"idle {wall_us - gpu_us:.0f} us")
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:15]:
+        print(f"  {e.device_time_total / steps:8.1f} us  x{e.count / steps:5.1f}  {e.key[:110]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model_dir", default="/tmp/llama7b")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--prompt_len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--profile", default="", help="batch sizes to profile after the table, e.g. 1,64")
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         t0 = time.perf_counter()
@@ -65,6 +98,8 @@ def main() -> None:
     for b in (int(x) for x in args.batches.split(",")):
         ms = decode_ms_per_step(core, b, args.prompt_len, args.steps)
         print(f"| {b} | {ms:.2f} | {b * 1e3 / ms:.0f} | {ms / floor:.2f} |")
+    for b in (int(x) for x in args.profile.split(",") if x):
+        profile_steps(core, b, args.prompt_len, 20)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from benchmarks.loads import (  # noqa: E402
     select_loads,
     warmup_requests,
 )
+from benchmarks.proc_cpu import cpu_delta, session_cpu  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -203,6 +204,17 @@ def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dic
     return summary
 
 
+def measured(runner, url: str, load: Load, args: argparse.Namespace, session: int | None) -> dict:
+    """runner's summary plus the CPU seconds this client and (with a session id) each server process spent on
+    the load: a process near the wall time is saturated and bounds the load."""
+    before, client0 = (session_cpu(session) if session else None), time.process_time()
+    summary = runner(url, load, args.family, args)
+    summary["client_cpu_s"] = round(time.process_time() - client0, 2)
+    if before is not None:
+        summary["server_cpu_s"] = cpu_delta(before, session_cpu(session))
+    return summary
+
+
 def warm_up(url: str, loads: list[Load], family: str, args: argparse.Namespace) -> None:
     specs: list[RequestSpec] = warmup_requests(loads, family, args.question_words)
     t0 = time.perf_counter()
@@ -257,6 +269,9 @@ def emit(line: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server; omitted: start mmserve here")
+    ap.add_argument("--server_session", type=int, default=None,
+                    help="session id of a running server's processes (its launcher's pid if started with setsid), "
+                    "to report their CPU seconds per load; the server started here is measured anyway")
     ap.add_argument("--name", default=None, help='"server" in the JSON lines (default: mmserve)')
     ap.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
     ap.add_argument("--model_dir", default=None, help="checkpoint for the server started here, and for --hf")
@@ -294,8 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if loads and not args.no_warmup:
             warm_up(url, loads, args.family, args)
+        session = proc.pid if proc is not None else args.server_session
         for load in loads:
-            emit({**common, "load": load.name, **run_load(url, load, args.family, args)})
+            emit({**common, "load": load.name, **measured(run_load, url, load, args, session)})
     finally:
         if proc is not None:
             stop_server(proc)
