@@ -69,8 +69,10 @@ def profile_steps(core: EngineCore, batch: int, prompt_len: int, steps: int) -> 
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
     gpu_us = sum(e.device_time_total for e in kernels) / steps
     launches = sum(e.count for e in kernels) / steps
-    print(f"batch {batch}: {wall_us:.0f} us per step, GPU busy {gpu_us:.0f} us ({launches:.0f} kernels), "
-          f"idle {wall_us - gpu_us:.0f} us")
+    print(
+        f"batch {batch}: {wall_us:.0f} us per step, GPU busy {gpu_us:.0f} us ({launches:.0f} kernels), "
+        f"idle {wall_us - gpu_us:.0f} us"
+    )
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:15]:
         print(f"  {e.device_time_total / steps:8.1f} us  x{e.count / steps:5.1f}  {e.key[:110]}")
 

@@ -111,8 +111,11 @@ async def one_request(client: httpx.AsyncClient, url: str, body: bytes) -> Reque
     return r
 
 
-async def run_concurrent(url: str, bodies: list[bytes], desc: str, timeout: float) -> tuple[list[RequestResult], float]:
-    """All requests at once; wall time from the first send to the last stream's end."""
+async def run_concurrent(
+    url: str, bodies: list[bytes], desc: str, timeout: float
+) -> tuple[list[RequestResult], float, float]:
+    """All requests at once; (results, wall time from the first send to the last stream's end, this client's CPU
+    seconds meanwhile)."""
     limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
     bar = tqdm(total=len(bodies), desc=desc, file=sys.stderr, leave=False) if tqdm else None
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -123,27 +126,29 @@ async def run_concurrent(url: str, bodies: list[bytes], desc: str, timeout: floa
                 bar.update(1)
             return res
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(tracked(b) for b in bodies))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if bar is not None:
         bar.close()
-    return list(results), wall
+    return list(results), wall, cpu
 
 
-async def run_sequential(url: str, bodies: list[bytes], desc: str, timeout: float) -> tuple[list[RequestResult], float]:
-    results, wall = [], 0.0
+async def run_sequential(
+    url: str, bodies: list[bytes], desc: str, timeout: float
+) -> tuple[list[RequestResult], float, float]:
+    results, wall, cpu0 = [], 0.0, time.process_time()
     async with httpx.AsyncClient(timeout=timeout) as client:
         for body in tqdm(bodies, desc=desc, file=sys.stderr, leave=False) if tqdm else bodies:
             t0 = time.perf_counter()
             results.append(await one_request(client, url, body))
             wall += time.perf_counter() - t0
-    return results, wall
+    return results, wall, time.process_time() - cpu0
 
 
 async def run_chats(
     url: str, convs: list[Conversation], max_new_tokens: int, desc: str, timeout: float
-) -> tuple[list[list[RequestResult]], float]:
+) -> tuple[list[list[RequestResult]], float, float]:
     """The conversations at once, each one's turns in a row (turn k+1 sent when turn k's stream ended, with its
     answer in the history); after a failed turn the conversation stops, its later turns counted as errors. Wall time
     from the first send to the last stream's end."""
@@ -168,18 +173,19 @@ async def run_chats(
                 answers.append(r.text)
             return results
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(converse(c) for c in convs))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if bar is not None:
         bar.close()
-    return list(results), wall
+    return list(results), wall, cpu
 
 
 def run_chat_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
     convs = chat_conversations(load, family, args.question_words)
-    per_conv, wall = asyncio.run(run_chats(url, convs, args.max_new_tokens, load.name, args.timeout))
+    per_conv, wall, cpu = asyncio.run(run_chats(url, convs, args.max_new_tokens, load.name, args.timeout))
     summary = summarize([r for conv in per_conv for r in conv], wall)
+    summary["client_cpu_s"] = round(cpu, 2)
     summary.update(conversations=len(convs), turns=load.turns)
     summary.update(by_turn(per_conv, with_headers="ttft_caveat" in summary))
     if summary["output_tokens_min"] != args.max_new_tokens:
@@ -193,23 +199,23 @@ def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dic
     specs, warm = requests_for(load, family, args.question_words)
     bodies = [s.body(args.max_new_tokens) for s in specs]
     if warm is not None:  # the image is seen once before: the timed requests hit the embedding cache
-        res, _ = asyncio.run(run_sequential(url, [warm.body(args.max_new_tokens)], "cache warm", args.timeout))
+        res, _, _ = asyncio.run(run_sequential(url, [warm.body(args.max_new_tokens)], "cache warm", args.timeout))
         if res[0].error:
             log(f"{load.name}: the cache-warming request failed: {res[0].error}")
     runner = run_sequential if load.sequential else run_concurrent
-    results, wall = asyncio.run(runner(url, bodies, load.name, args.timeout))
+    results, wall, cpu = asyncio.run(runner(url, bodies, load.name, args.timeout))
     summary = summarize(results, wall, sequential=load.sequential)
+    summary["client_cpu_s"] = round(cpu, 2)  # while sending and reading: near wall_s, the client bounds the load
     if summary["output_tokens_min"] != args.max_new_tokens:
         summary["short_requests_caveat"] = f"a request got {summary['output_tokens_min']} < {args.max_new_tokens}"
     return summary
 
 
 def measured(runner, url: str, load: Load, args: argparse.Namespace, session: int | None) -> dict:
-    """runner's summary plus the CPU seconds this client and (with a session id) each server process spent on
-    the load: a process near the wall time is saturated and bounds the load."""
-    before, client0 = (session_cpu(session) if session else None), time.process_time()
+    """runner's summary plus the CPU seconds (with a session id) each server process spent on the load: one near
+    the wall time is saturated and bounds the load."""
+    before = session_cpu(session) if session else None
     summary = runner(url, load, args.family, args)
-    summary["client_cpu_s"] = round(time.process_time() - client0, 2)
     if before is not None:
         summary["server_cpu_s"] = cpu_delta(before, session_cpu(session))
     return summary
@@ -218,7 +224,7 @@ def measured(runner, url: str, load: Load, args: argparse.Namespace, session: in
 def warm_up(url: str, loads: list[Load], family: str, args: argparse.Namespace) -> None:
     specs: list[RequestSpec] = warmup_requests(loads, family, args.question_words)
     t0 = time.perf_counter()
-    results, _ = asyncio.run(run_concurrent(url, [s.body(16) for s in specs], "warm-up", args.timeout))
+    results, _, _ = asyncio.run(run_concurrent(url, [s.body(16) for s in specs], "warm-up", args.timeout))
     errors = [r.error for r in results if r.error]
     log(
         f"warm-up: {len(specs)} requests in {time.perf_counter() - t0:.1f} s"
@@ -269,9 +275,13 @@ def emit(line: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server; omitted: start mmserve here")
-    ap.add_argument("--server_session", type=int, default=None,
-                    help="session id of a running server's processes (its launcher's pid if started with setsid), "
-                    "to report their CPU seconds per load; the server started here is measured anyway")
+    ap.add_argument(
+        "--server_session",
+        type=int,
+        default=None,
+        help="session id of a running server's processes (its launcher's pid if started with setsid), "
+        "to report their CPU seconds per load; the server started here is measured anyway",
+    )
     ap.add_argument("--name", default=None, help='"server" in the JSON lines (default: mmserve)')
     ap.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
     ap.add_argument("--model_dir", default=None, help="checkpoint for the server started here, and for --hf")

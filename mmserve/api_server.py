@@ -25,7 +25,15 @@ from mmserve.http_server import build_app
 from mmserve.messages import RouterStats
 from mmserve.metrics import ServerMetrics
 from mmserve.openai_protocol import OpenAIOptions
-from mmserve.processes import ChildProcess, ChildStartError, exit_now, spawn_child, stop_children, wait_ready
+from mmserve.processes import (
+    ChildProcess,
+    ChildStartError,
+    exit_now,
+    freeze_startup_objects,
+    spawn_child,
+    stop_children,
+    wait_ready,
+)
 from mmserve.router import run_router_process
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
 from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
@@ -130,6 +138,7 @@ def serve(config: ServerConfig) -> int:
             on_timeout=lambda: client.fail_in_flight("the server is shutting down (--graceful_timeout ran out)"),
         )
         client.on_fatal = lambda: setattr(server, "should_exit", True)
+        freeze_startup_objects()
         logger.info(
             "serving %s on http://%s:%d (started in %.1f s)",
             config.model_dir,

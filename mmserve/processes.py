@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -59,6 +60,7 @@ def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], 
     except BaseException:
         ready.send(("error", traceback.format_exc()))
         raise
+    freeze_startup_objects()
     ready.send(("ready", info))
     ready.close()
     try:
@@ -66,6 +68,15 @@ def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], 
     except SystemExit as e:  # SIGTERM: `serve` closed its sockets on the way out
         exit_now(e.code if isinstance(e.code, int) else 0)
     exit_now(0)
+
+
+def freeze_startup_objects() -> None:
+    """Once a process has started: put every object alive now (modules, the model's and tokenizer's Python
+    objects: ~0.5M of them) out of the cyclic garbage collector's reach. A full collection would otherwise scan
+    them all, a 0.1-0.7 s pause of the step loop or the event loop in the middle of a load (SGLang and vLLM do the
+    same); objects made while serving are still collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def exit_now(code: int) -> None:
