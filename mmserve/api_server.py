@@ -5,10 +5,8 @@ Every child is stopped on the way out, and the server's sockets and shared memor
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,6 +28,7 @@ from mmserve.processes import (
     ChildStartError,
     exit_now,
     freeze_startup_objects,
+    seconds_since_process_start,
     spawn_child,
     stop_children,
     wait_ready,
@@ -40,22 +39,6 @@ from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
 from mmserve.zmq_queue import Endpoints, remove_dead_ipc_dirs
 
 logger = logging.getLogger("mmserve")
-
-_IMPORTED_AT = time.monotonic()  # fallback start time where /proc cannot tell when the process started
-
-
-def seconds_since_process_start() -> float:
-    """How long this process has run, by the kernel's clock, so that interpreter start-up and the imports (torch
-    alone takes seconds) count in the start-up time we report, not only the part after main() begins."""
-    try:
-        with open("/proc/self/stat") as f:
-            # Field 22 (starttime, in clock ticks after boot); split after the command name, which may hold spaces.
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime_s = float(f.read().split()[0])
-        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.monotonic() - _IMPORTED_AT
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,23 @@ class ChildStartError(RuntimeError):
     pass
 
 
+_IMPORTED_AT = time.monotonic()  # fallback start time where /proc cannot tell when the process started
+
+
+def seconds_since_process_start() -> float:
+    """How long this process has run, by the kernel's clock, so that interpreter start-up and the imports (torch
+    alone takes seconds) count in the start-up time we report, not only the part after main() begins."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (starttime, in clock ticks after boot); split after the command name, which may hold spaces.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
+
+
 # --------------------------------------------------------------------------------------------- inside a child
 
 
@@ -55,12 +72,15 @@ def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], 
     """Run a child's body: `start()` loads what it needs and returns (ready info, serve loop taking the parent pid).
     A start failure is reported over the pipe with its traceback, so the parent can print why."""
     parent_pid = setup_child(name, log_level)
+    # Start-up, phase by phase (with the engine's and visual model's own lines): what the 30 s budget goes to.
+    logger.info("%s process up after %.1f s (interpreter, imports)", name, seconds_since_process_start())
     try:
         info, serve = start()
     except BaseException:
         ready.send(("error", traceback.format_exc()))
         raise
     freeze_startup_objects()
+    logger.info("%s process ready after %.1f s", name, seconds_since_process_start())
     ready.send(("ready", info))
     ready.close()
     try:
