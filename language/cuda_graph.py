@@ -77,7 +77,7 @@ class DecodeGraphs:
             kv=self.kv,
         )
         logits = self.model(batch)  # [bs, vocab]
-        ids, logprobs = sample_greedy(logits)  # used when the whole batch is greedy; a few launches saved
+        ids, logprobs, *_ = sample_greedy(logits)  # used when the whole batch is greedy; a few launches saved
         self.last_token[req_idx] = ids
         return logits, ids, logprobs
 

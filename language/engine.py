@@ -17,7 +17,7 @@ from language.model_runner import InflightStep, ModelRunner
 from language.models import model_class
 from language.prefix_cache import PrefixCache, cache_ids
 from language.progress import progress
-from language.request import Request, RequestOutput, RequestStatus
+from language.request import PromptLogprobs, Request, RequestOutput, RequestStatus, TopLogprobs
 from language.scheduler import Scheduler, StepPlan
 from language.step_inputs import stage
 from language.warmup import warmup
@@ -178,7 +178,11 @@ class EngineCore:
             if set(p.allowed_token_ids) <= masked:
                 raise ValueError("parameters.allowed_token_ids: min_new_tokens masks all of them (EOS, stop ids)")
         self.model.prepare_request(req)
-        if self.prefix is not None and not req.params.disable_prompt_cache:
+        if p.prompt_logprobs is not None:
+            # Every prompt position must run to be scored: a cached prefix has no logits, so such a request neither
+            # reuses the prefix cache nor adds to it (as vLLM skips the cache for prompt logprobs).
+            req.prompt_logprobs = PromptLogprobs(list(req.prompt_ids), top=[] if p.prompt_logprobs else None)
+        elif self.prefix is not None and not p.disable_prompt_cache:
             req.cache_ids = cache_ids(req)
         self._requests[req.rid] = req
         self.scheduler.add(req)
@@ -198,7 +202,7 @@ class EngineCore:
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
-        collected: list[tuple[Request, int, float]] = []
+        collected: list[tuple[Request, int, float, TopLogprobs | None]] = []
         if self._inflight is not None and _needs_history(plan):
             collected = self._collect()
         staged = stage(plan, self.kv, self.model.position_dims, self.prefix) if plan else None
@@ -209,20 +213,30 @@ class EngineCore:
             if staged.num_seqs:
                 self._inflight = self.runner.launch(staged)
         # Built while the device runs the step just launched.
-        outputs += [self._output(req, [token], [logprob]) for req, token, logprob in collected]
+        outputs += [self._output(req, [token], [logprob], top) for req, token, logprob, top in collected]
         if plan or outputs:
             self.counters.busy_s += time.perf_counter() - t0
         return outputs
 
-    def _collect(self) -> list[tuple[Request, int, float]]:
-        """Wait for the step in flight and hand its samples to their requests: (request, token, logprob) each."""
+    def _collect(self) -> list[tuple[Request, int, float, TopLogprobs | None]]:
+        """Wait for the step in flight and hand its samples to their requests: (request, token, logprob, its top
+        alternatives or None) each; prompt scores go to their requests' prompt_logprobs first."""
         inflight, self._inflight = self._inflight, None
-        ids, logprobs = inflight.wait()
+        out = inflight.wait()
+        start = 0
+        for req, n in inflight.scored:
+            if not req.finished:
+                scores = req.prompt_logprobs
+                scores.logprobs += out.prompt_logprobs[start : start + n]
+                if scores.top is not None:
+                    scores.top += out.prompt_top(start, n, req.params.prompt_logprobs)
+            start += n
         collected = []
         for req, row in inflight.sampled:
             if not req.finished:  # an abort may have come while the step ran
-                self._append_token(req, ids[row], logprobs[row])
-                collected.append((req, ids[row], logprobs[row]))
+                token, logprob = out.ids[row], out.logprobs[row]
+                self._append_token(req, token, logprob)
+                collected.append((req, token, logprob, out.top(row, req.params.top_logprobs)))
         c = self.counters
         c.steps += 1
         c.prefill_tokens += inflight.num_prefill_tokens
@@ -272,7 +286,10 @@ class EngineCore:
         del self._requests[req.rid]
 
     @staticmethod
-    def _output(req: Request, tokens: list[int], logprobs: list[float] | None = None) -> RequestOutput:
+    def _output(
+        req: Request, tokens: list[int], logprobs: list[float] | None = None, top: TopLogprobs | None = None
+    ) -> RequestOutput:
+        first = bool(tokens) and len(req.output_ids) == 1  # the prompt's scores ride with the first token
         return RequestOutput(
             rid=req.rid,
             new_token_ids=tokens,
@@ -282,6 +299,8 @@ class EngineCore:
             prompt_tokens=req.prompt_len,
             output_tokens=len(req.output_ids),
             cached_tokens=req.prompt_cache_len,
+            new_top_logprobs=None if top is None else [top],
+            prompt_logprobs=req.prompt_logprobs if first else None,
         )
 
 

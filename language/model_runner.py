@@ -3,11 +3,15 @@
 A step's integer inputs go to the device in one copy from a pinned buffer; the ids of decode rows never leave the
 device (the previous step scattered its samples into `last_token`, indexed by table row); image embeddings are
 copied on a side stream; sampled ids and log-probs come back through a non-blocking copy into pinned memory that
-`InflightStep.wait` reads once the step's CUDA event has fired. Pure decode steps replay a captured CUDA graph."""
+`InflightStep.wait` reads once the step's CUDA event has fired. Pure decode steps replay a captured CUDA graph.
+
+Log-probabilities beyond the chosen token's cost nothing unless asked: top-k alternatives are computed for a step
+only when one of its rows asks (top_logprobs), and the head runs over prompt positions only for the chunks of
+requests that asked for prompt_logprobs (their rows join the step's `logits_idx` after the sampled rows)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,8 +19,8 @@ import torch
 from language.cuda_graph import DecodeGraphs
 from language.forward_batch import ForwardBatch
 from language.kv_cache import KVCache
-from language.request import Request
-from language.sampler import SamplingBatch, sample, sample_greedy
+from language.request import Request, TopLogprobs
+from language.sampler import Samples, SamplingBatch, sample, sample_greedy, token_logprobs
 from language.step_inputs import StagedStep
 
 _ALIGN = 16  # int64 elements: 128 bytes
@@ -50,20 +54,62 @@ class PinnedStaging:
 
 
 @dataclass
+class HostSamples:
+    """A step's samples on the host: per sampled row its id and log-probability (and alternatives when the step
+    computed k > 0 of them), and the scores of the prompt positions that asked, in `InflightStep.scored` order."""
+
+    ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None  # [B][k]
+    top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[float] | None = None  # [S]
+    prompt_top_ids: list[list[int]] | None = None  # [S][kp]
+    prompt_top_logprobs: list[list[float]] | None = None
+
+    def top(self, row: int, k: int) -> TopLogprobs | None:
+        """Row's k most likely (id, logprob), or None where it asked for none."""
+        if k == 0 or self.top_ids is None:
+            return None
+        return list(zip(self.top_ids[row][:k], self.top_logprobs[row][:k], strict=True))
+
+    def prompt_top(self, start: int, n: int, k: int) -> list[TopLogprobs]:
+        ids, lps = self.prompt_top_ids, self.prompt_top_logprobs
+        return [list(zip(ids[i][:k], lps[i][:k], strict=True)) for i in range(start, start + n)]
+
+
+@dataclass
 class InflightStep:
     """A launched step: which requests get which sampled row, and where the samples land on the host."""
 
     sampled: list[tuple[Request, int]]  # (request, row of ids/logprobs) for rows whose token is kept
-    ids: torch.Tensor  # [num_seqs] int64, host (pinned on GPU)
-    logprobs: torch.Tensor  # [num_seqs] float32, host
+    ids: torch.Tensor  # host int64 (pinned on GPU): ids [B], then top ids [B, k], then prompt top ids [S, kp]
+    logprobs: torch.Tensor  # host float32: logprobs [B], top [B, k], prompt scores [S], prompt top [S, kp]
     event: torch.cuda.Event | None
     num_decode: int
     num_prefill_tokens: int
+    scored: list[tuple[Request, int]] = field(default_factory=list)  # prompt_logprobs: (request, positions)
+    widths: tuple[int, int, int, int] = (0, 0, 0, 0)  # B, k, S, kp
 
-    def wait(self) -> tuple[list[int], list[float]]:
+    def wait(self) -> HostSamples:
         if self.event is not None:
             self.event.synchronize()
-        return self.ids.tolist(), self.logprobs.tolist()
+        b, k, n, kp = self.widths
+        ints, floats = self.ids.tolist(), self.logprobs.tolist()
+        out = HostSamples(ints[:b], floats[:b])
+        if k:
+            out.top_ids = _rows(ints[b:], b, k)
+            out.top_logprobs = _rows(floats[b:], b, k)
+        if n:
+            ints, floats = ints[b + b * k :], floats[b + b * k :]
+            out.prompt_logprobs = floats[:n]
+            if kp:
+                out.prompt_top_ids = _rows(ints, n, kp)
+                out.prompt_top_logprobs = _rows(floats[n:], n, kp)
+        return out
+
+
+def _rows(flat: list, n: int, width: int) -> list[list]:
+    return [flat[i * width : (i + 1) * width] for i in range(n)]
 
 
 class ModelRunner:
@@ -88,47 +134,60 @@ class ModelRunner:
         """Run the staged step and sample it, all queued on the device; returns at once."""
         nd = len(staged.decode.reqs)
         reqs = staged.decode.reqs + staged.prefill.reqs
+        b = len(reqs)
         # The argmax fast path (and the decode graph's built-in greedy sample) only for plain greedy rows: penalties,
         # biases and masks change the logits, so any request with one sends the whole step through sample().
         all_greedy = all(r.params.greedy and not r.params.has_penalties and not r.params.has_logit_masks for r in reqs)
+        k = max(r.params.top_logprobs for r in reqs)
+        targets = None
         if not staged.prefill.reqs and self.graphs is not None and self.graphs.can_run(nd):
             logits, ids, logprobs, req_idx = self.graphs.replay(staged.decode)  # greedy samples already stored
         else:
-            batch = self._forward_batch(staged)
-            logits, req_idx, ids = self.model(batch), batch.req_idx, None
+            batch, targets = self._forward_batch(staged)
+            logits, req_idx, ids = self.model(batch), batch.req_idx, None  # [b + S, vocab]
         if ids is None or not all_greedy:
             if all_greedy:
-                ids, logprobs = sample_greedy(logits)
+                samples = sample_greedy(logits[:b], k)
             else:
                 sb = SamplingBatch.build(reqs, self.vocab_size, self.device, self.eos_token_ids)
-                ids, logprobs = sample(logits, sb)
-            self.last_token[req_idx] = ids  # decode rows of the next step read their input ids from here
-        host_ids, host_lps = self._ids_out.host(len(reqs)), self._lp_out.host(len(reqs))
-        host_ids.copy_(ids, non_blocking=True)
-        host_lps.copy_(logprobs, non_blocking=True)
+                samples = sample(logits[:b], sb)
+            self.last_token[req_idx] = samples.ids  # decode rows of the next step read their input ids from here
+        elif k:  # the graph sampled greedily: only the alternatives are left to compute
+            samples = token_logprobs(logits, ids, k)
+        else:
+            samples = Samples(ids, logprobs)
+        scored = staged.prefill.scored
+        kp = max((r.params.prompt_logprobs for r, _ in scored), default=0)
+        prompt = token_logprobs(logits[b:], targets, kp) if scored else None
+        ints = [samples.ids, samples.top_ids] + ([prompt.top_ids] if prompt else [])
+        floats = [samples.logprobs, samples.top_logprobs] + ([prompt.logprobs, prompt.top_logprobs] if prompt else [])
+        host_ids, host_lps = _copy_out(self._ids_out, ints), _copy_out(self._lp_out, floats)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         keep = [True] * nd + staged.prefill.samples.tolist()
-        sampled = [(r, row) for row, (r, k) in enumerate(zip(reqs, keep, strict=True)) if k]
-        return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens)
+        sampled = [(r, row) for row, (r, kept) in enumerate(zip(reqs, keep, strict=True)) if kept]
+        widths = (b, k, len(staged.prefill.score_rows), kp)
+        return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths)
 
-    def _forward_batch(self, staged: StagedStep) -> ForwardBatch:
-        """Pack the step's integers into one pinned buffer, copy it over in one go, and build the batch on views.
+    def _forward_batch(self, staged: StagedStep) -> tuple[ForwardBatch, torch.Tensor]:
+        """Pack the step's integers into one pinned buffer, copy it over in one go, and build the batch on views
+        (and the prompt tokens that prompt_logprobs rows score, [S] on the device).
         Every array starts on a 128-byte boundary: Triton specialises kernels on pointer alignment, and unaligned
         views would compile new variants mid-load."""
         d, p = staged.decode, staged.prefill
         nd, n, b = len(d.reqs), staged.num_tokens, staged.num_seqs
         dims, npf, nm = p.positions.shape[0], len(p.reqs), p.mm_rows.shape[0]
         nt = n + p.table_slot.shape[0]  # table entries: each new token's, then the reused prefixes'
-        sizes = [n, nt, nt, nt, dims * n, b, nd, npf, npf, npf, npf, b, nm]
+        ns = p.score_rows.shape[0]  # prompt positions scored for prompt_logprobs
+        sizes = [n, nt, nt, nt, dims * n, b, nd, npf, npf, npf, npf, b + ns, nm, ns]
         starts = np.cumsum([0] + [-(-size // _ALIGN) * _ALIGN for size in sizes])
         packed = self._meta.host(int(starts[-1]))
         host = packed.numpy()
-        ids, slots, rows, cols, pos, req_idx, dec_lens, pf_idx, pf_lens, q_starts, q_lens, logits_idx, mm_rows = (
-            host[start : start + size] for start, size in zip(starts, sizes, strict=False)
-        )
+        arrays = [host[start : start + size] for start, size in zip(starts, sizes, strict=False)]
+        ids, slots, rows, cols, pos, req_idx, dec_lens, pf_idx, pf_lens, q_starts, q_lens = arrays[:11]
+        logits_idx, mm_rows, scored = arrays[11:]
         ids[:nd], ids[nd:] = 0, p.input_ids  # decode ids are filled in on the device
         slots[:nd], slots[nd:n], slots[n:] = d.slot, p.slot, p.table_slot
         rows[:nd], rows[nd:n], rows[n:] = d.req_idx, p.tok_req_idx, p.table_req_idx
@@ -138,16 +197,17 @@ class ModelRunner:
         req_idx[:nd], req_idx[nd:] = d.req_idx, p.req_idx
         dec_lens[:], pf_idx[:], pf_lens[:] = d.col + 1, p.req_idx, p.seq_len
         q_starts[:], q_lens[:] = p.q_start, p.q_len
-        logits_idx[:nd], logits_idx[nd:] = np.arange(nd), nd + p.q_start + p.q_len - 1
+        logits_idx[:nd], logits_idx[nd:b] = np.arange(nd), nd + p.q_start + p.q_len - 1
+        logits_idx[b:], scored[:] = nd + p.score_rows, p.score_targets  # after the sampled rows
         mm_rows[:] = nd + p.mm_rows
         dev = self._meta.to_device(packed)
         views = [dev[start : start + size] for start, size in zip(starts, sizes, strict=False)]
         ids_d, slots_d, rows_d, cols_d, pos_d, req_idx_d, dec_lens_d, pf_idx_d, pf_lens_d = views[:9]
-        q_starts_d, q_lens_d, logits_d, mm_rows_d = views[9:]
+        q_starts_d, q_lens_d, logits_d, mm_rows_d, scored_d = views[9:]
         if nd:
             ids_d[:nd] = self.last_token[req_idx_d[:nd]]
         self.kv.assign(rows_d, cols_d, slots_d)
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=ids_d,
             positions=pos_d if dims == 1 else pos_d.view(dims, n),
             out_slots=slots_d[:n],
@@ -165,6 +225,7 @@ class ModelRunner:
             mm_embeds=self._embeds_to_device(p.mm_embeds) if nm else None,
             mm_positions=mm_rows_d if nm else None,
         )
+        return batch, scored_d
 
     def _embeds_to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """[M, hidden] in the LM's dtype. On GPU the copy runs on a side stream, so the host returns while it
@@ -182,3 +243,14 @@ class ModelRunner:
         out.record_stream(compute)
         compute.wait_stream(self._copy_stream)
         return out.to(dtype)
+
+
+def _copy_out(staging: PinnedStaging, parts: list[torch.Tensor | None]) -> torch.Tensor:
+    """Device tensors (None skipped) -> one host buffer, one after another, flattened, without waiting."""
+    parts = [t for t in parts if t is not None]
+    host = staging.host(sum(t.numel() for t in parts))
+    start = 0
+    for t in parts:
+        host[start : start + t.numel()].view(t.shape).copy_(t, non_blocking=True)
+        start += t.numel()
+    return host

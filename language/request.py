@@ -47,6 +47,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)  # collected from finished steps
     output_logprobs: list[float] = field(default_factory=list)
+    # prompt_logprobs asked: what the prefill chunks have scored so far (positions 1.. of the prompt)
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     req_idx: int = -1  # row in the request-to-slots table while running
     # What launched steps (including the one in flight) have done:
@@ -89,6 +91,21 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass
+class PromptLogprobs:
+    """The prompt scored by the model: logprobs[i] = log P(token_ids[i + 1] | token_ids[: i + 1]) (the first token
+    has none), from the log-softmax of the raw logits; `top[i]` the k most likely tokens there when k > 0 was asked.
+    Image placeholder positions are scored like any other: the placeholder id's log-probability (as HF's and vLLM's
+    forward logits give it), and the position after an image scores the text token that follows it."""
+
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # [len(token_ids) - 1] once complete
+    top: list[TopLogprobs] | None = None
+
+
 @dataclass
 class RequestOutput:
     """What one engine step produced for one request."""
@@ -101,3 +118,5 @@ class RequestOutput:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    new_top_logprobs: list[TopLogprobs] | None = None  # per new token, when top_logprobs > 0 was asked
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when prompt_logprobs was asked

@@ -1,9 +1,16 @@
 """Batched sampling: penalties, logit bias, allowed-token and min-new-tokens masks, the EOS length boost,
-temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over the whole batch."""
+temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over the whole batch.
+
+Log-probabilities (the chosen token's, and the top-k alternatives OpenAI's top_logprobs asks for) are the log-softmax
+of the logits the token was chosen from, after penalties, logit bias and masks but before temperature, top-k and
+top-p: for a request without penalties, bias or masks that is the log-softmax of the model's raw logits, vLLM's
+default (`logprobs_mode` raw_logprobs). Top-k alternatives are computed only when some row of the step asks for
+them, once for the whole batch (k = the largest any row asks for); each row then reads its own first k."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +35,7 @@ class SamplingBatch:
     any_seeded: bool
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     processors: LogitProcessors | None = None
+    top_logprobs: int = 0  # alternatives to return: the most any row asks for (0: none computed)
 
     @classmethod
     def build(
@@ -58,6 +66,7 @@ class SamplingBatch:
                 if any(p.has_logit_masks for p in ps)
                 else None
             ),
+            top_logprobs=max(p.top_logprobs for p in ps),
         )
 
 
@@ -181,16 +190,36 @@ def _seeded_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch
     return (x.float() + 0.5) / 4294967296.0
 
 
-def sample_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fast path for a batch that is all greedy with no penalties: argmax and its log-probability, with no
-    sort and no full log-softmax table. logits: [B, V] float32 -> (ids [B] int64, logprobs [B] float32)."""
-    next_ids = logits.argmax(dim=-1)
-    best = logits.gather(1, next_ids[:, None]).squeeze(1)
-    return next_ids, best - torch.logsumexp(logits, dim=-1)
+class Samples(NamedTuple):
+    """One step's samples: ids [B] int64 and their log-probabilities [B] float32; when some row asks for
+    alternatives, the k most likely ids of every row [B, k] int64 and their log-probabilities [B, k] float32."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [B, V] float32 -> (next token ids [B] int64, their log-probabilities [B] float32)."""
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int = 0) -> Samples:
+    """log_softmax(logits)[row, ids[row]] and, if k > 0, the k largest entries of each row's log-softmax, without a
+    [B, V] log-softmax table: the logits (or their top-k) minus their logsumexp. logits: [B, V] float32, ids: [B]."""
+    lse = torch.logsumexp(logits, dim=-1)  # [B]
+    chosen = logits.gather(1, ids[:, None]).squeeze(1) - lse
+    if k == 0:
+        return Samples(ids, chosen)
+    values, top_ids = logits.topk(k, dim=-1)  # [B, k], largest first
+    return Samples(ids, chosen, top_ids, values - lse[:, None])
+
+
+def sample_greedy(logits: torch.Tensor, top_logprobs: int = 0) -> Samples:
+    """The fast path for a batch that is all greedy with no penalties: argmax and its log-probability (and the
+    top_logprobs most likely ids), with no sort and no full log-softmax table. logits: [B, V] float32."""
+    return token_logprobs(logits, logits.argmax(dim=-1), top_logprobs)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
+    """logits: [B, V] float32 -> next token ids [B] int64, their log-probabilities [B] float32 (and sb.top_logprobs
+    alternatives per row, when some row asks)."""
     if sb.penalties is not None:
         logits = apply_penalties(logits, sb.penalties)
     if sb.processors is not None:
@@ -198,7 +227,17 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch
     logprobs_all = torch.log_softmax(logits, dim=-1)
     if sb.all_greedy:
         next_ids = logits.argmax(dim=-1)
-        return next_ids, logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
+    else:
+        next_ids = _draw(logits, sb)
+    chosen = logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
+    if not sb.top_logprobs:
+        return Samples(next_ids, chosen)
+    top_values, top_ids = logprobs_all.topk(sb.top_logprobs, dim=-1)  # [B, k]
+    return Samples(next_ids, chosen, top_ids, top_values)
+
+
+def _draw(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Sampled rows (temperature, top-k, top-p, seeds) and greedy rows' argmax: [B] int64."""
     scaled = logits / sb.temperature[:, None]
     if sb.any_top:
         scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
@@ -209,8 +248,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch
         seeded_noise = -torch.log(_seeded_uniform(sb.seed, sb.step, probs.shape[1]))
         noise = torch.where(sb.seeded[:, None], seeded_noise, noise)
     sampled = (probs / noise).argmax(dim=-1)
-    next_ids = torch.where(sb.greedy, logits.argmax(dim=-1), sampled)
-    return next_ids, logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
+    return torch.where(sb.greedy, logits.argmax(dim=-1), sampled)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ class InvalidParams(ValueError):
 
 
 MAX_SEQUENCES = 16  # most sequences (n / best_of) one HTTP request may ask for
+MAX_TOP_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class SamplingParams:
     add_spaces_between_special_tokens: bool = True
     print_eos_token: bool = False
     add_special_tokens: bool | None = None
+    # Log-probabilities: the `top_logprobs` most likely tokens of each sampled position (OpenAI's top_logprobs), and
+    # for the prompt (None: off) each prompt token's own plus that many alternatives (vLLM's prompt_logprobs).
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -126,6 +131,12 @@ class SamplingParams:
                 raise InvalidParams(name, "must be a boolean")
         if self.add_special_tokens is not None and not isinstance(self.add_special_tokens, bool):
             raise InvalidParams("add_special_tokens", "must be a boolean")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidParams("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidParams("prompt_logprobs", f"must be null, true or an integer in [0, {MAX_TOP_LOGPROBS}]")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_SEQUENCES:
             raise InvalidParams("n", f"must be an integer in [1, {MAX_SEQUENCES}]")
         if self.best_of is not None:

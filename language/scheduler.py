@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from language.prefix_cache import Node, PrefixCache
 from language.request import Request, RequestStatus
 
+# A request that asks for prompt_logprobs runs the head over every prompt position of its chunk ([rows, vocab] fp32
+# logits: 620 MB for 1024 rows of a 152k vocabulary), so with chunked prefill its chunks are at most this long.
+SCORED_CHUNK_TOKENS = 1024
+
 
 def peak_slots(req: Request) -> int:
     """The most slots a request ever holds: the last sampled token is never stored."""
@@ -162,6 +166,8 @@ class Scheduler:
 
     def _take_chunk(self, plan: StepPlan, req: Request, budget: int) -> int:
         remaining = req.prompt_len - req.kv_len
+        if self.chunked_prefill and req.prompt_logprobs is not None:
+            budget = min(budget, SCORED_CHUNK_TOKENS)
         length = min(remaining, budget) if self.chunked_prefill else remaining
         plan.prefill.append(PrefillChunk(req, req.kv_len, length))
         return length

@@ -65,6 +65,11 @@ class PrefillRows:
     table_req_idx: np.ndarray
     table_col: np.ndarray
     table_slot: np.ndarray
+    # prompt_logprobs: the rows (within the prefill part) whose logits score the next prompt token, that token, and
+    # per chunk that asks (request, how many of those rows are its own), in row order
+    score_rows: np.ndarray  # int64 [S]
+    score_targets: np.ndarray  # int64 [S]
+    scored: list[tuple[Request, int]]
 
     @property
     def num_tokens(self) -> int:
@@ -130,9 +135,18 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: Pref
     tok_col = np.empty(total, dtype=np.int64)
     mm_embeds: list[torch.Tensor] = []
     mm_rows: list[np.ndarray] = []
+    score_rows: list[np.ndarray] = []
+    score_targets: list[np.ndarray] = []
+    scored: list[tuple[Request, int]] = []
     for c, base in zip(chunks, q_start.tolist(), strict=True):
         r, rows = c.req, slice(base, base + c.length)
         input_ids[rows] = r.prompt_ids[c.start : c.end]
+        if r.prompt_logprobs is not None:  # every position but the prompt's last scores the token after it
+            n = min(c.end, r.prompt_len - 1) - c.start
+            if n > 0:
+                score_rows.append(np.arange(base, base + n))
+                score_targets.append(np.asarray(r.prompt_ids[c.start + 1 : c.start + 1 + n], dtype=np.int64))
+                scored.append((r, n))
         tok_col[rows] = np.arange(c.start, c.end)
         if r.positions is not None:
             positions[:, rows] = r.positions[:, c.start : c.end].numpy()
@@ -167,4 +181,7 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: Pref
         table_req_idx=np.repeat(np.array([r.req_idx for r in reused], dtype=np.int64), table_len),
         table_col=np.concatenate([np.arange(n) for n in table_len.tolist()]) if reused else table_slot.copy(),
         table_slot=table_slot,
+        score_rows=np.concatenate(score_rows) if scored else np.empty(0, dtype=np.int64),
+        score_targets=np.concatenate(score_targets) if scored else np.empty(0, dtype=np.int64),
+        scored=scored,
     )

@@ -29,7 +29,7 @@ def _batch(reqs):
 
 def test_greedy_rows_take_argmax_and_report_logprob():
     logits = torch.randn(3, V)
-    ids, lp = sample(logits.clone(), _batch(_reqs(SamplingParams(), SamplingParams(), SamplingParams())))
+    ids, lp, *_ = sample(logits.clone(), _batch(_reqs(SamplingParams(), SamplingParams(), SamplingParams())))
     assert ids.tolist() == logits.argmax(-1).tolist()
     assert torch.allclose(lp, torch.log_softmax(logits, -1).max(-1).values)
 
@@ -37,7 +37,7 @@ def test_greedy_rows_take_argmax_and_report_logprob():
 def test_top_k_one_is_greedy_even_when_sampling():
     logits = torch.randn(4, V)
     p = SamplingParams(do_sample=True, temperature=1.5, top_k=1)
-    ids, _ = sample(logits.clone(), _batch(_reqs(p, p, p, p)))
+    ids, *_ = sample(logits.clone(), _batch(_reqs(p, p, p, p)))
     assert ids.tolist() == logits.argmax(-1).tolist()
 
 
@@ -70,9 +70,9 @@ def test_seeded_requests_repeat_whatever_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(1, V)
     p = SamplingParams(do_sample=True, temperature=1.0, seed=1234)
-    alone, _ = sample(logits.clone(), _batch(_reqs(p)))
+    alone, *_ = sample(logits.clone(), _batch(_reqs(p)))
     other = SamplingParams(do_sample=True, temperature=0.7)
-    together, _ = sample(torch.cat([torch.randn(1, V), logits]), _batch(_reqs(other, p)))
+    together, *_ = sample(torch.cat([torch.randn(1, V), logits]), _batch(_reqs(other, p)))
     assert alone.item() == together[1].item()
     draws = {sample(logits.clone(), _batch(_reqs(SamplingParams(do_sample=True, seed=s))))[0].item() for s in range(40)}
     assert len(draws) > 3  # different seeds draw different tokens
@@ -81,7 +81,7 @@ def test_seeded_requests_repeat_whatever_the_batch():
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1] + [1e-9] * (V - 3)]))
     p = SamplingParams(do_sample=True)
-    ids, _ = sample(logits.expand(4000, V).clone(), _batch(_reqs(*[p] * 4000)))
+    ids, *_ = sample(logits.expand(4000, V).clone(), _batch(_reqs(*[p] * 4000)))
     freq = torch.bincount(ids, minlength=V)[:3].float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
 
@@ -91,8 +91,8 @@ def test_greedy_fast_path_equals_general_sampler():
 
     logits = torch.randn(6, V) * 4
     greedy, sampling = SamplingParams(), SamplingParams(do_sample=True, temperature=0.7)
-    fast_ids, fast_lp = sample_greedy(logits.clone())
+    fast_ids, fast_lp, *_ = sample_greedy(logits.clone())
     # A batch that is not all greedy goes through the general path; its greedy rows must agree.
-    ids, lp = sample(logits.clone(), _batch(_reqs(*[greedy] * 5, sampling)))
+    ids, lp, *_ = sample(logits.clone(), _batch(_reqs(*[greedy] * 5, sampling)))
     assert fast_ids[:5].tolist() == ids[:5].tolist()
     torch.testing.assert_close(fast_lp[:5], lp[:5])

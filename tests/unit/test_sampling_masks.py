@@ -30,7 +30,7 @@ def test_allowed_token_ids_keep_every_sample_in_the_set():
     for _ in range(20):
         logits = torch.randn(3, V) * 5
         logits[:, 0] = 50.0  # the unconstrained favourite is outside the set
-        ids, lps = _sample(logits, [_req(hot), _req(greedy), _req(SamplingParams())])
+        ids, lps, *_ = _sample(logits, [_req(hot), _req(greedy), _req(SamplingParams())])
         assert ids[0].item() in allowed and ids[1].item() in allowed
         assert ids[1].item() == max(allowed, key=lambda t: logits[1, t].item())  # greedy: best of the set
         assert ids[2].item() == 0  # the plain row in the same batch is untouched
@@ -45,7 +45,7 @@ def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_one():
         _req(SamplingParams(logit_bias=((favourite, -100.0),))),
     ]
     for _ in range(5):
-        ids, _ = _sample(logits, reqs)
+        ids, *_ = _sample(logits, reqs)
         assert ids[0].item() == 11
         assert ids[1].item() != favourite
 
@@ -54,16 +54,16 @@ def test_min_new_tokens_masks_eos_and_stop_ids_until_enough_tokens():
     logits = torch.zeros(1, V)
     p = SamplingParams(min_new_tokens=3, stop_token_ids=(9,), logit_bias=((2, 100.0), (9, 50.0)))
     for before in range(3):  # tokens 0, 1, 2: EOS and the stop id are banned despite their bias
-        ids, _ = _sample(logits, [_req(p, before)])
+        ids, *_ = _sample(logits, [_req(p, before)])
         assert ids.item() not in (2, 9)
-    ids, _ = _sample(logits, [_req(p, 3)])  # the fourth token may be EOS
+    ids, *_ = _sample(logits, [_req(p, 3)])  # the fourth token may be EOS
     assert ids.item() == 2
 
 
 def test_min_new_tokens_with_ignore_eos_only_masks_stop_ids():
     logits = torch.zeros(1, V)
     p = SamplingParams(min_new_tokens=2, ignore_eos=True, logit_bias=((2, 100.0),))
-    ids, _ = _sample(logits, [_req(p, 0)])
+    ids, *_ = _sample(logits, [_req(p, 0)])
     assert ids.item() == 2  # EOS does not stop this request, so it is not banned
 
 
