@@ -173,6 +173,7 @@ class Detokenizer:
         if out.finished and out.finish_reason == "stop" and out.new_token_ids:
             if out.new_token_ids[-1] in self._special_ids:
                 stop_token = len(out.new_token_ids) - 1
+        tops = self._top_tokens(out.new_top_logprobs) if out.new_top_logprobs else [()] * len(out.new_token_ids)
         for i, (token_id, logprob) in enumerate(zip(out.new_token_ids, out.new_logprobs, strict=True)):
             if i == stop_token:
                 piece = state.decoder.flush()
@@ -181,7 +182,7 @@ class Detokenizer:
             else:
                 piece = state.decoder.push(token_id)
             state.output_tokens += 1
-            tokens.append(TokenDetail(token_id, piece, logprob))
+            tokens.append(TokenDetail(token_id, piece, logprob, tops[i]))
             text += state.stops.add(piece)
             if state.stops.stopped:
                 break
@@ -190,7 +191,7 @@ class Detokenizer:
             rest = state.decoder.flush()
             if rest and tokens:  # the last token completed it
                 last = tokens[-1]
-                tokens[-1] = TokenDetail(last.id, last.text + rest, last.logprob)
+                tokens[-1] = TokenDetail(last.id, last.text + rest, last.logprob, last.top)
             text += state.stops.add(rest)
             stopped = state.stops.stopped
         finished = out.finished or stopped
@@ -206,4 +207,11 @@ class Detokenizer:
             output_tokens=state.output_tokens,
             error=out.error,
             cached_tokens=out.cached_tokens,
+            prompt_logprobs=out.prompt_logprobs,
         )
+
+    def _top_tokens(self, tops: list[list[tuple[int, float]]]) -> list[tuple[tuple[int, str, float], ...]]:
+        """Each position's alternatives with their text: every token decoded alone, special tokens shown (as vLLM
+        decodes logprob tokens), all of a step's in one batch_decode call."""
+        texts = iter(self._tokenizer.batch_decode([[i] for top in tops for i, _ in top], skip_special_tokens=False))
+        return [tuple((i, next(texts), lp) for i, lp in top) for top in tops]

@@ -269,6 +269,8 @@ class EngineClient:
 
 
 def _sub_params(params: SamplingParams, i: int) -> SamplingParams:
-    if params.seed is None or i == 0:
+    """Sequence i of a group: seeded seed + i; the prompt is scored once (prompt_logprobs), by sequence 0."""
+    if i == 0:
         return params
-    return replace(params, seed=(params.seed + i) % (1 << 63))
+    seed = None if params.seed is None else (params.seed + i) % (1 << 63)
+    return replace(params, seed=seed, prompt_logprobs=None)

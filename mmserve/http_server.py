@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -94,6 +95,7 @@ def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> Fast
                 out.output_tokens,
                 streams[0].return_details,
                 out.cached_tokens,
+                out.prompt_logprobs,
             )
         else:
             body = generate_group_response(results, streams[0].return_details)
@@ -150,17 +152,20 @@ async def _submit(
 
 
 async def _collect(stream: RequestStream, disconnected: asyncio.Future) -> tuple[TextOutput, str, list[TokenDetail]]:
-    """All of one sequence: (its last output, the whole text, every token)."""
+    """All of one sequence: (its last output, carrying the prompt's scores if the first one had them, the whole
+    text, every token)."""
     text: list[str] = []
     tokens: list[TokenDetail] = []
+    scores = None
     while True:
         out = await stream.next(disconnected)
         if out.error is not None:
             return out, "", []
         text.append(out.text)
         tokens.extend(out.tokens)
+        scores = scores or out.prompt_logprobs
         if out.finished:
-            return out, "".join(text), tokens
+            return replace(out, prompt_logprobs=scores), "".join(text), tokens
 
 
 def _engine_error(message: str) -> BadRequest:
@@ -178,10 +183,12 @@ async def _sse(
     """One event per text piece; tokens that completed no text yet ride along with the next piece."""
     text: list[str] = []
     tokens: list[TokenDetail] = []
+    scores = None  # the prompt's (prompt_logprobs), sent with the first event
     out = first
     try:
         while True:
             tokens.extend(out.tokens)
+            scores = scores or out.prompt_logprobs
             if out.text or out.finished:
                 text.append(out.text)
                 full = "".join(text) if out.finished else None
@@ -194,8 +201,9 @@ async def _sse(
                     out.prompt_tokens,
                     out.output_tokens,
                     out.cached_tokens,
+                    scores,
                 )
-                tokens = []
+                tokens, scores = [], None
             if out.finished:
                 return
             out = await stream.next(disconnected)

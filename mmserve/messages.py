@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from language.request import PromptLogprobs, TopLogprobs
 from language.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------- into the router
@@ -98,6 +99,8 @@ class TokenOutput:
     output_tokens: int
     error: str | None = None  # why the router could not run it (then finish_reason is "error")
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    new_top_logprobs: list[TopLogprobs] | None = None  # per new token (top_logprobs > 0 asked)
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token (prompt_logprobs asked)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class TokenDetail:
     id: int
     text: str  # the text this token completed (may be "" for the first bytes of a multi-byte character)
     logprob: float
+    # the most likely tokens at this position (top_logprobs > 0 asked): (id, the token decoded alone, logprob)
+    top: tuple[tuple[int, str, float], ...] = ()
 
 
 @dataclass
@@ -144,6 +149,7 @@ class TextOutput:
     output_tokens: int
     error: str | None = None
     cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # on the first output (prompt_logprobs asked)
 
 
 @dataclass

@@ -10,10 +10,12 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from language.request import PromptLogprobs
 from mmserve.chat_templates import builtin_chat_template, model_architecture
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.http_server import _collect, _read_body, _watch_disconnect
@@ -22,9 +24,10 @@ from mmserve.openai_protocol import (
     OpenAIOptions,
     chat_input,
     completion_input,
+    completion_prompt,
     find_chat_template,
     include_usage,
-    wants_logprobs,
+    logprobs_request,
 )
 from mmserve.protocol import BadRequest, GenerateInput, parse_json
 
@@ -109,10 +112,9 @@ class OpenAIServing:
             return result
         body, streams = result
         rid = ("chatcmpl-" if chat else "cmpl-") + streams[0].rid.split("-")[0]
-        logprobs = wants_logprobs(body, chat)
         disconnected = _watch_disconnect(request)
         if body.get("stream"):
-            return await self._start_stream(body, streams, rid, chat, logprobs, disconnected)
+            return await self._start_stream(body, streams, rid, chat, disconnected)
         tasks = [asyncio.ensure_future(_collect(stream, disconnected)) for stream in streams]
         try:
             results = await asyncio.gather(*tasks)
@@ -128,9 +130,15 @@ class OpenAIServing:
         for out, _, _ in results:
             if out.error is not None:
                 return openai_error(out.error, 400, "messages" if chat else "prompt")
+        echo = await self._echo(body, results[0][0].prompt_logprobs) if body.get("echo") else None
+        k = logprobs_request(body, chat)  # alternatives per position; None: no logprobs
         choices = []
         for index, (out, text, tokens) in enumerate(results):
-            lp = _logprobs(tokens, chat, 0) if logprobs else None
+            lp = None
+            if k is not None:
+                lp = _logprobs((echo.entries if echo else []) + _entries(tokens), chat, k)
+            if echo is not None:
+                text = echo.text + text
             if chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                           "finish_reason": out.finish_reason}  # fmt: skip
@@ -142,13 +150,29 @@ class OpenAIServing:
             "model": self.model_name, "choices": choices, "usage": _usage([out for out, _, _ in results]),
         })  # fmt: skip
 
+    async def _echo(self, body: dict, scores: PromptLogprobs | None) -> Echo:
+        """The prompt to echo; with its scores (echo with logprobs), each prompt token and alternative decoded alone
+        (in the tokenizer pool), the first token without a logprob."""
+        if scores is None:
+            return Echo(completion_prompt(body), [])
+        top = scores.top or [[] for _ in scores.logprobs]
+        ids = [[i] for i in scores.token_ids] + [[i] for alts in top for i, _ in alts]
+        texts = iter(await self.client.run_sync(self._decode_each, ids))
+        prompt = [next(texts) for _ in scores.token_ids]
+        entries: list[Entry] = [(prompt[0], None, None)]
+        for i, (lp, alts) in enumerate(zip(scores.logprobs, top, strict=True)):
+            entries.append((prompt[i + 1], lp, [(next(texts), alp) for _, alp in alts]))
+        return Echo(completion_prompt(body), entries)
+
+    def _decode_each(self, ids: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+
     def _abort_unfinished(self, streams: list[RequestStream]) -> None:
         for stream in streams:
             if not stream.finished:
                 self.client.abort(stream.rid)
 
-    async def _start_stream(self, body, streams, rid, chat, logprobs, disconnected) -> Response:
-        usage = include_usage(body)
+    async def _start_stream(self, body, streams, rid, chat, disconnected) -> Response:
         tasks = [asyncio.ensure_future(stream.next(disconnected)) for stream in streams]
         try:  # a rejection before any token still gets its status code
             firsts = await asyncio.gather(*tasks)
@@ -165,23 +189,28 @@ class OpenAIServing:
                 disconnected.cancel()
                 self._abort_unfinished(streams)
                 return openai_error(first.error, 400, "messages" if chat else "prompt")
-        events = self._events(streams, firsts, rid, chat, usage, logprobs, disconnected)
+        events = self._events(body, streams, firsts, rid, chat, disconnected)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, streams, firsts, rid, chat, usage, logprobs, disconnected) -> AsyncIterator[str]:
+    async def _events(self, body, streams, firsts, rid, chat, disconnected) -> AsyncIterator[str]:
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        usage, k = include_usage(body), logprobs_request(body, chat)
+        logprobs = k is not None
+        echo = await self._echo(body, firsts[0].prompt_logprobs) if body.get("echo") else None
         offsets = [0] * len(streams)  # completions' text_offset, per choice
 
         def chunk(choices: list, **extra) -> str:
             event = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             return f"data: {json.dumps({**event, **extra}, ensure_ascii=False)}\n\n"
 
-        def choice(index: int, out: TextOutput | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        def choice(index: int, out: TextOutput | Echo | None, finish_reason: str | None = None,
+                   role: bool = False) -> dict:  # fmt: skip
             text = out.text if out is not None else ""
             lp = None
             if logprobs and out is not None:
-                lp = _logprobs(out.tokens, chat, offsets[index])
-                offsets[index] += sum(len(t.text) for t in out.tokens)
+                entries = out.entries if isinstance(out, Echo) else _entries(out.tokens)
+                lp = _logprobs(entries, chat, k, offsets[index])
+                offsets[index] += sum(len(text) for text, _, _ in entries)
             if not chat:
                 return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
@@ -190,9 +219,11 @@ class OpenAIServing:
         finals: list[TextOutput | None] = [None] * len(streams)
         merged = _merge(streams, firsts, disconnected)
         try:
-            if chat:
-                for index in range(len(streams)):
+            for index in range(len(streams)):
+                if chat:
                     yield chunk([choice(index, None, role=True)])
+                elif echo is not None:  # the prompt first, as vLLM streams echo
+                    yield chunk([choice(index, echo)])
             async for index, out in merged:
                 if out.text or (logprobs and out.tokens):
                     yield chunk([choice(index, out)])
@@ -243,20 +274,51 @@ async def _merge(streams: list[RequestStream], firsts: list[TextOutput], disconn
             task.cancel()
 
 
-def _logprobs(tokens: list[TokenDetail], chat: bool, offset: int) -> dict:
-    """OpenAI's logprobs of a choice (or of a chunk's tokens): each chosen token with its own log-probability.
-    A token's text is the text it completed (TokenDetail.text: "" for the first bytes of a multi-byte character),
-    so the tokens join to the generated text before any stop cut."""
+# One position of a logprobs answer: (token text, its log-probability or None (a prompt's first token), the
+# alternatives there as (text, log-probability), or None).
+Entry = tuple[str, float | None, list[tuple[str, float]] | None]
+_FLOOR = -9999.0  # -inf (a masked token among the alternatives) as vLLM sends it: JSON has no infinity
+
+
+@dataclass(frozen=True)
+class Echo:
+    """/v1/completions' echo: the prompt text put before the completion, and its positions' logprobs (when asked)."""
+
+    text: str
+    entries: list[Entry]
+
+
+def _entries(tokens: list[TokenDetail]) -> list[Entry]:
+    """A choice's tokens -> logprobs entries. A token's text is the text it completed (TokenDetail.text: "" for the
+    first bytes of a multi-byte character), so the tokens join to the generated text before any stop cut; each
+    alternative is its token decoded alone."""
+    return [(t.text, t.logprob, [(text, lp) for _, text, lp in t.top]) for t in tokens]
+
+
+def _logprobs(entries: list[Entry], chat: bool, k: int, offset: int = 0) -> dict:
+    """OpenAI's logprobs of a choice (or of a chunk's tokens). Chat: each token with its k alternatives; completions
+    (legacy shape): tokens, token_logprobs, text_offset, and top_logprobs as one {text: logprob} per position (the
+    chosen token and its k alternatives; null where k is 0)."""
+    floor = lambda lp: lp if lp is None else max(lp, _FLOOR)  # noqa: E731
     if chat:
-        content = [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode()), "top_logprobs": []}
-                   for t in tokens]  # fmt: skip
+        content = [{"token": text, "logprob": floor(lp), "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": a, "logprob": floor(alp), "bytes": list(a.encode())}
+                                     for a, alp in top or ()]}
+                   for text, lp, top in entries]  # fmt: skip
         return {"content": content}
-    text_offset = []
-    for t in tokens:
+    text_offset, tops = [], []
+    for text, lp, top in entries:
         text_offset.append(offset)
-        offset += len(t.text)
-    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens], "top_logprobs": None,
-            "text_offset": text_offset}  # fmt: skip
+        offset += len(text)
+        if lp is None:
+            tops.append(None)
+        else:
+            ranked = {text: floor(lp)}
+            for a, alp in top or ():
+                ranked.setdefault(a, floor(alp))
+            tops.append(ranked)
+    return {"tokens": [text for text, _, _ in entries], "token_logprobs": [floor(lp) for _, lp, _ in entries],
+            "top_logprobs": tops if k else None, "text_offset": text_offset}  # fmt: skip
 
 
 def _usage(finals: list[TextOutput]) -> dict:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import base64
 import json
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
-from language.sampling_params import InvalidParams, SamplingParams
+from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 from mmserve.multimodal.image_io import BadImage, ImagePolicy
 from mmserve.multimodal.qwen_vl import read_allowed_path
 from mmserve.protocol import BadRequest, GenerateInput
@@ -65,31 +66,33 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         raise BadRequest(name, str(e).split(": ", 1)[-1]) from None
 
 
-def wants_logprobs(body: dict, chat: bool) -> bool:
-    """Whether each token's own log-probability is returned. Chat: `logprobs: true` (`top_logprobs` 0 or unset);
-    completions: `logprobs: 0`. Top-k alternatives (top_logprobs > 0, completions' logprobs > 0) are refused."""
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
+
+
+def logprobs_request(body: dict, chat: bool) -> int | None:
+    """How many alternatives each generated token's logprobs carry, or None for no logprobs. Chat: `logprobs: true`
+    with `top_logprobs` k in [0, 20] (default 0); completions: `logprobs: k` in [0, 5]."""
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if chat:
         if logprobs is not None and not isinstance(logprobs, bool):
             raise BadRequest("logprobs", "must be a boolean")
         if top is not None:
-            if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
-                raise BadRequest("top_logprobs", "must be an integer in [0, 20]")
+            if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise BadRequest("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
             if not logprobs:
                 raise BadRequest("top_logprobs", "requires logprobs: true")
-            if top > 0:
-                raise BadRequest("top_logprobs", "top_logprobs > 0 is not supported yet: only 0 (each chosen "
-                                 "token's own logprob, with logprobs: true)")  # fmt: skip
-        return bool(logprobs)
+        return (top or 0) if logprobs else None
     if top is not None:
         raise BadRequest("top_logprobs", "is a chat field: /v1/completions takes logprobs (an integer)")
     if logprobs is None:
-        return False
-    if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= 5:
-        raise BadRequest("logprobs", "must be an integer in [0, 5]")
-    if logprobs > 0:
-        raise BadRequest("logprobs", "logprobs > 0 is not supported yet: only 0 (each chosen token's own logprob)")
-    return True
+        return None
+    if not _is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise BadRequest("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
+    return logprobs
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def include_usage(body: dict) -> bool:
@@ -195,7 +198,16 @@ def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
     return None
 
 
+# A template that loops over a message's content parts (llava-hf's, Qwen2-VL's) expects them as a list; some (llava-hf)
+# render a plain string content as nothing. vLLM detects this ("openai" content format) and passes such a message's
+# string as one text part; so does render_chat.
+_LOOPS_OVER_PARTS = re.compile(r"for\s+\w+\s+in\s+message\[['\"]content['\"]\]")
+
+
 def render_chat(tokenizer, template: str | None, messages: list[dict], body: dict) -> str:
+    if template is not None and _LOOPS_OVER_PARTS.search(template):
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
+                    for m in messages]  # fmt: skip
     if template is None:
         raise BadRequest("messages", "this model has no chat template (none in tokenizer_config.json, "
                          "chat_template.jinja or chat_template.json); use /v1/completions with a prompt")  # fmt: skip
@@ -221,23 +233,30 @@ def chat_input(body: dict, tokenizer, template: str | None, image_dir: str | Non
     """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering and file reads are slow)."""
     check_names(body, CHAT_NAMES)
     params = sampling_params(body, default_max)
-    wants_logprobs(body, chat=True)
+    params = replace(params, top_logprobs=logprobs_request(body, chat=True) or 0)
     messages, images = chat_messages(body.get("messages"), image_dir)
     prompt = render_chat(tokenizer, template, messages, body)
     unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)
 
 
-def completion_input(body: dict, default_max: int) -> GenerateInput:
-    """A completion body -> GenerateInput; max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions."""
-    check_names(body, COMPLETION_NAMES)
-    if body.get("echo"):
-        raise BadRequest("echo", "is not supported")
+def completion_prompt(body: dict) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt", "must be a non-empty string (one prompt per request)")
+    return prompt
+
+
+def completion_input(body: dict, default_max: int) -> GenerateInput:
+    """A completion body -> GenerateInput; max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions.
+    `echo` with logprobs scores the prompt too (prompt_logprobs with as many alternatives)."""
+    check_names(body, COMPLETION_NAMES)
+    if not isinstance(body.get("echo", False), bool):
+        raise BadRequest("echo", "must be a boolean")
+    prompt = completion_prompt(body)
     params = sampling_params(body, min(16, default_max))
-    wants_logprobs(body, chat=False)
+    k = logprobs_request(body, chat=False)
+    params = replace(params, top_logprobs=k or 0, prompt_logprobs=k if body.get("echo") else None)
     return GenerateInput(prompt, params)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from language.sampling_params import InvalidParams, SamplingParams
+from language.request import PromptLogprobs
+from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 from mmserve.messages import TokenDetail
 
 PARAMETER_NAMES = frozenset(
@@ -39,15 +40,16 @@ PARAMETER_NAMES = frozenset(
         # (LightLLM's own n/best_of bookkeeping; here the HTTP side groups sub-requests itself).
         "image_max_patch_num",
         "group_request_id",
+        # Each prompt token's log-probability given its prefix: true or k (0..20 alternatives per position, as
+        # vLLM's prompt_logprobs); answered in LightLLM's shape (prompt_token_ids, prompt_logprobs).
+        "prompt_logprobs",
     }
 )
-# LightLLM names that are refused by name when given (anything but null): constrained decoding is not implemented,
-# nor are prompt log-probs (they need logits over the prompt positions, which the engine never computes).
+# LightLLM names that are refused by name when given (anything but null): constrained decoding is not implemented.
 UNSUPPORTED_PARAMETERS = {
     "guided_json": "constrained decoding is not supported",
     "regular_constraint": "constrained decoding is not supported",
     "guided_grammar": "constrained decoding is not supported",
-    "prompt_logprobs": "prompt log-probabilities are not supported",
 }
 TOP_LEVEL_NAMES = frozenset({"inputs", "input", "parameters", "multimodal_params"})
 
@@ -121,6 +123,8 @@ def parse_parameters(raw: object) -> SamplingParams:
     for name in ("n", "best_of", "min_new_tokens", "add_special_tokens"):
         if kwargs.get(name, 0) is None:  # null: the default
             del kwargs[name]
+    if "prompt_logprobs" in kwargs:
+        kwargs["prompt_logprobs"] = prompt_logprobs_count(kwargs["prompt_logprobs"], "parameters.prompt_logprobs")
     if "stop_sequences" in kwargs:
         kwargs["stop_sequences"] = _string_tuple("stop_sequences", kwargs["stop_sequences"])
     if "stop_token_ids" in kwargs:
@@ -134,6 +138,17 @@ def parse_parameters(raw: object) -> SamplingParams:
         return SamplingParams(**kwargs).validate()
     except InvalidParams as e:
         raise BadRequest(f"parameters.{e.field}", str(e).split(": ", 1)[-1]) from None
+
+
+def prompt_logprobs_count(value: object, field_name: str) -> int | None:
+    """null / false: off; true: each prompt token's own log-probability; k: that and the k most likely tokens."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return 0
+    if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise BadRequest(field_name, f"must be null, a boolean or an integer in [0, {MAX_TOP_LOGPROBS}]")
+    return value
 
 
 def _check_ignored(kwargs: dict) -> None:
@@ -196,6 +211,20 @@ def token_json(t: TokenDetail) -> dict:
     return {"id": t.id, "text": t.text, "logprob": t.logprob}
 
 
+def prompt_logprobs_json(scores: PromptLogprobs) -> dict:
+    """LightLLM's shape (its --return_all_prompt_logprobs): `prompt_token_ids`, and `prompt_logprobs` as one
+    [token_id, {next_token_id: logprob}] pair per prompt position but the last, the next token's log-probability
+    given the prompt up to and including token_id; with k alternatives asked, the dict holds them too."""
+    ids, top = scores.token_ids, scores.top
+    pairs = []
+    for i, logprob in enumerate(scores.logprobs):
+        entry = {str(ids[i + 1]): logprob}  # the prompt's own next token first
+        for t, lp in top[i] if top is not None else ():
+            entry.setdefault(str(t), lp)
+        pairs.append([ids[i], entry])
+    return {"prompt_token_ids": ids, "prompt_logprobs": pairs}
+
+
 def generate_response(
     text: str,
     tokens: list[TokenDetail],
@@ -204,6 +233,7 @@ def generate_response(
     output_tokens: int,
     return_details: bool,
     prompt_cache_len: int = 0,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> dict:
     out = {
         "generated_text": [text],
@@ -214,6 +244,8 @@ def generate_response(
     if return_details:
         out["tokens"] = [token_json(t) for t in tokens]
         out["prompt_cache_len"] = prompt_cache_len  # prompt tokens whose KV came from the prefix cache
+    if prompt_logprobs is not None:
+        out.update(prompt_logprobs_json(prompt_logprobs))
     return out
 
 
@@ -230,6 +262,9 @@ def generate_group_response(results: list, return_details: bool) -> dict:
     if return_details:
         out["tokens"] = [[token_json(t) for t in tokens] for _, _, tokens in results]
         out["prompt_cache_len"] = [o.cached_tokens for o, _, _ in results]
+    scores = next((o.prompt_logprobs for o, _, _ in results if o.prompt_logprobs is not None), None)
+    if scores is not None:
+        out.update(prompt_logprobs_json(scores))
     return out
 
 
@@ -242,9 +277,12 @@ def stream_event(
     prompt_tokens: int,
     output_tokens: int,
     prompt_cache_len: int = 0,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> str:
     """One server-sent event: `token.text` is the new text piece (LightLLM clients print data["token"]["text"]);
-    `tokens` lists the ids it came from; the last event has finished, finish_reason and the whole text."""
+    `tokens` lists the ids it came from; the last event has finished, finish_reason and the whole text. The first
+    event carries prompt_token_ids and prompt_logprobs when they were asked for (as LightLLM's first token's
+    metadata does)."""
     last = tokens[-1] if tokens else None
     event = {
         "token": {
@@ -262,6 +300,8 @@ def stream_event(
         "prompt_cache_len": prompt_cache_len,
         "details": None,
     }
+    if prompt_logprobs is not None:
+        event.update(prompt_logprobs_json(prompt_logprobs))
     return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
 
 

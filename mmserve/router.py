@@ -160,6 +160,8 @@ class Router:
             prompt_tokens=out.prompt_tokens,
             output_tokens=out.output_tokens,
             cached_tokens=out.cached_tokens,
+            new_top_logprobs=out.new_top_logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def stats(self) -> RouterStats:

@@ -127,7 +127,7 @@ def test_text_options(server, tokenizer):
         ("/generate", {"guided_json": {"type": "object"}}, "parameters.guided_json"),
         ("/generate", {"regular_constraint": "a+"}, "parameters.regular_constraint"),
         ("/generate", {"guided_grammar": "root ::= x"}, "parameters.guided_grammar"),
-        ("/generate", {"prompt_logprobs": 1}, "parameters.prompt_logprobs"),
+        ("/generate", {"prompt_logprobs": 21}, "parameters.prompt_logprobs"),
         ("/generate", {"skip_special_token": True}, "parameters.skip_special_token"),
         ("/generate", {"logit_bias": {"100000": 1}}, "parameters.logit_bias"),
         ("/generate", {"allowed_token_ids": [100000]}, "parameters.allowed_token_ids"),

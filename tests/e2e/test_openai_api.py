@@ -102,6 +102,8 @@ def server(model_dir, image_dir, tmp_path_factory):
         "--enable_multimodal",
         "--image_dir",
         image_dir,
+        "--chunked_prefill_size",
+        "32",
     )
     with serving(srv):
         yield srv
@@ -113,13 +115,22 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir):
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    processor = Qwen2VLProcessor(
+def hf_model(model_dir):
+    return Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    return Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor.from_pretrained(model_dir),
         tokenizer=AutoTokenizer.from_pretrained(model_dir),
         video_processor=Qwen2VLVideoProcessor(),
     )
+
+
+@pytest.fixture(scope="module")
+def hf(hf_model, processor):
+    model = hf_model
 
     def greedy(turns: list) -> tuple[list[int], str, int]:
         """HF's greedy ids, their text and the prompt's token count, on the checkpoint's own template."""
@@ -252,7 +263,7 @@ def test_errors_in_openai_shape_and_the_server_keeps_serving(client, server):
     text = [{"role": "user", "content": "Hi"}]
     for kwargs, param in [
         ({"n": 0}, "n"),
-        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 5000}, "max_tokens"),
         ({"extra_body": {"bogus": 1}}, "bogus"),
@@ -264,6 +275,31 @@ def test_errors_in_openai_shape_and_the_server_keeps_serving(client, server):
 
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
     assert chat(client, ONE_IMAGE).usage.completion_tokens == NEW_TOKENS
+
+
+def test_generate_prompt_logprobs_with_an_image_equal_hf_forward_logits(server, hf_model, processor):
+    """prompt_logprobs on Qwen2-VL (M-RoPE positions) with an image, the prompt split over prefill chunks of 32
+    tokens: each prompt token's log-probability, the image's placeholder positions included, equals HF's."""
+    image = picture(150, 100, 5)
+    prompt = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    inputs = processor(text=[prompt], images=[image], return_tensors="pt")
+    prompt_ids = inputs["input_ids"][0].tolist()
+    assert len(prompt_ids) > 32  # two chunks or more
+    with torch.no_grad():
+        logits = hf_model(**inputs).logits[0, :-1]
+    table = torch.log_softmax(logits.float(), -1)
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 2, "prompt_logprobs": True},
+            "multimodal_params": {"images": [{"type": "base64", "data": png_b64(image)}]}}  # fmt: skip
+    out = httpx.post(server.url + "/generate", json=body, timeout=180).json()
+    assert out["prompt_token_ids"] == prompt_ids
+    pairs = out["prompt_logprobs"]
+    assert [token for token, _ in pairs] == prompt_ids[:-1] and all(len(scores) == 1 for _, scores in pairs)
+    ours = [scores[str(prompt_ids[i + 1])] for i, (_, scores) in enumerate(pairs)]
+    assert ours == pytest.approx(table.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist(), abs=2e-3)
 
 
 def test_completions_stream_and_not(client):

@@ -70,7 +70,7 @@ def test_defaults_keep_todays_behaviour():
     assert not p.has_logit_masks
 
 
-@pytest.mark.parametrize("name", ["guided_json", "regular_constraint", "guided_grammar", "prompt_logprobs"])
+@pytest.mark.parametrize("name", ["guided_json", "regular_constraint", "guided_grammar"])
 def test_unsupported_lightllm_parameters_are_refused_by_name(name):
     with pytest.raises(BadRequest) as e:
         params(**{name: {"type": "object"} if name == "guided_json" else 1})
@@ -78,7 +78,19 @@ def test_unsupported_lightllm_parameters_are_refused_by_name(name):
     params(**{name: None})  # null means "not asked for"
 
 
-@pytest.mark.parametrize("name", ["skip_special_token", "max_tokens", "guided_regex", "logprobs"])
+@pytest.mark.parametrize("value, expected", [(None, None), (False, None), (True, 0), (0, 0), (3, 3), (20, 20)])
+def test_prompt_logprobs_take_a_boolean_or_a_count(value, expected):
+    assert params(prompt_logprobs=value).prompt_logprobs == expected
+
+
+@pytest.mark.parametrize("value", [-1, 21, "1", 1.5, [1]])
+def test_bad_prompt_logprobs_are_refused_by_name(value):
+    with pytest.raises(BadRequest) as e:
+        params(prompt_logprobs=value)
+    assert e.value.field == "parameters.prompt_logprobs" and "[0, 20]" in e.value.message
+
+
+@pytest.mark.parametrize("name", ["skip_special_token", "max_tokens", "guided_regex", "logprobs", "top_logprobs"])
 def test_names_lightllm_lacks_are_still_refused(name):
     with pytest.raises(BadRequest) as e:
         params(**{name: 1})
