@@ -2,8 +2,9 @@
 
 - llava-hf (`llava-hf/llava-1.5-7b-hf`): `LlavaForConditionalGeneration`, sparse `text_config`, image token right
   after the tokenizer's vocabulary (32000) and `<pad>` after it, embeddings padded to a multiple of 64 (32064);
-  sharded safetensors + index; `preprocessor_config.json` (CLIPImageProcessor). Tensor names of the older uploads
-  (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`) or of transformers >= 4.52
+  sharded safetensors + index; `preprocessor_config.json` (CLIPImageProcessor); the published `chat_template.json`.
+  Tensor names of the older uploads (`language_model.model.*`, `vision_tower.*`, `multi_modal_projector.*`) or of
+  transformers >= 4.52
   (`model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`), and optionally the
   transformers-5 nested `processor_config.json` instead of `preprocessor_config.json`.
 - original (`liuhaotian/llava-v1.5-7b`): `LlavaLlamaForCausalLM` with Llama fields at the top level and `mm_*` keys,
@@ -47,6 +48,19 @@ SHAPES = {
 }  # fmt: skip
 
 SYSTEM_PROMPT = LLAVA_SYSTEM_PROMPT  # LLaVA-1.5's conv_vicuna_v1 system prompt
+
+# The chat template llava-hf/llava-1.5-7b-hf publishes in chat_template.json (the processor's; since its commit
+# "Update chat_template.json to incorporate `generation` tag (#29)"): `USER: <image>\n<text> ASSISTANT:`, no system
+# prompt, a message's images first. The file is this dict written with indent 2 and no final newline (700 bytes).
+LLAVA_HF_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -188,6 +202,7 @@ def build_llava_hf(
         write_json(os.path.join(out_dir, "preprocessor_config.json"), image_cfg)
         processor = {"processor_class": "LlavaProcessor", **processor_extra}
         write_json(os.path.join(out_dir, "processor_config.json"), processor)
+    write_json(os.path.join(out_dir, "chat_template.json"), {"chat_template": LLAVA_HF_CHAT_TEMPLATE})
     lm_cfg = llama_config(s["vocab"], **text)
     if new_names:
         lm = llama_tensor_specs(lm_cfg, prefix="model.language_model.", lm_head="lm_head.weight")
