@@ -26,7 +26,7 @@ def case(dtype, num_tokens, num_heads, num_kv_heads, head_dim, num_slots=50):
     "num_tokens, num_heads, num_kv_heads, head_dim", [(1, 4, 2, 16), (9, 7, 1, 80), (5, 28, 4, 128), (3, 2, 2, 32)]
 )
 def test_rotary_store_kv_equals_rotary_then_store(dtype, num_tokens, num_heads, num_kv_heads, head_dim):
-    """Bit-identical to the two launches it replaces (apply_rotary on q and k, store_kv of k and v), and to the
+    """Equal to the two launches it replaces (apply_rotary on q and k, store_kv of k and v), and to the
     reference; slots not written keep their old content, and qkv is left untouched."""
     qkv, cos, sin, slots = case(dtype, num_tokens, num_heads, num_kv_heads, head_dim)
     qkv_before = qkv.clone()
@@ -43,8 +43,11 @@ def test_rotary_store_kv_equals_rotary_then_store(dtype, num_tokens, num_heads, 
     assert q.shape == (num_tokens, num_heads, head_dim) and q.is_contiguous()
     assert not k_cache[slots].isnan().any() and not v_cache[slots].isnan().any(), "a slot was left unwritten"
     exact = dict(atol=0, rtol=0, equal_nan=True)
-    torch.testing.assert_close(q, qk[:, :num_heads], **exact)
-    torch.testing.assert_close(k_cache, k_two, **exact)
+    # Half types round after each product, so the compiled kernels agree bit for bit; in fp32 the compiler may
+    # contract a product and the sum into one FMA in one kernel and not the other (one ulp).
+    same = exact if dtype != torch.float32 else dict(atol=1e-6, rtol=1e-6, equal_nan=True)
+    torch.testing.assert_close(q, qk[:, :num_heads], **same)
+    torch.testing.assert_close(k_cache, k_two, **same)
     torch.testing.assert_close(v_cache, v_two, **exact)
     # The reference rounds as the kernels do, up to the interpreter's bf16 rounding of single products.
     tol = dict(atol=1.6e-2, rtol=1.6e-2, equal_nan=True) if dtype == torch.bfloat16 else exact
