@@ -44,7 +44,7 @@ def _measure(core: EngineCore, batch: int, chunk_tokens: int) -> tuple[float, ..
     staged_steps = []
     t_stage = _time(lambda: staged_steps.append(stage(sched.schedule(lambda n: True), core.kv, 1)), repeats) - t_sched
     staged = staged_steps[-1]
-    t_pack = _time(lambda: runner._forward_batch(staged), repeats)
+    t_pack = _time(lambda: runner._batch(*runner._pack(staged), None), repeats)
     n = staged.num_seqs
     inflight = [
         InflightStep(

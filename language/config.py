@@ -28,8 +28,18 @@ class EngineConfig:
     cuda_graph: bool = True  # capture decode steps on GPU
     cuda_graph_max_batch: int = 256  # LightLLM's --graph_max_batch_size
     seed: int = 0
+    # Tensor parallelism: ranks over which the decoder is split, and where they meet (torch.distributed's
+    # init_method, LightLLM's tcp://nccl_host:nccl_port); rank 0 is the engine's own process.
+    tp: int = 1
+    dist_init_method: str = "tcp://127.0.0.1:28765"
+    ranks_per_node: int = 1  # ranks on each host: rank r runs on GPU r % ranks_per_node of its host
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights from config.json alone
 
     def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError("tp must be >= 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("load_format must be auto or dummy")
         if self.chunked_prefill_size < 1:
             raise ValueError("chunked_prefill_size must be >= 1")
         if self.cuda_graph_max_batch < 1:
@@ -58,10 +68,14 @@ class LMConfig:
     mrope_section: tuple[int, ...] | None = None  # Qwen2-VL M-RoPE bands over the half head dim
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device of a process; `local_rank`: its tensor-parallel rank on this host (its GPU's index)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and local_rank:
+        return torch.device("cuda", (device.index or 0) + local_rank)
+    return device
 
 
 def resolve_dtype(name: str, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -95,8 +95,8 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def replay(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (logits [n, vocab], greedy ids [n], their logprobs [n], table rows [n]), all on the device."""
+    def stage(self, rows: DecodeRows) -> tuple[torch.Tensor, int]:
+        """The decode rows in the next pinned host buffer, padded to their graph's size -> (buffer [max_bs, 4], bs)."""
         n = len(rows.reqs)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self._turn ^= 1
@@ -106,6 +106,11 @@ class DecodeGraphs:
         values[:n, _POSITION], values[:n, _SLOT] = rows.position, rows.slot
         if n < bs:
             values[n:bs] = self._padding_row
+        return host, bs
+
+    def replay(self, host: torch.Tensor, n: int, bs: int) -> tuple[torch.Tensor, ...]:
+        """Run the staged rows (host [>= bs, 4]) -> (logits [n, vocab], greedy ids [n], their logprobs [n], table
+        rows [n]), all on the device."""
         self.static[:bs].copy_(host[:bs], non_blocking=True)
         self.graphs[bs].replay()
         logits, ids, logprobs = self.outputs[bs]

@@ -15,6 +15,9 @@ from language.kv_cache import KVCache
 from language.loader import architecture, count_weights, iter_weights, read_config
 from language.model_runner import InflightStep, ModelRunner
 from language.models import model_class
+from language.parallel.group import TPGroup, init_tp
+from language.parallel.sharding import check_divisible
+from language.parallel.step_sync import StepChannel
 from language.prefix_cache import PrefixCache, cache_ids
 from language.progress import progress
 from language.request import PromptLogprobs, Request, RequestOutput, RequestStatus, TopLogprobs
@@ -71,32 +74,46 @@ class StepCounters:
         )
 
 
-def load_model(cfg: EngineConfig, device: torch.device) -> tuple[torch.nn.Module, LMConfig]:
+def model_config(cfg: EngineConfig) -> tuple[type, dict, LMConfig]:
+    """The decoder class, config.json and the decoder's shape; a tp that cannot split it raises ValueError (each
+    rank checks before it joins the group, so the message comes before any rank waits for another)."""
     raw = read_config(cfg.model_dir)
     cls = model_class(architecture(raw))
     lm_cfg: LMConfig = cls.lm_config(cfg.model_dir, raw)
+    check_divisible(lm_cfg, cfg.tp)
+    return cls, raw, lm_cfg
+
+
+def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = None) -> tuple[torch.nn.Module, LMConfig]:
+    """The decoder (this rank's shard of it under tensor parallelism) with its weights, on `device`."""
+    cls, raw, lm_cfg = model_config(cfg)
     dtype = resolve_dtype(cfg.dtype, lm_cfg.torch_dtype, device)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its final dtype on the device: no fp32 copy of 7B weights to cast
     try:
         with torch.device(device):
-            model = cls(lm_cfg)
+            model = cls(lm_cfg, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     model.raw_config = raw  # families that derive per-request inputs (M-RoPE) read their config keys from it
     model.inv_freq = model.inv_freq.float()  # rotary frequencies stay fp32 whatever the weights' dtype
-    wanted = lambda name: model.checkpoint_name(name) is not None  # noqa: E731
-    weights = iter_weights(cfg.model_dir, keep=wanted, device=device)
-    model.load_weights(progress(weights, count_weights(cfg.model_dir, wanted), "loading weights", logger))
+    if cfg.load_format == "dummy":
+        # vLLM's --load_format dummy: the random init the layers were built with (on the device), no files read.
+        logger.warning("--load_format dummy: serving RANDOM weights (for benchmarks; the text is gibberish)")
+    else:
+        wanted = lambda name: model.checkpoint_name(name) is not None  # noqa: E731
+        weights = iter_weights(cfg.model_dir, keep=wanted, device=device, take=model.shard_tensor)
+        model.load_weights(progress(weights, count_weights(cfg.model_dir, wanted), "loading weights", logger))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # tensors in transit were cached blocks: give them back before sizing the KV cache
     return model.eval(), lm_cfg
 
 
-def kv_capacity(cfg: EngineConfig, lm: LMConfig, dtype: torch.dtype, device: torch.device) -> int:
+def kv_capacity(cfg: EngineConfig, lm: LMConfig, kv_heads: int, dtype: torch.dtype, device: torch.device) -> int:
+    """KV slots that fit this process's memory (`kv_heads`: the heads this rank caches)."""
     if cfg.max_total_token_num is not None:
         return cfg.max_total_token_num
-    per_token = KVCache.bytes_per_token(lm.num_layers, lm.num_kv_heads, lm.head_dim, dtype)
+    per_token = KVCache.bytes_per_token(lm.num_layers, kv_heads, lm.head_dim, dtype)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = min(free, total * cfg.mem_fraction - (total - free)) - _ACTIVATION_RESERVE
@@ -106,6 +123,19 @@ def kv_capacity(cfg: EngineConfig, lm: LMConfig, dtype: torch.dtype, device: tor
         return tokens
     avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     return max(1, min(_CPU_DEFAULT_TOKENS, int(avail * 0.25 // per_token)))
+
+
+def build_kv_cache(
+    cfg: EngineConfig, model: torch.nn.Module, lm: LMConfig, device: torch.device, tp: TPGroup
+) -> KVCache:
+    """This rank's KV cache (its KV heads). Every rank gets the slot count the tightest rank's memory allows, so
+    that rank 0's slot allocation fits all of them."""
+    dtype = next(model.parameters()).dtype
+    kv_heads = model.shard.kv_heads
+    num_slots = tp.min_over_ranks(kv_capacity(cfg, lm, kv_heads, dtype, device))
+    max_req_len = min(cfg.max_req_total_len or lm.max_position, lm.max_position)
+    max_reqs = cfg.running_max_req_size
+    return KVCache(lm.num_layers, num_slots, kv_heads, lm.head_dim, max_reqs, max_req_len, dtype, device)
 
 
 class EngineCore:
@@ -118,19 +148,21 @@ class EngineCore:
         self.cfg = cfg
         device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
-        self.model, lm = load_model(cfg, device)
-        dtype = next(self.model.parameters()).dtype
-        num_slots = kv_capacity(cfg, lm, dtype, device)
-        max_req_len = min(cfg.max_req_total_len or lm.max_position, lm.max_position)
+        # Tensor parallelism: this process is rank 0; the other ranks follow its steps (language/parallel/worker.py).
+        model_config(cfg)
+        self.tp = init_tp(0, cfg.tp, cfg.dist_init_method, device) if cfg.tp > 1 else TPGroup()
+        self.model, lm = load_model(cfg, device, self.tp)
+        self.kv = build_kv_cache(cfg, self.model, lm, device, self.tp)
+        dtype, num_slots, max_req_len = self.kv.dtype, self.kv.num_slots, self.kv.max_req_len
         max_reqs = cfg.running_max_req_size
-        self.kv = KVCache(lm.num_layers, num_slots, lm.num_kv_heads, lm.head_dim, max_reqs, max_req_len, dtype, device)
         if cfg.chunked_prefill:
             budget = cfg.chunked_prefill_size
         else:  # whole prompts: the budget only limits how many join one step
             budget = max(cfg.chunked_prefill_size, max_req_len)
         self.prefix = PrefixCache(self.kv.slots) if cfg.prefix_cache else None
         self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill, self.prefix)
-        self.runner = ModelRunner(self.model, self.kv, device, cfg.cuda_graph, cfg.cuda_graph_max_batch)
+        channel = StepChannel(self.tp) if self.tp.enabled else None
+        self.runner = ModelRunner(self.model, self.kv, device, cfg.cuda_graph, cfg.cuda_graph_max_batch, channel)
         self.model_info = ModelInfo(
             architecture=lm.architecture,
             eos_token_ids=tuple(cfg.eos_id) if cfg.eos_id is not None else lm.eos_token_ids,
@@ -148,7 +180,16 @@ class EngineCore:
         self._inflight: InflightStep | None = None
         if device.type == "cuda":
             warmup(self)
-        logger.info("engine ready: %s on %s (%s), %d KV slots", lm.architecture, device, dtype, num_slots)
+        logger.info("engine ready: %s on %s (%s), %d KV slots%s", lm.architecture, device, dtype, num_slots,
+                    f", tensor parallel over {cfg.tp} ranks" if self.tp.enabled else "")  # fmt: skip
+
+    def close(self) -> None:
+        """Let the other tensor-parallel ranks stop (they wait for rank 0's next step otherwise)."""
+        if self.runner.channel is not None:
+            if self._inflight is not None:
+                self._collect()
+            self.runner.channel.stop()
+            self.runner.channel = None
 
     # ---- requests in ----
     def add_request(self, req: Request) -> None:

@@ -30,6 +30,7 @@ class KVCache:
         self.slots = SlotAllocator(num_slots)
         self.dummy_slot, self.dummy_row = num_slots, max_requests
         self.max_req_len = max_req_len
+        self.dtype = dtype
         # Row r, column p: the slot holding token p of the request in row r.
         self.req_to_token = torch.full((max_requests + 1, max_req_len), num_slots, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))

@@ -49,15 +49,23 @@ def weight_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
-def _read_shard(path: str, keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+# (checkpoint name, the tensor not read yet) -> the part to load: a tensor-parallel rank reads only its slice.
+Take = Callable[[str, object], torch.Tensor]
+
+
+def _take_all(name: str, view) -> torch.Tensor:
+    return view[:]
+
+
+def _read_shard(path: str, keep: Callable[[str], bool], take: Take = _take_all) -> Iterator[tuple[str, torch.Tensor]]:
     if path.endswith(".safetensors"):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 if keep(name):  # tensors we skip (a vision tower, say) are never read
-                    yield name, f.get_tensor(name)
+                    yield name, take(name, f.get_slice(name))
     else:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        yield from ((name, t) for name, t in state.items() if keep(name))
+        yield from ((name, take(name, t)) for name, t in state.items() if keep(name))
         del state
 
 
@@ -78,14 +86,16 @@ def iter_weights(
     keep: Callable[[str], bool] = lambda name: True,
     device: torch.device | None = None,
     workers: int = 8,
+    take: Take = _take_all,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every kept tensor of every shard, in no particular order. Shards are read by parallel
     threads (reading and the host-to-device copy release the GIL), each tensor moved to `device` there, and handed
-    over through a short queue so only a few tensors wait in memory at a time."""
+    over through a short queue so only a few tensors wait in memory at a time. `take(name, view)` picks the part
+    of each tensor that is read (safetensors reads only that slice from the file)."""
     paths = weight_files(model_dir)
     if len(paths) == 1 or workers <= 1:
         for path in paths:
-            for name, tensor in _read_shard(path, keep):
+            for name, tensor in _read_shard(path, keep, take):
                 yield name, tensor if device is None else tensor.to(device)
         return
     handoff: queue.Queue = queue.Queue(maxsize=2 * workers)
@@ -94,7 +104,7 @@ def iter_weights(
 
     def read(path: str) -> None:
         try:
-            for name, tensor in _read_shard(path, keep):
+            for name, tensor in _read_shard(path, keep, take):
                 if stop.is_set():
                     return
                 handoff.put((name, tensor if device is None else tensor.to(device)))

@@ -11,6 +11,7 @@ requests that asked for prompt_logprobs (their rows join the step's `logits_idx`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,8 @@ import torch
 from language.cuda_graph import DecodeGraphs
 from language.forward_batch import ForwardBatch
 from language.kv_cache import KVCache
+from language.parallel import step_sync
+from language.parallel.step_sync import StepChannel, StepMessage
 from language.request import Request, TopLogprobs
 from language.sampler import Samples, SamplingBatch, sample, sample_greedy, token_logprobs
 from language.step_inputs import StagedStep
@@ -112,14 +115,52 @@ def _rows(flat: list, n: int, width: int) -> list[list]:
     return [flat[i * width : (i + 1) * width] for i in range(n)]
 
 
+@dataclass(frozen=True)
+class StepLayout:
+    """The sizes of one step's packed integers (what a tensor-parallel rank needs besides the buffer itself)."""
+
+    num_tokens: int  # n
+    num_table: int  # table entries: each new token's, then the reused prefixes'
+    dims: int  # position rows: 1, or 3 for M-RoPE
+    num_seqs: int
+    num_decode: int
+    num_prefill: int
+    num_mm: int  # image rows spliced in
+    num_scored: int  # prompt positions scored for prompt_logprobs
+    max_q_len: int
+    max_decode_len: int  # -1: no decode rows
+
+    def sizes(self) -> list[int]:
+        n, nt, b, npf, ns = self.num_tokens, self.num_table, self.num_seqs, self.num_prefill, self.num_scored
+        return [n, nt, nt, nt, self.dims * n, b, self.num_decode, npf, npf, npf, npf, b + ns, self.num_mm, ns]
+
+    def starts(self) -> np.ndarray:
+        """Offsets of the arrays in the buffer, each on a 128-byte boundary, and the total at the end."""
+        return np.cumsum([0] + [-(-size // _ALIGN) * _ALIGN for size in self.sizes()])
+
+    def fields(self) -> list[int]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+_LAYOUT_FIELDS = len(dataclasses.fields(StepLayout))
+
+
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv: KVCache, device: torch.device, use_cuda_graph: bool, max_graph_batch: int
+        self,
+        model: torch.nn.Module,
+        kv: KVCache,
+        device: torch.device,
+        use_cuda_graph: bool,
+        max_graph_batch: int,
+        channel: StepChannel | None = None,
     ):
+        """channel: under tensor parallelism, where rank 0 sends each step and the other ranks receive it."""
         self.model = model
         self.kv = kv
         self.device = device
-        self.vocab_size = model.lm_head.weight.shape[0]
+        self.channel = channel
+        self.vocab_size = model.cfg.vocab_size  # the whole vocabulary: tensor-parallel logits are gathered
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine: min_new_tokens and the EOS length boost
         self.last_token = torch.zeros(kv.dummy_row + 1, dtype=torch.int64, device=device)  # [rows+1]
         self._meta = PinnedStaging(device)
@@ -141,9 +182,20 @@ class ModelRunner:
         k = max(r.params.top_logprobs for r in reqs)
         targets = None
         if not staged.prefill.reqs and self.graphs is not None and self.graphs.can_run(nd):
-            logits, ids, logprobs, req_idx = self.graphs.replay(staged.decode)  # greedy samples already stored
+            host, bs = self.graphs.stage(staged.decode)
+            if self.channel is not None:
+                self.channel.send(step_sync.GRAPH, [nd, bs, all_greedy], host[:bs].view(-1))
+            logits, ids, logprobs, req_idx = self.graphs.replay(host, nd, bs)  # greedy samples already stored
         else:
-            batch, targets = self._forward_batch(staged)
+            packed, layout = self._pack(staged)
+            if self.channel is not None:
+                self.channel.send(step_sync.EAGER, layout.fields() + [all_greedy], packed)
+            embeds = None
+            if layout.num_mm:
+                embeds = self._embeds_to_device(staged.prefill.mm_embeds)
+                if self.channel is not None:
+                    self.channel.share(embeds)
+            batch, targets = self._batch(packed, layout, embeds)
             logits, req_idx, ids = self.model(batch), batch.req_idx, None  # [b + S, vocab]
         if ids is None or not all_greedy:
             if all_greedy:
@@ -151,6 +203,8 @@ class ModelRunner:
             else:
                 sb = SamplingBatch.build(reqs, self.vocab_size, self.device, self.eos_token_ids)
                 samples = sample(logits[:b], sb)
+                if self.channel is not None:  # the other ranks' next decode rows read them from last_token
+                    self.channel.share(samples.ids)
             self.last_token[req_idx] = samples.ids  # decode rows of the next step read their input ids from here
         elif k:  # the graph sampled greedily: only the alternatives are left to compute
             samples = token_logprobs(logits, ids, k)
@@ -171,18 +225,49 @@ class ModelRunner:
         widths = (b, k, len(staged.prefill.score_rows), kp)
         return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths)
 
-    def _forward_batch(self, staged: StagedStep) -> tuple[ForwardBatch, torch.Tensor]:
-        """Pack the step's integers into one pinned buffer, copy it over in one go, and build the batch on views
-        (and the prompt tokens that prompt_logprobs rows score, [S] on the device).
-        Every array starts on a 128-byte boundary: Triton specialises kernels on pointer alignment, and unaligned
-        views would compile new variants mid-load."""
+    @torch.inference_mode()
+    def follow(self, msg: StepMessage) -> None:
+        """A tensor-parallel rank other than 0: run the step rank 0 sent, as rank 0 runs it (same collectives in the
+        same order), and keep `last_token` equal to rank 0's. Log-probabilities are rank 0's business."""
+        if msg.kind == step_sync.GRAPH:
+            n, bs, all_greedy = msg.fields[:3]
+            logits, ids, _, req_idx = self.graphs.replay(msg.payload.view(bs, -1), n, bs)
+            num_seqs = n
+        else:
+            layout = StepLayout(*msg.fields[:_LAYOUT_FIELDS])
+            all_greedy, num_seqs = msg.fields[_LAYOUT_FIELDS], layout.num_seqs
+            embeds = None
+            if layout.num_mm:
+                dtype = self.model.embed_tokens.weight.dtype
+                shape = (layout.num_mm, self.model.cfg.hidden_size)
+                embeds = self.channel.share(torch.empty(shape, dtype=dtype, device=self.device))
+            batch, _ = self._batch(msg.payload, layout, embeds)
+            logits, req_idx, ids = self.model(batch), batch.req_idx, None
+            if all_greedy:
+                ids = sample_greedy(logits[:num_seqs], 0).ids
+        if not all_greedy:
+            ids = self.channel.share(torch.empty(num_seqs, dtype=torch.int64, device=self.device))
+        self.last_token[req_idx] = ids
+
+    def _pack(self, staged: StagedStep) -> tuple[torch.Tensor, StepLayout]:
+        """The step's integers in one pinned host buffer. Every array starts on a 128-byte boundary: Triton
+        specialises kernels on pointer alignment, and unaligned views would compile new variants mid-load."""
         d, p = staged.decode, staged.prefill
         nd, n, b = len(d.reqs), staged.num_tokens, staged.num_seqs
-        dims, npf, nm = p.positions.shape[0], len(p.reqs), p.mm_rows.shape[0]
-        nt = n + p.table_slot.shape[0]  # table entries: each new token's, then the reused prefixes'
-        ns = p.score_rows.shape[0]  # prompt positions scored for prompt_logprobs
-        sizes = [n, nt, nt, nt, dims * n, b, nd, npf, npf, npf, npf, b + ns, nm, ns]
-        starts = np.cumsum([0] + [-(-size // _ALIGN) * _ALIGN for size in sizes])
+        npf = len(p.reqs)
+        layout = StepLayout(
+            num_tokens=n,
+            num_table=n + p.table_slot.shape[0],
+            dims=p.positions.shape[0],
+            num_seqs=b,
+            num_decode=nd,
+            num_prefill=npf,
+            num_mm=p.mm_rows.shape[0],
+            num_scored=p.score_rows.shape[0],
+            max_q_len=int(p.q_len.max()) if npf else 0,
+            max_decode_len=int(d.col.max()) + 1 if nd else -1,
+        )
+        sizes, starts = layout.sizes(), layout.starts()
         packed = self._meta.host(int(starts[-1]))
         host = packed.numpy()
         arrays = [host[start : start + size] for start, size in zip(starts, sizes, strict=False)]
@@ -192,7 +277,7 @@ class ModelRunner:
         slots[:nd], slots[nd:n], slots[n:] = d.slot, p.slot, p.table_slot
         rows[:nd], rows[nd:n], rows[n:] = d.req_idx, p.tok_req_idx, p.table_req_idx
         cols[:nd], cols[nd:n], cols[n:] = d.col, p.tok_col, p.table_col
-        pos = pos.reshape(dims, n)
+        pos = pos.reshape(layout.dims, n)
         pos[:, :nd], pos[:, nd:] = d.position, p.positions
         req_idx[:nd], req_idx[nd:] = d.req_idx, p.req_idx
         dec_lens[:], pf_idx[:], pf_lens[:] = d.col + 1, p.req_idx, p.seq_len
@@ -200,6 +285,15 @@ class ModelRunner:
         logits_idx[:nd], logits_idx[nd:b] = np.arange(nd), nd + p.q_start + p.q_len - 1
         logits_idx[b:], scored[:] = nd + p.score_rows, p.score_targets  # after the sampled rows
         mm_rows[:] = nd + p.mm_rows
+        return packed, layout
+
+    def _batch(
+        self, packed: torch.Tensor, layout: StepLayout, embeds: torch.Tensor | None
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """Copy the packed integers over in one go and build the batch on views of them (and the prompt tokens
+        that prompt_logprobs rows score, [S] on the device)."""
+        sizes, starts = layout.sizes(), layout.starts()
+        nd, n, dims = layout.num_decode, layout.num_tokens, layout.dims
         dev = self._meta.to_device(packed)
         views = [dev[start : start + size] for start, size in zip(starts, sizes, strict=False)]
         ids_d, slots_d, rows_d, cols_d, pos_d, req_idx_d, dec_lens_d, pf_idx_d, pf_lens_d = views[:9]
@@ -218,12 +312,12 @@ class ModelRunner:
             prefill_seq_lens=pf_lens_d,
             q_starts=q_starts_d,
             q_lens=q_lens_d,
-            max_q_len=int(p.q_len.max()) if npf else 0,
+            max_q_len=layout.max_q_len,
             kv=self.kv,
-            max_decode_len=int(d.col.max()) + 1 if nd else None,
-            logits_idx=None if npf == 0 else logits_d,
-            mm_embeds=self._embeds_to_device(p.mm_embeds) if nm else None,
-            mm_positions=mm_rows_d if nm else None,
+            max_decode_len=layout.max_decode_len if nd else None,
+            logits_idx=None if layout.num_prefill == 0 else logits_d,
+            mm_embeds=embeds,
+            mm_positions=mm_rows_d if layout.num_mm else None,
         )
         return batch, scored_d
 

@@ -13,6 +13,9 @@ from language.config import LMConfig
 from language.forward_batch import ForwardBatch
 from language.models.hf_config import lm_config_from_hf
 from language.models.registry import register_model
+from language.parallel.group import TPGroup
+from language.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from language.parallel.sharding import Shard, TensorView, make_shard, take
 
 
 class RMSNorm(nn.Module):
@@ -26,15 +29,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LMConfig, layer_id: int):
+    """This rank's heads (all of them without tensor parallelism): q/k/v column-parallel, o row-parallel."""
+
+    def __init__(self, cfg: LMConfig, layer_id: int, shard: Shard, tp: TPGroup):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.heads, shard.kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
@@ -67,22 +72,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LMConfig):
+    def __init__(self, cfg: LMConfig, shard: Shard, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [gate | up]
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shard.intermediate, bias=False)  # [gate | up]
+        self.down_proj = RowParallelLinear(shard.intermediate, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LMConfig, layer_id: int):
+    def __init__(self, cfg: LMConfig, layer_id: int, shard: Shard, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = Attention(cfg, layer_id, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
@@ -120,13 +125,16 @@ class LlamaForCausalLM(nn.Module):
     def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig:
         return lm_config_from_hf(model_dir, raw_config, qkv_bias=cls.qkv_bias)
 
-    def __init__(self, cfg: LMConfig):
+    def __init__(self, cfg: LMConfig, tp: TPGroup | None = None):
+        """tp: this rank's tensor-parallel group; None (or a group of one): the whole model, no collectives."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        tp = tp or TPGroup()
+        self.shard = shard = make_shard(cfg, tp.rank, tp.size)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab, cfg.hidden_size, shard.vocab0, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, shard.vocab, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         inv_freq = 1.0 / (
@@ -170,6 +178,17 @@ class LlamaForCausalLM(nn.Module):
             return name
         return None
 
+    def shard_tensor(self, ckpt_name: str, view: TensorView) -> torch.Tensor:
+        """This rank's slice of a checkpoint tensor, read from `view` (called by the loader's reader threads, so
+        that a rank reads only its part)."""
+        name = self.checkpoint_name(ckpt_name) or ckpt_name
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else name
+        piece = None
+        if module in _FUSED:
+            module, piece = _FUSED[module]
+        return take(self.shard, module, piece, view)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -198,16 +217,20 @@ class LlamaForCausalLM(nn.Module):
             return
         if name not in params:
             raise ValueError(f"unexpected tensor in checkpoint: {name}")
-        if params[name].shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model wants {tuple(params[name].shape)}")
-        params[name].data.copy_(tensor)
+        target = params[name].data
+        if name in ("embed_tokens.weight", "lm_head.weight"):  # this rank's vocabulary rows; the rest is padding
+            target = target[: self.shard.vocab_rows]
+        if target.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model wants {tuple(target.shape)}")
+        target.copy_(tensor)
         loaded.add(name)
 
     def _fused_sizes(self, target: str) -> list[int]:
-        c = self.cfg
+        """The pieces of a fused parameter on this rank."""
+        s, d = self.shard, self.cfg.head_dim
         if target == "qkv_proj":
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+            return [s.heads * d, s.kv_heads * d, s.kv_heads * d]
+        return [s.intermediate, s.intermediate]
 
 
 @register_model("Qwen2ForCausalLM")

