@@ -35,6 +35,7 @@ from mmserve.processes import (
 )
 from mmserve.router import run_router_process
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
+from mmserve.tp_workers import serve_worker_node, spawn_tp_workers
 from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
 from mmserve.zmq_queue import Endpoints, remove_dead_ipc_dirs
 
@@ -48,7 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the `finally` in serve() stops the children even while they are still loading.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        code = serve(resolve_model(config))
+        if config.node_rank > 0:  # another host's share of the tensor-parallel ranks: no HTTP, no engine
+            code = serve_worker_node(config)
+        else:
+            code = serve(resolve_model(config))
     except KeyboardInterrupt:
         logger.info("stopped")
         code = 0
@@ -90,6 +94,7 @@ def serve(config: ServerConfig) -> int:
         children.append(spawn_child("detokenizer", run_detokenizer_process, config, endpoints))
         if shm_prefix:
             children.append(spawn_visual(config, endpoints, shm_prefix))
+        children += spawn_tp_workers(config)  # this host's ranks other than 0 (rank 0 is the router)
         tokenizer = load_tokenizer(config)  # while the children load
         wait_ready(children, config.startup_timeout_s)
         info = children[0].info

@@ -13,7 +13,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_dir", default=None, help="HF checkpoint folder; omitted: a random-weight demo model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (only 1 is supported)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree: GPUs the model is split over")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the --tp ranks are spread over (tp / nnodes each)")
+    p.add_argument("--node_rank", type=int, default=0, help="this host's index; 0 serves HTTP, the others only ranks")
+    p.add_argument("--nccl_host", default="127.0.0.1", help="node 0's address, where the ranks meet")
+    p.add_argument("--nccl_port", type=int, default=28765, help="port on --nccl_host where the ranks meet")
+    p.add_argument("--visual_dp", type=int, default=1, help="data-parallel vision towers (only 1: one tower)")
+    p.add_argument(
+        "--load_format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights built on the device from config.json alone (benchmarks; no weight files read)",
+    )
     p.add_argument(
         "--max_total_token_num",
         type=int,
@@ -88,6 +99,12 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             host=args.host,
             port=args.port,
             tp=args.tp,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            nccl_host=args.nccl_host,
+            nccl_port=args.nccl_port,
+            visual_dp=args.visual_dp,
+            load_format=args.load_format,
             max_total_token_num=args.max_total_token_num,
             mem_fraction=args.mem_fraction,
             running_max_req_size=args.running_max_req_size,

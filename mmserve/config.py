@@ -28,7 +28,15 @@ class ServerConfig:
     model_dir: str | None = None  # None: build and serve the random-weight demo checkpoint
     host: str = "127.0.0.1"
     port: int = 8000
-    tp: int = 1
+    tp: int = 1  # tensor-parallel ranks (GPUs) over all hosts
+    # Across hosts, LightLLM's flags: the ranks are spread evenly over nnodes hosts (host k runs ranks
+    # [k * tp / nnodes, (k + 1) * tp / nnodes)), and meet at tcp://nccl_host:nccl_port (node 0's address).
+    nnodes: int = 1
+    node_rank: int = 0
+    nccl_host: str = "127.0.0.1"
+    nccl_port: int = 28765
+    visual_dp: int = 1  # LightLLM's data-parallel vision towers; one replicated tower (on GPU 0) is what we run
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights from config.json (vLLM's)
     # KV cache slots; None sizes the cache from free device memory and mem_fraction.
     max_total_token_num: int | None = None
     mem_fraction: float = 0.9
@@ -59,8 +67,21 @@ class ServerConfig:
     graceful_timeout: float = 30.0  # on SIGTERM: seconds in-flight requests may take to finish (LightLLM's name)
 
     def __post_init__(self) -> None:
-        if self.tp != 1:
-            raise ValueError("--tp: tensor parallelism is not implemented; only --tp 1 is supported")
+        if self.tp < 1:
+            raise ValueError("--tp must be >= 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--nnodes must be >= 1 and --node_rank in 0..nnodes-1")
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} must be a multiple of --nnodes {self.nnodes} (the same ranks per host)")
+        if not 0 < self.nccl_port < 65536:
+            raise ValueError("--nccl_port must be in 1..65535")
+        if self.visual_dp != 1:
+            raise ValueError(
+                "--visual_dp: data-parallel vision towers are not implemented; the vision tower runs once, in the "
+                "visual process on the first GPU, and its embeddings reach every rank. Use --visual_dp 1"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("--load_format must be auto or dummy")
         if self.max_total_token_num is not None and self.max_total_token_num < 1:
             raise ValueError("--max_total_token_num must be >= 1")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -88,6 +109,15 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The tensor-parallel ranks this host runs (rank 0, the engine, is node 0's router process)."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
     def engine_config(self):
         """The language engine's config for this server (imported here: the HTTP process never builds one)."""
         from language.config import EngineConfig
@@ -109,4 +139,8 @@ class ServerConfig:
             prefix_cache=self.prefix_cache,
             cuda_graph=self.cuda_graph,
             cuda_graph_max_batch=self.graph_max_batch_size,
+            tp=self.tp,
+            dist_init_method=f"tcp://{self.nccl_host}:{self.nccl_port}",
+            ranks_per_node=self.ranks_per_node,
+            load_format=self.load_format,
         )

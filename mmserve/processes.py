@@ -145,9 +145,12 @@ def spawn_child(name: str, target: Callable, *args) -> ChildProcess:
 def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:
     """Block until every child reported ready; raise ChildStartError if one fails, dies or takes too long."""
     deadline = time.monotonic() + timeout_s
-    for child in children:
-        while child.info is None:
-            if child.ready_conn.poll(0.1):
+    # Every child is watched at once, not only the next one awaited: the router waits for the tensor-parallel
+    # ranks while it loads, so a rank that dies must be noticed while the router is still loading.
+    pending = [c for c in children if c.info is None]
+    while pending:
+        for child in list(pending):
+            if child.ready_conn.poll(0.1 if child is pending[0] else 0):
                 try:
                     status, payload = child.ready_conn.recv()
                 except EOFError:
@@ -155,10 +158,11 @@ def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:
                 if status != "ready":
                     raise ChildStartError(f"{child.name} process failed to start:\n{payload}")
                 child.info = payload
+                pending.remove(child)
             elif not child.alive():
                 raise ChildStartError(f"{child.name} process exited during start (code {child.exitcode})")
-            elif time.monotonic() > deadline:
-                raise ChildStartError(f"{child.name} process not ready after {timeout_s:.0f}s")
+        if pending and time.monotonic() > deadline:
+            raise ChildStartError(f"{pending[0].name} process not ready after {timeout_s:.0f}s")
 
 
 def stop_children(children: list[ChildProcess], grace_s: float = 5.0) -> None:

@@ -216,7 +216,8 @@ def run_router_process(
         from language.engine import EngineCore
 
         core = EngineCore(config.engine_config())
-        if core.model_info.device.type == "cuda":
+        if core.model_info.device.type == "cuda" or config.tp > 1:
+            # (On CPU, tensor-parallel ranks share the cores: one thread each.)
             # Host work per step is many tiny tensor ops: a thread pool per op only adds wake-up latency and fights
             # the other processes for cores (4-5x slower steps measured on a 16-core GPU host).
             torch.set_num_threads(1)

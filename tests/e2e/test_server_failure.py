@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server_proc import ServerProcess
+from tests.e2e.server_proc import ServerProcess, free_port
 
 
 def comm(pid: int) -> str:
@@ -28,9 +28,11 @@ def start(model_dir: str, tmp_path, *args: str) -> ServerProcess:
     return srv
 
 
-@pytest.mark.parametrize("victim", ["mmserve-router", "mmserve-detoken"])
+@pytest.mark.parametrize("victim", ["mmserve-router", "mmserve-detoken", "mmserve-tp1"])
 def test_dead_child_fails_requests_and_stops_the_server(e2e_model_dir, tmp_path, victim):
-    srv = start(e2e_model_dir, tmp_path)
+    """mmserve-tp1: a tensor-parallel rank (issue 11), killed while rank 0 runs steps with it."""
+    tp = ["--tp", "2", "--nccl_port", str(free_port())] if victim == "mmserve-tp1" else []
+    srv = start(e2e_model_dir, tmp_path, *tp)
     try:
         pid = next(p for p in srv.children if comm(p) == victim)
         long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}  # ~10 s each

@@ -41,7 +41,11 @@ def test_engine_config_from_server_config():
 @pytest.mark.parametrize(
     "flags",
     [
-        "--tp 2",
+        "--tp 0",
+        "--tp 3 --nnodes 2",
+        "--nnodes 2 --node_rank 2",
+        "--visual_dp 2",
+        "--load_format pt",
         "--mem_fraction 0",
         "--max_total_token_num 0",
         "--data_type int4",
@@ -54,4 +58,16 @@ def test_bad_flags_exit_with_a_message(flags, capsys):
     with pytest.raises(SystemExit) as e:
         parse_config(shlex.split(flags))
     assert e.value.code == 2
-    assert flags.split()[0] in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flags.split()[0] in err or flags.split()[-2] in err
+
+
+def test_lightllm_multi_host_line():
+    """LightLLM's two-host launch: node 1 of 2 runs ranks 4..7 of --tp 8 and meets node 0 at nccl_host:nccl_port."""
+    cfg = parse_config(shlex.split(
+        "--model_dir /m --tp 8 --nnodes 2 --node_rank 1 --nccl_host 10.0.0.1 --nccl_port 29000 --load_format dummy"
+    ))  # fmt: skip
+    assert list(cfg.local_ranks) == [4, 5, 6, 7]
+    eng = cfg.engine_config()
+    assert (eng.tp, eng.ranks_per_node, eng.dist_init_method) == (8, 4, "tcp://10.0.0.1:29000")
+    assert eng.load_format == "dummy"

@@ -1,0 +1,75 @@
+"""Issue 11's CPU acceptance: the real server at --tp 2 (2 ranks on gloo: the router process is rank 0, one worker
+process rank 1) gives HF transformers' greedy tokens for the tiny Llama, LLaVA-1.5 and Qwen2-VL checkpoints, images
+included (their rows reach rank 1 through the step's broadcast). Killing a rank mid-load is in test_server_failure."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mmserve.checkpoints.llava import build_llava_hf
+from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from tests.e2e import test_llava_server as llava
+from tests.e2e import test_qwen2_vl_server as qwen2_vl
+from tests.e2e.server_proc import ServerProcess, free_port, serving
+from tests.models.hf_reference import hf_greedy
+from tests.models.test_llava import IMAGES
+
+NEW_TOKENS = 12
+
+
+def tp_args() -> list[str]:
+    return ["--tp", "2", "--nccl_port", str(free_port()), "--max_total_token_num", "4096"]
+
+
+@pytest.fixture(scope="module")
+def llama_server(e2e_model_dir, tmp_path_factory):
+    srv = ServerProcess(e2e_model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), *tp_args())
+    with serving(srv):
+        yield srv
+
+
+def test_llama_tp2_equals_hf(llama_server, e2e_model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(e2e_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(e2e_model_dir)
+    prompts = ["What is AI?", "Tell me a long story about a dragon " * 4, "The capital of France is " * 12]
+
+    def generate(prompt: str) -> dict:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True,
+                                                 "return_details": True}}  # fmt: skip
+        r = httpx.post(llama_server.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # one batch in the engine
+        answers = list(pool.map(generate, prompts))
+    for prompt, answer in zip(prompts, answers, strict=True):
+        ids = tokenizer(prompt).input_ids
+        assert answer["prompt_tokens"] == len(ids)
+        assert [t["id"] for t in answer["tokens"]] == hf_greedy(hf, ids, NEW_TOKENS), prompt
+    assert llama_server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0) == 0
+
+
+def test_llava_tp2_equals_hf(tmp_path_factory):
+    model_dir = build_llava_hf(str(tmp_path_factory.mktemp("llava") / "llava-hf"))
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--enable_multimodal",
+                        *tp_args())  # fmt: skip
+    with serving(srv):
+        jobs = [(llava.ONE_IMAGE, IMAGES[:1]), (llava.TWO_IMAGES, IMAGES), (llava.TEXT_ONLY, [])]
+        answers = llava.generate_concurrently(srv, jobs, llava.NEW_TOKENS)
+        expected = llava.hf_expected(model_dir, "llava_hf", jobs)
+        assert [llava.ids(a) for a in answers] == [e for _, e in expected]
+
+
+def test_qwen2_vl_tp2_equals_hf(tmp_path_factory):
+    model_dir = build_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--enable_multimodal",
+                        *tp_args())  # fmt: skip
+    with serving(srv):
+        with ThreadPoolExecutor(len(qwen2_vl.CASES)) as pool:
+            ours = list(pool.map(lambda case: qwen2_vl.generate(srv, *case), qwen2_vl.CASES))
+        assert ours == qwen2_vl.hf_tokens(model_dir)
