@@ -60,6 +60,7 @@ def spawn_visual(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) ->
         dtype=config.data_type,
         vision_tower_dir=config.vision_tower_dir,
         log_level=config.log_level,
+        load_format=config.load_format,
     )
     return spawn_child("visual", run_visual_process, cfg)
 

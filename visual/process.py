@@ -47,6 +47,7 @@ class VisualProcessConfig:
     num_preprocess_workers: int = max(2, min(8, (os.cpu_count() or 2) // 2))
     max_batch: int = 16
     log_level: str = "info"
+    load_format: str = "auto"  # dummy: the tower's random init, no weights read (families that support it)
 
 
 def resolve_device_dtype(cfg: VisualProcessConfig) -> tuple[torch.device, torch.dtype]:
@@ -64,7 +65,13 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     architecture = read_json(f"{cfg.model_dir}/config.json")["architectures"][0]
     device, dtype = resolve_device_dtype(cfg)
     extra = {"vision_tower_dir": cfg.vision_tower_dir} if cfg.vision_tower_dir else {}
-    model = vision_model_class(architecture).from_pretrained(cfg.model_dir, device, dtype, **extra)
+    cls = vision_model_class(architecture)
+    if cfg.load_format == "dummy":
+        if not getattr(cls, "supports_dummy_weights", False):
+            raise ValueError(f"--load_format dummy: {architecture}'s vision tower needs its weights (only the "
+                             "Qwen2-VL family builds a random tower)")  # fmt: skip
+        extra["dummy"] = True
+    model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
     pool = PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
     encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch)
     dtype_name = str(dtype).removeprefix("torch.")

@@ -60,6 +60,8 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device, timeou
         return TPGroup()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     logger.info("tensor parallel rank %d/%d: joining %s (%s)", rank, size, init_method, backend)
     kwargs = {"device_id": device} if device.type == "cuda" else {}

@@ -35,6 +35,12 @@ SHAPES = {
                   intermediate_size=18944),
         mrope_section=[16, 24, 24], vision=dict(depth=32, embed_dim=1280, num_heads=16), base_id=151643, vocab=152064,
     ),
+    # Qwen2-VL-72B-Instruct's shape (~146 GB in bf16): written without weights, for --load_format dummy.
+    "72b": dict(
+        text=dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                  intermediate_size=29568),
+        mrope_section=[16, 24, 24], vision=dict(depth=32, embed_dim=1280, num_heads=16), base_id=151643, vocab=152064,
+    ),
 }  # fmt: skip
 
 
@@ -135,16 +141,18 @@ def build_qwen2_vl(
     num_shards: int | None = 2,
     seed: int = 0,
     device: str = "cpu",
+    weights: bool = True,
 ) -> str:
     """Write config, tokenizer, image processor config and random weights; returns out_dir. dialect "published"
-    (flat config, `visual.*`) or "v5" (what transformers 5 saves)."""
+    (flat config, `visual.*`) or "v5" (what transformers 5 saves). weights=False: every file but the weights, for
+    serving with --load_format dummy."""
     os.makedirs(out_dir, exist_ok=True)
     cfg = qwen2_vl_config(shape, dtype)
     build_qwen2_vl_tokenizer(out_dir, SHAPES[shape]["base_id"])
     from transformers import Qwen2VLConfig
 
     write_qwen_vl_layout(out_dir, cfg, Qwen2VLConfig, "Qwen2VLProcessor", vision_tensor_specs, dialect, min_pixels,
-                         max_pixels, dtype, num_shards, seed, device)  # fmt: skip
+                         max_pixels, dtype, num_shards, seed, device, weights)  # fmt: skip
     return out_dir
 
 
@@ -161,6 +169,7 @@ def write_qwen_vl_layout(
     num_shards: int | None,
     seed: int,
     device: str,
+    weights: bool = True,
 ) -> None:
     """Config, image processor config, generation config and random weights of a Qwen2-VL-style checkpoint (Qwen2-VL,
     Qwen2.5-VL) in `dialect`; `vision_specs(vision_config, prefix)` lists the tower's tensors."""
@@ -192,6 +201,8 @@ def write_qwen_vl_layout(
     write_json(
         os.path.join(out_dir, "generation_config.json"), {"bos_token_id": cfg["bos_token_id"], "eos_token_id": eos}
     )
+    if not weights:
+        return
     specs = llama_tensor_specs(cfg, prefix=text_prefix, lm_head=lm_head, bias=True)
     specs += vision_specs(cfg["vision_config"], vision_prefix)
     write_checkpoint(out_dir, specs, dtype, num_shards=num_shards, seed=seed, device=device)
@@ -205,12 +216,17 @@ def main() -> None:
     ap.add_argument("--dialect", choices=["published", "v5"], default="published")
     ap.add_argument("--max_pixels", type=int, default=None, help="default: 12845056 for 7b (published), 50176 tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--no_weights", action="store_true", help="config, tokenizer and processor files only (for "
+                    "--load_format dummy); the 72b shape is always written so")  # fmt: skip
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype or ("bfloat16" if args.shape == "7b" else "float32"))
-    max_pixels = args.max_pixels or (12845056 if args.shape == "7b" else 28 * 28 * 64)
+    large = args.shape != "tiny"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if large else "float32"))
+    max_pixels = args.max_pixels or (12845056 if large else 28 * 28 * 64)
+    weights = not args.no_weights and args.shape != "72b"
     build_qwen2_vl(args.out, args.shape, dtype, args.dialect, max_pixels=max_pixels,
-                   num_shards=None if args.shape == "7b" else 2, device=args.device)  # fmt: skip
-    print(f"wrote {args.shape} Qwen2-VL checkpoint ({args.dialect} layout) to {args.out}")
+                   num_shards=None if large else 2, device=args.device, weights=weights)  # fmt: skip
+    what = "checkpoint" if weights else "config, tokenizer and processor (no weights: serve with --load_format dummy)"
+    print(f"wrote {args.shape} Qwen2-VL {what} ({args.dialect} layout) to {args.out}")
 
 
 if __name__ == "__main__":

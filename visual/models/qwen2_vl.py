@@ -44,6 +44,7 @@ class Qwen2VLVisionModel:
     tower_class = Qwen2VisionTransformerPretrainedModel
     family = "qwen2_vl"  # in the cache salt
     display_name = "Qwen2-VL"  # in error messages
+    supports_dummy_weights = True  # from_pretrained(dummy=True): --load_format dummy
 
     def __init__(
         self,
@@ -61,15 +62,19 @@ class Qwen2VLVisionModel:
         self._pixels = HostStaging()  # pinned (on CUDA) host buffer the batch's pixels are gathered into
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> Qwen2VLVisionModel:
+    def from_pretrained(
+        cls, model_dir: str, device: torch.device, dtype: torch.dtype, dummy: bool = False
+    ) -> Qwen2VLVisionModel:
+        """dummy: keep the random init (--load_format dummy), reading no weights."""
         config = AutoConfig.from_pretrained(model_dir)  # flat (published) or nested (transformers 5) config.json
         # Reads preprocessor_config.json, or processor_config.json's nested "image_processor".
         processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
         # Built on the target device so that the (overwritten) random init is fast for 7B-sized towers.
         with torch.device(device):
             tower = cls.tower_class._from_config(config.vision_config, dtype=dtype)
-        state = load_prefixed_tensors(model_dir, VISION_PREFIXES)
-        missing, unexpected = tower.load_state_dict(state, strict=False)
+        missing, unexpected = [], []
+        if not dummy:
+            missing, unexpected = tower.load_state_dict(load_prefixed_tensors(model_dir, VISION_PREFIXES), strict=False)
         missing = [k for k in missing if "inv_freq" not in k]  # the rotary table is computed, not stored
         if missing or unexpected:
             raise ValueError(
