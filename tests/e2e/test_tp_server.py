@@ -73,3 +73,9 @@ def test_qwen2_vl_tp2_equals_hf(tmp_path_factory):
         with ThreadPoolExecutor(len(qwen2_vl.CASES)) as pool:
             ours = list(pool.map(lambda case: qwen2_vl.generate(srv, *case), qwen2_vl.CASES))
         assert ours == qwen2_vl.hf_tokens(model_dir)
+
+
+def test_tp_that_does_not_divide_the_heads_fails_at_start(e2e_model_dir, tmp_path):
+    srv = ServerProcess(e2e_model_dir, str(tmp_path / "server.log"), "--tp", "3", "--nccl_port", str(free_port()))
+    assert srv.proc.wait(120) != 0
+    assert "--tp 3 does not divide the model's 4 attention heads" in srv.log()
