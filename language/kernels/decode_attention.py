@@ -1,10 +1,9 @@
-"""Split-K flash decoding: one query per sequence attends to its cached tokens. One program per (sequence, KV head,
-key chunk), all query heads of the KV head's group together (each K/V row is read once), writes a partial softmax;
-the last chunk of a (sequence, KV head) to finish (an atomic ticket) merges them, so the whole call is one launch.
-Each sequence splits its own keys evenly over the chunks, so a short sequence in a graph captured for long ones
-still spreads over the whole grid. The grid depends only on tensor shapes and `max_seq_len`, the chunk count is a
-runtime integer (no recompilation per batch size), and nothing reads GPU values on the host, so the whole call can
-be captured in a CUDA graph."""
+"""Split-K flash decoding: one query per sequence attends to its cached tokens. Stage 1 runs one program per
+(sequence, KV head, key chunk), all query heads of the KV head's group together (each K/V row is read once), and
+writes a partial softmax; stage 2 merges the chunks. Each sequence splits its own keys evenly over the chunks, so a
+short sequence in a graph captured for long ones still spreads over the whole grid. The grid depends only on tensor
+shapes and `max_seq_len`, the chunk count is a runtime integer (no recompilation per batch size), and nothing reads
+GPU values on the host, so the whole call can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ def _decode_partial_kernel(
     out_ptr,  # [B, Hq, D] contiguous (written only when SINGLE_CHUNK)
     part_out_ptr,  # [B, Hq, C, D] fp32: each chunk's normalised output (unless SINGLE_CHUNK)
     part_lse_ptr,  # [B, Hq, C] fp32: each chunk's base-2 log-sum-exp
-    tickets_ptr,  # [>= B * Hk] int32, zero between calls: chunks of each (sequence, KV head) done so far
     qk_scale,
     stride_q_b,
     stride_q_h,
@@ -58,7 +56,6 @@ def _decode_partial_kernel(
     BLOCK_H: tl.constexpr,  # GROUP padded to a dot-friendly size
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_C: tl.constexpr,  # num_chunks padded to a power of two (the merge's tile)
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -102,41 +99,34 @@ def _decode_partial_kernel(
         part_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_chunks + chunk  # [BLOCK_H]
         tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=store_mask)
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=g_mask)
-        # Every thread's stores are issued before the ticket (release); the last chunk to arrive (acquire) sees them.
-        tl.debug_barrier()
-        ticket_ptr = tickets_ptr + seq * tl.num_programs(1) + kv_head  # grid axis 1: the KV heads
-        done = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        used_chunks = tl.maximum(tl.minimum(tl.cdiv(seq_len, chunk_len), num_chunks), 1)
-        if done == used_chunks - 1:
-            tl.atomic_xchg(ticket_ptr, 0)  # zero again for the next call (and the next graph replay)
-            for g in range(GROUP):
-                _merge_chunks(
-                    part_out_ptr, part_lse_ptr, out_ptr, seq.to(tl.int64) * NUM_HEADS + kv_head * GROUP + g,
-                    num_chunks, used_chunks, HEAD_DIM, BLOCK_C, BLOCK_D,
-                )  # fmt: skip
 
 
 @triton.jit
-def _merge_chunks(
+def _decode_merge_kernel(
     part_out_ptr,  # [B, Hq, C, D] fp32
     part_lse_ptr,  # [B, Hq, C] fp32
-    out_ptr,  # [B, Hq, D]
-    row,  # seq * Hq + head
+    b_seq_len_ptr,  # [B]
+    out_ptr,  # [B, Hq, D] contiguous
     num_chunks,
-    used_chunks,
+    NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the partial kernel's key tile (chunk lengths are multiples of it)
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One query head's output from its chunks' partial softmaxes, weighted by their log-sum-exps."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seq_len = tl.load(b_seq_len_ptr + seq)
+    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_chunks), BLOCK_N), 1) * BLOCK_N
+    used_chunks = tl.maximum(tl.minimum(tl.cdiv(seq_len, chunk_len), num_chunks), 1)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     c_mask = offs_c < used_chunks
     d_mask = offs_d < HEAD_DIM
-    first = row * num_chunks
-    lse = tl.load(part_lse_ptr + first + offs_c, mask=c_mask, other=float("-inf"))  # [BLOCK_C]
+    row = (seq * NUM_HEADS + head) * num_chunks
+    lse = tl.load(part_lse_ptr + row + offs_c, mask=c_mask, other=float("-inf"))  # [BLOCK_C]
     parts = tl.load(
-        part_out_ptr + (first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
+        part_out_ptr + (row + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
         mask=c_mask[:, None] & d_mask[None, :],
         other=0.0,
     )  # [BLOCK_C, BLOCK_D]
@@ -146,7 +136,7 @@ def _merge_chunks(
     total = tl.sum(weights, 0)
     total = tl.where(total == 0.0, 1.0, total)
     merged = tl.sum(parts * weights[:, None], 0) / total
-    tl.store(out_ptr + row * HEAD_DIM + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _launch_config() -> dict[str, int]:
@@ -205,29 +195,19 @@ def decode_attention(
     parts = 1 if single else num_chunks
     part_out = torch.empty((batch, num_heads, parts, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((batch, num_heads, parts), dtype=torch.float32, device=device)
-    tickets = _tickets(batch * num_kv_heads, device)
     block_d = pow2_at_least(head_dim, 16)
     _decode_partial_kernel[(batch, num_kv_heads, num_chunks)](
-        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse, tickets,
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), num_chunks,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
-        BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, BLOCK_C=pow2_at_least(_MAX_CHUNKS, 2),
-        EVEN_D=block_d == head_dim, DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype),
-        **_launch_config(),
+        BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **_launch_config(),
     )  # fmt: skip
+    if not single:
+        _decode_merge_kernel[(batch, num_heads)](
+            part_out, part_lse, b_seq_len, out, num_chunks,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=_launch_config()["BLOCK_N"],
+            BLOCK_C=pow2_at_least(num_chunks, 2), BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
     return out
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(n: int, device: torch.device) -> torch.Tensor:
-    """The per-(sequence, KV head) chunk counters: zeroed once, and left at zero by every call (the merging
-    program resets its own), so CUDA graphs replay them without a memset. Sized for 16k (sequence, head) pairs
-    up front, so a graph capture never has to grow them."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or tickets.numel() < n:
-        tickets = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-        _TICKETS[device] = tickets
-    return tickets

@@ -65,23 +65,6 @@ def store_kv_ref(
     v_cache[slots] = v.to(v_cache.dtype)
 
 
-def rotary_store_kv_ref(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,
-    num_heads: int,
-) -> torch.Tensor:
-    """qkv: [N, Hq + 2 Hk, D] -> rotated q [N, Hq, D]; rotated k and v go to the cache at `slots`: apply_rotary on
-    the q and k heads, then store_kv."""
-    num_kv_heads = k_cache.shape[1]
-    qk = apply_rotary_ref(qkv[:, : num_heads + num_kv_heads], cos, sin)  # [N, Hq + Hk, D]
-    store_kv_ref(k_cache, v_cache, qk[:, num_heads:], qkv[:, num_heads + num_kv_heads :], slots)
-    return qk[:, :num_heads].contiguous()
-
-
 def prefill_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -43,10 +43,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        qkv = self.qkv_proj(x).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)  # q, k, v heads
-        k_cache, v_cache = batch.kv.k[self.layer_id], batch.kv.v[self.layer_id]
-        # One launch: q and k rotated, k and v written to their slots (the attention kernels read K/V from there).
-        q = kernels.rotary_store_kv(qkv, cos, sin, k_cache, v_cache, batch.out_slots, self.num_heads)  # [n, Hq, D]
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        # q and k sit side by side in each row: one rotary launch covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        kv = batch.kv
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        kernels.store_kv(k_cache, v_cache, k, v, batch.out_slots)
         return self.o_proj(self._attend(q, k_cache, v_cache, batch).view(n, self.q_size))
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch):
