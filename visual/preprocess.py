@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import io
 import multiprocessing as mp
 import secrets
 import signal
@@ -43,6 +44,12 @@ def _init_worker(preprocessor: Preprocessor) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+    # One tiny image through the whole path now: the image processor imports and sets up lazily (seconds of CPU in
+    # each worker), which would otherwise land on the first requests the server serves.
+    if preprocessor is not None:
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), (127, 127, 127)).save(buf, "PNG")
+        decode_and_preprocess(buf.getvalue())
 
 
 def rgb_conversion(preprocessor: Preprocessor) -> str:
@@ -111,13 +118,18 @@ class PreprocessPool:
             self._executor: Executor = ProcessPoolExecutor(
                 num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(make(),)
             )
-            # The pool spawns workers on demand: start them now, in the background, so the first images do not
-            # wait seconds for interpreters to start and the image processor to load.
-            for _ in range(num_workers):
-                self._executor.submit(_ready)
+            # The pool spawns workers on demand: start them now, in the background (each warms up on a tiny image),
+            # so the first images do not wait seconds for interpreters to start and the image processor to load.
+            self._starting = [self._executor.submit(_ready) for _ in range(num_workers)]
         else:
             self._preprocessor = model.preprocess
             self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
+            self._starting = []
+
+    def wait_started(self, timeout_s: float = 120.0) -> None:
+        """Block until every worker has started and warmed up (raises what a worker's start raised)."""
+        for future in self._starting:
+            future.result(timeout=timeout_s)
 
     def submit(self, data: bytes) -> Future[ImageInput]:
         """Decode + preprocess in the pool; pass the finished future to `collect` (once)."""
