@@ -1,9 +1,12 @@
-"""The sharded layers on 2 gloo ranks equal the unsharded layers: a row-parallel linear (columns of its input per
-rank, partial sums all-reduced), the vocabulary-parallel embedding and lm_head (with a vocabulary that does not
-split evenly: the last rank's rows are padded), and column slices taken by heads from fused and separate q/k/v
-tensors, KV heads replicated when there are fewer than ranks."""
+"""The sharded layers on 2 gloo ranks against the unsharded layers, rounding included: a row-parallel linear
+(columns of its input per rank, partial sums all-reduced in fp32 and rounded once, as TP=1's GEMM), the
+vocabulary-parallel embedding and lm_head, exact (with a vocabulary that does not split evenly: the last rank's
+rows are padded), and column slices taken by heads from fused and separate q/k/v tensors, KV heads replicated
+when there are fewer than ranks."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -19,43 +22,106 @@ def _cfg(heads: int = 4, kv_heads: int = 2, vocab: int = 13, inter: int = 12) ->
                     max_position=64, eos_token_ids=(2,), torch_dtype=torch.float32)  # fmt: skip
 
 
+def _row_parallel(tp, shard, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The sharded down_proj of full weight w [out, in] on this rank, applied to this rank's columns of x [n, in]."""
+    from language.parallel.layers import RowParallelLinear
+
+    layer = RowParallelLinear(shard.intermediate, w.shape[0], tp).to(w.dtype)
+    layer.weight.data.copy_(take(shard, "down_proj", None, w))
+    return layer(x[:, shard.inter0 : shard.inter0 + shard.intermediate])
+
+
 @torch.inference_mode()
-def _layers_on_rank(rank: int, init_method: str) -> dict[str, float]:
+def _layers_on_rank(rank: int, init_method: str) -> bytes:
+    """Every layer at once (one spawn of the ranks): what the tests compare, saved (the tensors outlive the
+    rank's process, which a queue's shared memory would not)."""
     from language.parallel.group import init_tp
-    from language.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+    from language.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 
     tp = init_tp(rank, 2, init_method, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)  # the same full weights and inputs on every rank
+    out: dict[str, object] = {}
+
+    # fp32, on the tiny config's shapes: the sharded sum reassociates the unsharded one.
     cfg = _cfg()
     shard = make_shard(cfg, rank, 2)
-    g = torch.Generator().manual_seed(0)  # the same full weights and inputs on every rank
-    x = torch.randn(5, cfg.hidden_size, generator=g)
-    ids = torch.tensor([0, 6, 7, 12, 3])
-    down_w = torch.randn(cfg.hidden_size, cfg.intermediate_size, generator=g)
     h = torch.randn(5, cfg.intermediate_size, generator=g)
-    table = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
-    errors = {}
+    down_w = torch.randn(cfg.hidden_size, cfg.intermediate_size, generator=g)
+    out["row_fp32"] = (_row_parallel(tp, shard, h, down_w), h, down_w)
 
-    down = RowParallelLinear(shard.intermediate, cfg.hidden_size, tp)
-    down.weight.data.copy_(take(shard, "down_proj", None, down_w))
-    local_h = h[:, shard.inter0 : shard.inter0 + shard.intermediate]
-    errors["row"] = (down(local_h) - h @ down_w.T).abs().max().item()
+    # bf16 at a 7B-like width of the reduced dimension: what TP=1's GEMM gives (fp32 sums, one rounding).
+    wide = make_shard(_cfg(inter=1024), rank, 2)
+    h = torch.randn(64, 1024, generator=g).bfloat16()
+    down_w = torch.randn(96, 1024, generator=g).bfloat16()
+    out["row_bf16"] = (_row_parallel(tp, wide, h, down_w), h, down_w)
 
-    embed = VocabParallelEmbedding(shard.vocab, cfg.hidden_size, shard.vocab0, tp)
-    embed.weight.data[: shard.vocab_rows] = take(shard, "embed_tokens", None, table)
-    errors["embed"] = (embed(ids) - table[ids]).abs().max().item()
-
-    head = ParallelLMHead(cfg.hidden_size, shard.vocab, cfg.vocab_size, tp)
-    head.weight.data.zero_()
-    head.weight.data[: shard.vocab_rows] = take(shard, "lm_head", None, table)
-    logits = head(x)
-    errors["lm_head"] = (logits - x @ table.T).abs().max().item() if logits.shape == (5, cfg.vocab_size) else 1e9
+    ids = torch.tensor([0, 6, 7, 12, 3])
+    for dtype in (torch.float32, torch.bfloat16):
+        table = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g).to(dtype)
+        embed = VocabParallelEmbedding(shard.vocab, cfg.hidden_size, shard.vocab0, tp).to(dtype)
+        embed.weight.data[: shard.vocab_rows] = take(shard, "embed_tokens", None, table)
+        head = ParallelLMHead(cfg.hidden_size, shard.vocab, cfg.vocab_size, tp).to(dtype)
+        head.weight.data.zero_()
+        head.weight.data[: shard.vocab_rows] = take(shard, "lm_head", None, table)
+        x = torch.randn(5, cfg.hidden_size, generator=g).to(dtype)
+        out[f"embed_{dtype}"] = (embed(ids), table[ids])
+        out[f"lm_head_{dtype}"] = (head(x), x, table, shard.vocab)
     torch.distributed.destroy_process_group()
-    return errors
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
 
 
-def test_sharded_layers_equal_unsharded():
-    errors = run_ranks(_layers_on_rank)
-    assert all(e < 1e-5 for e in errors.values()), errors
+@pytest.fixture(scope="module")
+def on_two_ranks() -> dict[str, object]:
+    return torch.load(io.BytesIO(run_ranks(_layers_on_rank)))
+
+
+def test_row_parallel_fp32_equals_unsharded_to_fp32_rounding(on_two_ranks):
+    """In fp32 the two ranks' partial sums added are the unsharded dot products summed in another order: equal
+    within the reassociation bound, K * 2^-24 * sum |x_k w_k| per output."""
+    y, h, w = on_two_ranks["row_fp32"]
+    bound = h.shape[1] * 2.0**-24 * (h.abs() @ w.abs().T)
+    assert ((y - h @ w.T).abs() <= bound).all()
+
+
+def test_row_parallel_bf16_rounds_once_as_tp1(on_two_ranks):
+    """TP=1's bf16 GEMM sums in fp32 and rounds once. The row-parallel layer must do the same (fp32 partials,
+    fp32 all-reduce, one rounding): then it misses TP=1 only where the two fp32 sums straddle a bf16 rounding
+    boundary (none here). Reducing bf16 partials, as the layer once did, misses TP=1 on about a third of the
+    outputs: this test fails if the reduction goes back to bf16."""
+    y, h, w = on_two_ranks["row_bf16"]
+    assert y.dtype == torch.bfloat16
+    tp1 = (h.float() @ w.float().T).bfloat16()  # [64, 96]: TP=1's GEMM, fp32 sums rounded once (up to their order)
+    half = h.shape[1] // 2
+    partials = [(h[:, s].float() @ w[:, s].float().T).bfloat16() for s in (slice(0, half), slice(half, None))]
+    bf16_reduced = partials[0] + partials[1]  # [64, 96] bf16: what a bf16 all-reduce gives
+    differ = (y != tp1).float().mean().item()
+    differ_bf16 = (bf16_reduced != tp1).float().mean().item()
+    assert differ <= 0.01 and differ_bf16 > 0.2, (differ, differ_bf16)
+    ulp = 2.0 ** (torch.frexp(tp1.float())[1] - 8)  # bf16's spacing at each value
+    assert ((y.float() - tp1.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_embedding_is_exact(on_two_ranks, dtype):
+    """Each id's row comes from one rank and zeros from the others: the sum is the row, bit for bit."""
+    ours, want = on_two_ranks[f"embed_{dtype}"]
+    assert ours.dtype == dtype and torch.equal(ours, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_lm_head_gathers_without_rounding(on_two_ranks, dtype):
+    """Each rank's logits are whole dot products over the hidden size (its vocabulary rows; the last rank's are
+    padded); the gather only moves them: the full [n, vocab] logits are each rank's own, bit for bit, in the
+    model's dtype, and equal the unsharded head's."""
+    logits, x, table, rows = on_two_ranks[f"lm_head_{dtype}"]
+    vocab = table.shape[0]
+    assert logits.shape == (5, vocab) and logits.dtype == dtype
+    per_rank = [torch.nn.functional.linear(x, table[r * rows : (r + 1) * rows]) for r in range(2)]
+    assert torch.equal(logits, torch.cat(per_rank, dim=1))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(logits, torch.nn.functional.linear(x, table), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
