@@ -3,7 +3,8 @@
 #
 # From the repo root, after the wheels header of benchmarks/gpu_compare.sh (python3 -m pip install ... .whl/*.whl
 # && export PYTHONPATH=/tmp/site:$PWD ...), run one of:
-#   bash benchmarks/tp_compare.sh parity [--tp 2]     # H200 x2: 7B-shaped Qwen2-VL, greedy tokens TP=1 vs TP=N
+#   bash benchmarks/tp_compare.sh parity [--tp 2]     # H200 x2: 7B-shaped Qwen2-VL, greedy tokens TP=1 vs TP=N and
+#                                                     # vs TP=1 again (requests one at a time; ~3 min with the build)
 #   bash benchmarks/tp_compare.sh perf [--tp 2]       # H200 x2: img336_x64 throughput + one_336 TPOT, TP=1 then TP=N
 #   bash benchmarks/tp_compare.sh dummy72b [--tp 4]   # H200 x4: Qwen2-VL-72B shape, --load_format dummy, img336_x64
 # Flags: --tp N, --ckpt DIR (default /tmp/q2vl7b, or /tmp/q2vl72b for dummy72b; built when it has no config.json),
@@ -57,7 +58,7 @@ bench() {  # bench NAME ARGS...: serve_bench starting its own server, JSON lines
 status=0
 case "$mode" in
   parity)
-    say "greedy tokens at TP=1 and TP=$tp"
+    say "greedy tokens at TP=1, TP=$tp and TP=1 again, one request at a time"
     python3 benchmarks/tp_parity.py --model_dir "$ckpt" --tp 1 "$tp" --port "$port" --server_args "$server_args" \
       2> "$logs/tp_parity.log" | collect
     status=${PIPESTATUS[0]}

@@ -310,3 +310,16 @@ def test_hf_baseline_batched_equals_alone_with_mrope(family: str, tiny_qwen_vl: 
     if runner.takes_mm_types:
         deltas = runner.model.model.rope_deltas.flatten().tolist()
         assert len(deltas) == 2 and all(d < 0 for d in deltas)  # images take fewer positions than tokens
+
+
+def test_tp_parity_compare_counts_divergences() -> None:
+    """tp_parity's line: identical answers, equal tokens (also after a divergence) and where each differing answer
+    first differs, with each run's log-probability of its own choice there."""
+    from benchmarks.tp_parity import compare
+
+    a = [[(5, -0.1), (6, -0.7), (7, -0.2)], [(1, -0.5), (2, -0.3), (3, -0.1)]]
+    b = [[(5, -0.1), (9, -0.69), (7, -0.2)], [(1, -0.5), (2, -0.3), (3, -0.1)]]
+    line = compare("tp1 vs tp2", a, b)
+    assert (line["identical_answers"], line["first_divergence"]) == (1, [1])
+    assert line["divergence_logprobs"] == [[-0.7, -0.69]]
+    assert line["equal_token_fraction"] == 5 / 6 and compare("same", a, a)["first_divergence"] == []
