@@ -66,6 +66,8 @@ class LMConfig:
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     mrope_section: tuple[int, ...] | None = None  # Qwen2-VL M-RoPE bands over the half head dim
+    mrope_interleaved: bool = False  # Qwen3-VL: the bands cycle t, h, w instead of lying in three blocks
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head before the rotary embedding
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

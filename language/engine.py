@@ -37,6 +37,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     vocab_size: int
     hidden_size: int
+    mm_embed_width: int  # columns of an image-embedding row (the hidden size, or more: Qwen3-VL's DeepStack)
     dtype: torch.dtype
     device: torch.device
     max_total_token_num: int
@@ -168,6 +169,7 @@ class EngineCore:
             eos_token_ids=tuple(cfg.eos_id) if cfg.eos_id is not None else lm.eos_token_ids,
             vocab_size=lm.vocab_size,
             hidden_size=lm.hidden_size,
+            mm_embed_width=self.model.mm_embed_width,
             dtype=dtype,
             device=device,
             max_total_token_num=num_slots,
@@ -207,6 +209,12 @@ class EngineCore:
             raise ValueError(f"request needs more KV slots than the cache holds ({info.max_total_token_num})")
         if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
             raise ValueError("prompt token id out of the vocabulary")
+        for item in req.mm_items:
+            if item.embeds.dim() != 2 or item.embeds.shape[1] != info.mm_embed_width:
+                raise ValueError(
+                    f"image embeddings of shape {tuple(item.embeds.shape)}: this model takes rows of "
+                    f"{info.mm_embed_width} values"
+                )
         p = req.params
         for name, ids in (
             ("allowed_token_ids", p.allowed_token_ids or ()),

@@ -41,7 +41,7 @@ def warmup_shapes() -> list[list[int]]:
 def _request(engine: EngineCore, rid: str, length: int, new_tokens: int, with_image: bool) -> Request:
     req = Request(rid, [0] * length, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     if with_image:  # the splice kernel too; made-up images keep plain positions
-        embeds = torch.zeros(length, engine.model_info.hidden_size, dtype=engine.model_info.dtype)
+        embeds = torch.zeros(length, engine.model_info.mm_embed_width, dtype=engine.model_info.dtype)
         req.mm_items.append(MultimodalItem(offset=0, embeds=embeds))
         if engine.model.position_dims > 1:
             req.positions = torch.arange(length).expand(engine.model.position_dims, -1)

@@ -12,6 +12,7 @@ import torch
 from language.kernels import reference
 from language.kernels.decode_attention import decode_attention as _decode_attention_triton
 from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
+from language.kernels.head_rms_norm import qk_rms_norm as _qk_rms_norm_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from language.kernels.rms_norm import add_rms_norm as _add_rms_norm_triton
@@ -45,6 +46,7 @@ def _dispatch(triton_fn: Callable, reference_fn: Callable) -> Callable:
 
 rms_norm = _dispatch(_rms_norm_triton, reference.rms_norm_ref)
 add_rms_norm = _dispatch(_add_rms_norm_triton, reference.add_rms_norm_ref)
+qk_rms_norm = _dispatch(_qk_rms_norm_triton, reference.qk_rms_norm_ref)
 silu_and_mul = _dispatch(_silu_and_mul_triton, reference.silu_and_mul_ref)
 rotary_cos_sin = _dispatch(_rotary_cos_sin_triton, reference.rotary_cos_sin_ref)
 mrope_cos_sin = _dispatch(_mrope_cos_sin_triton, reference.mrope_cos_sin_ref)
@@ -60,6 +62,7 @@ __all__ = [
     "decode_attention",
     "mrope_cos_sin",
     "prefill_attention",
+    "qk_rms_norm",
     "rms_norm",
     "rotary_cos_sin",
     "silu_and_mul",

@@ -14,6 +14,16 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(x.dtype)
 
 
+def qk_rms_norm_ref(
+    qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float
+) -> torch.Tensor:
+    """qk: [N, Hq + Hk, D] -> [N, Hq + Hk, D]: RMSNorm over each head, the query heads scaled by q_weight [D], the key
+    heads by k_weight [D] (Qwen3's q_norm / k_norm)."""
+    q = rms_norm_ref(qk[:, :num_q_heads], q_weight, eps)
+    k = rms_norm_ref(qk[:, num_q_heads:], k_weight, eps)
+    return torch.cat([q, k], dim=1)
+
+
 def add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,14 +45,23 @@ def rotary_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple
 
 
 def mrope_cos_sin_ref(
-    positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int]
+    positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int], interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [3, N] (temporal, height, width) -> cos, sin: [N, D/2]. Frequency band i of the half head dim takes
-    its angle from axis j for the j-th chunk of `mrope_section` (Qwen2-VL's M-RoPE)."""
+    its angle from axis j for the j-th chunk of `mrope_section` (Qwen2-VL's M-RoPE); interleaved (Qwen3-VL), bands
+    cycle t, h, w: band f follows height if f % 3 == 1 and f < 3 * section[1], width if f % 3 == 2 and
+    f < 3 * section[2], else the temporal axis."""
     freqs = positions.float()[:, :, None] * inv_freq.float()[None, None, :]  # [3, N, D/2]
-    axis = torch.repeat_interleave(
-        torch.arange(len(mrope_section), device=positions.device), torch.tensor(mrope_section, device=positions.device)
-    )  # [D/2]: which axis each band follows
+    device = positions.device
+    if interleaved:
+        band = torch.arange(inv_freq.shape[0], device=device)
+        axis = torch.zeros_like(band)
+        axis[(band % 3 == 1) & (band < 3 * mrope_section[1])] = 1
+        axis[(band % 3 == 2) & (band < 3 * mrope_section[2])] = 2
+    else:
+        axis = torch.repeat_interleave(
+            torch.arange(len(mrope_section), device=device), torch.tensor(mrope_section, device=device)
+        )  # [D/2]: which axis each band follows
     freqs = freqs.gather(0, axis[None, None, :].expand(1, freqs.shape[1], -1)).squeeze(0)  # [N, D/2]
     return freqs.cos(), freqs.sin()
 

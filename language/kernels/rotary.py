@@ -1,4 +1,5 @@
-"""Rotary embedding: the cos/sin tables (plain RoPE and Qwen2-VL's M-RoPE) and their neox-style application."""
+"""Rotary embedding: the cos/sin tables (plain RoPE, Qwen2-VL's M-RoPE and Qwen3-VL's interleaved M-RoPE) and their
+neox-style application."""
 
 from __future__ import annotations
 
@@ -32,16 +33,23 @@ def _cos_sin_kernel(
     stride_pos_axis,
     num_tokens,
     num_freqs,
-    axis1_start,  # first band that follows axis 1 (== num_freqs when there is one axis)
-    axis2_start,  # first band that follows axis 2
+    axis1_start,  # first band that follows axis 1 (== num_freqs when there is one axis); interleaved: its end
+    axis2_start,  # first band that follows axis 2; interleaved: its end
     BLOCK_N: tl.constexpr,
     BLOCK_F: tl.constexpr,
     LIBDEVICE: tl.constexpr,  # compiled: CUDA's full-range cosf/sinf (angles reach thousands of radians)
+    INTERLEAVED: tl.constexpr = False,  # bands cycle t, h, w (f % 3) below each axis's end, then t
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_f = tl.arange(0, BLOCK_F)
     mask = (offs_n < num_tokens)[:, None] & (offs_f < num_freqs)[None, :]
-    axis = (offs_f >= axis1_start).to(tl.int32) + (offs_f >= axis2_start).to(tl.int32)  # [F]
+    if INTERLEAVED:
+        phase = offs_f % 3
+        axis = ((phase == 1) & (offs_f < axis1_start)).to(tl.int32) + 2 * ((phase == 2) & (offs_f < axis2_start)).to(
+            tl.int32
+        )  # [F]
+    else:
+        axis = (offs_f >= axis1_start).to(tl.int32) + (offs_f >= axis2_start).to(tl.int32)  # [F]
     pos = tl.load(pos_ptr + axis[None, :] * stride_pos_axis + offs_n[:, None], mask=mask, other=0)
     inv_freq = tl.load(inv_freq_ptr + offs_f, mask=offs_f < num_freqs, other=0.0).to(tl.float32)
     freqs = pos.to(tl.float32) * inv_freq[None, :]  # [BLOCK_N, BLOCK_F]
@@ -55,9 +63,14 @@ def _cos_sin_kernel(
 
 
 def _cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, boundaries: tuple[int, int], out: tuple[torch.Tensor, ...] | None
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    boundaries: tuple[int, int],
+    out: tuple[torch.Tensor, ...] | None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [A, N] -> cos, sin: [N, F] fp32; band f follows axis (f >= boundaries[0]) + (f >= boundaries[1])."""
+    """positions: [A, N] -> cos, sin: [N, F] fp32; band f follows axis (f >= boundaries[0]) + (f >= boundaries[1]),
+    or, interleaved, axis 1 if f % 3 == 1 and f < boundaries[0], axis 2 if f % 3 == 2 and f < boundaries[1], else 0."""
     device = check_device(positions=positions, inv_freq=inv_freq)
     check_dtype("positions", positions, INDEX_DTYPES)
     check_dtype("inv_freq", inv_freq, FLOAT_DTYPES)
@@ -73,7 +86,8 @@ def _cos_sin(
         grid = (cdiv(num_tokens, _BLOCK_TOKENS),)
         _cos_sin_kernel[grid](
             positions, inv_freq, out[0], out[1], positions.stride(0), num_tokens, num_freqs, *boundaries,
-            BLOCK_N=_BLOCK_TOKENS, BLOCK_F=pow2_at_least(num_freqs, 16), LIBDEVICE=not interpreting(), num_warps=4,
+            BLOCK_N=_BLOCK_TOKENS, BLOCK_F=pow2_at_least(num_freqs, 16), LIBDEVICE=not interpreting(),
+            INTERLEAVED=interleaved, num_warps=4,
         )  # fmt: skip
     return out[0], out[1]
 
@@ -91,18 +105,23 @@ def mrope_cos_sin(
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
     mrope_section: list[int],
+    interleaved: bool = False,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [3, N] (temporal, height, width) -> cos, sin: [N, D/2]; the j-th chunk of `mrope_section` bands
-    takes its angle from axis j (Qwen2-VL's M-RoPE)."""
+    """positions: [3, N] (temporal, height, width) -> cos, sin: [N, D/2]. Qwen2-VL's M-RoPE: the j-th chunk of
+    `mrope_section` bands takes its angle from axis j. Interleaved (Qwen3-VL): band f follows height if f % 3 == 1
+    and f < 3 * section[1], width if f % 3 == 2 and f < 3 * section[2], else the temporal axis."""
     check_shape("positions", positions, (3, None))
     assert len(mrope_section) == 3, f"mrope_section: expected 3 chunks, got {mrope_section}"
     assert sum(mrope_section) == inv_freq.shape[0], (
         f"mrope_section {mrope_section} must cover the {inv_freq.shape[0]} frequency bands"
     )
-    boundaries = (mrope_section[0], mrope_section[0] + mrope_section[1])
-    return _cos_sin(positions, inv_freq, boundaries, out)
+    if interleaved:
+        boundaries = (3 * mrope_section[1], 3 * mrope_section[2])
+    else:
+        boundaries = (mrope_section[0], mrope_section[0] + mrope_section[1])
+    return _cos_sin(positions, inv_freq, boundaries, out, interleaved)
 
 
 @triton.jit

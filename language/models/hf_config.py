@@ -31,14 +31,25 @@ def rope_theta(text: object) -> float:
     return float(params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0)
 
 
-def mrope_section(text: object, raw: dict) -> tuple[int, ...] | None:
+def _mrope_parameters(text: object, raw: dict) -> dict:
     for src in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None), raw.get("rope_scaling")):
         if isinstance(src, dict) and src.get("mrope_section"):
-            return tuple(src["mrope_section"])
-    return None
+            return src
+    return {}
 
 
-def lm_config_from_hf(model_dir: str, raw: dict, qkv_bias: bool, model_type: str | None = None) -> LMConfig:
+def mrope_section(text: object, raw: dict) -> tuple[int, ...] | None:
+    section = _mrope_parameters(text, raw).get("mrope_section")
+    return tuple(section) if section else None
+
+
+def mrope_interleaved(text: object, raw: dict) -> bool:
+    return bool(_mrope_parameters(text, raw).get("mrope_interleaved", False))
+
+
+def lm_config_from_hf(
+    model_dir: str, raw: dict, qkv_bias: bool, model_type: str | None = None, qk_norm: bool = False
+) -> LMConfig:
     """The decoder's LMConfig from an HF config (for multimodal configs, its text part). `model_type` overrides the
     config's own where its fields follow another family's config class."""
     model_type = model_type or raw["model_type"]
@@ -63,4 +74,6 @@ def lm_config_from_hf(model_dir: str, raw: dict, qkv_bias: bool, model_type: str
         qkv_bias=qkv_bias,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw_text.get("tie_word_embeddings", False))),
         mrope_section=mrope_section(text, raw),
+        mrope_interleaved=mrope_interleaved(text, raw),
+        qk_norm=qk_norm,
     )

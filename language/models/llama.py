@@ -40,12 +40,18 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
+        if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised (weights [head_dim]) before the rotary
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         # q and k sit side by side in each row: one rotary launch covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # [n, Hq + Hk, D], contiguous
+            qk = kernels.qk_rms_norm(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
         qk = kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
@@ -151,6 +157,12 @@ class LlamaForCausalLM(nn.Module):
         """Fill in what this family derives from a request before it runs (e.g. M-RoPE positions); a no-op here."""
 
     @property
+    def mm_embed_width(self) -> int:
+        """Columns of one image-embedding row (ForwardBatch.mm_embeds): the hidden size. A family that carries more
+        per image token (Qwen3-VL's DeepStack features) widens it."""
+        return self.cfg.hidden_size
+
+    @property
     def position_dims(self) -> int:
         """1 for plain positions, 3 for M-RoPE (temporal, height, width)."""
         return 1 if self.cfg.mrope_section is None else 3
@@ -158,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.mrope_section is None:
             return kernels.rotary_cos_sin(positions, self.inv_freq)
-        return kernels.mrope_cos_sin(positions, self.inv_freq, list(self.cfg.mrope_section))
+        return kernels.mrope_cos_sin(positions, self.inv_freq, list(self.cfg.mrope_section), self.cfg.mrope_interleaved)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
@@ -168,6 +180,10 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch)
+        return self.logits(x, residual, batch)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The last layer's (output, residual) [num_tokens, hidden] -> [num_seqs, vocab] float32 logits."""
         if batch.logits_idx is not None:  # only each sequence's last row reaches the head
             x, residual = x[batch.logits_idx], residual[batch.logits_idx]  # [num_seqs, hidden]
         normed, _ = kernels.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -13,6 +13,7 @@ from language.forward_batch import ForwardBatch
 class CausalLM(Protocol):
     cfg: LMConfig
     position_dims: int
+    mm_embed_width: int  # columns of an image-embedding row: the hidden size, (1 + k) * hidden with DeepStack
 
     @classmethod
     def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig: ...

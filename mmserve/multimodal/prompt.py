@@ -70,7 +70,7 @@ def _import_families() -> None:
     """Import the family modules so that their decorators run (a missing module is a family not written yet)."""
     import importlib
 
-    for name in ("llava", "qwen2_vl", "qwen2_5_vl", "qwen_vl"):
+    for name in ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen_vl"):
         try:
             importlib.import_module(f"mmserve.multimodal.{name}")
         except ModuleNotFoundError as e:

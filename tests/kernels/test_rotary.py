@@ -24,14 +24,17 @@ def test_rotary_cos_sin_matches_reference(head_dim):
     assert_written_and_close(sin, sin_ref, TABLE_TOL)
 
 
-@pytest.mark.parametrize("head_dim, section", [(16, [2, 3, 3]), (128, [16, 24, 24])])
-def test_mrope_cos_sin_matches_reference(head_dim, section):
+@pytest.mark.parametrize(
+    "head_dim, section, interleaved",
+    [(16, [2, 3, 3], False), (128, [16, 24, 24], False), (32, [6, 5, 5], True), (128, [24, 20, 20], True)],
+)
+def test_mrope_cos_sin_matches_reference(head_dim, section, interleaved):
     gen = torch.Generator().manual_seed(head_dim)
     num_tokens = 45  # spans two token blocks
     positions = torch.randint(0, 3000, (3, num_tokens), generator=gen).to(DEVICE)
     out = (poisoned((num_tokens, head_dim // 2), torch.float32), poisoned((num_tokens, head_dim // 2), torch.float32))
-    cos, sin = mrope_cos_sin(positions, inv_freq(head_dim), section, out=out)
-    cos_ref, sin_ref = mrope_cos_sin_ref(positions, inv_freq(head_dim), section)
+    cos, sin = mrope_cos_sin(positions, inv_freq(head_dim), section, interleaved, out=out)
+    cos_ref, sin_ref = mrope_cos_sin_ref(positions, inv_freq(head_dim), section, interleaved)
     assert_written_and_close(cos, cos_ref, TABLE_TOL)
     assert_written_and_close(sin, sin_ref, TABLE_TOL)
 
@@ -43,6 +46,24 @@ def test_mrope_cos_sin_each_band_follows_its_axis():
     for axis, band in zip((0, 0, 1, 1, 1, 2, 2, 2), range(8), strict=True):
         expected = torch.cos(positions[axis, 0].float() * inv_freq(head_dim)[band])
         torch.testing.assert_close(cos[:, band], expected.expand(4), atol=2e-6, rtol=1e-5)
+
+
+def test_interleaved_mrope_equals_hf_qwen3_vl():
+    """Qwen3-VL's layout (transformers' Qwen3VLTextRotaryEmbedding): bands cycle t, h, w from band 0, h and w each
+    for 3 * section bands, the rest temporal."""
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    section = [24, 20, 20]
+    rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": section, "mrope_interleaved": True}
+    config = Qwen3VLTextConfig(hidden_size=256, num_attention_heads=2, head_dim=128, rope_parameters=rope)
+    hf = Qwen3VLTextRotaryEmbedding(config)
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 3000, (3, 1, 37), generator=gen)
+    cos_hf, sin_hf = hf(torch.zeros(1, dtype=torch.float32), positions)  # [1, 37, 128]: the half, twice
+    cos, sin = mrope_cos_sin(positions[:, 0].to(DEVICE), hf.inv_freq.to(DEVICE), section, True)
+    torch.testing.assert_close(cos.cpu(), cos_hf[0, :, :64], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(sin.cpu(), sin_hf[0, :, :64], atol=2e-6, rtol=1e-5)
 
 
 @dtype_params

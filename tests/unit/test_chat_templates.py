@@ -11,6 +11,7 @@ from mmserve.chat_templates import (
     LLAVA_1_5,
     LLAVA_SYSTEM_PROMPT,
     QWEN2_VL,
+    QWEN3_VL,
     QWEN_VL_CHAT,
     builtin_chat_template,
     model_architecture,
@@ -78,6 +79,27 @@ def test_qwen2_vl_is_the_published_chatml(tokenizer):
     assert render(tokenizer, QWEN2_VL, CONVERSATION) == expected
 
 
+def test_qwen3_vl_is_the_published_template(tokenizer):
+    """Qwen3-VL-*-Instruct's chat_template.json byte for byte (its SHA-256), rendering ChatML without a default system
+    turn."""
+    import hashlib
+
+    assert hashlib.sha256(QWEN3_VL.encode()).hexdigest() == (
+        "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4"
+    )
+    vision = "<|vision_start|><|image_pad|><|vision_end|>"
+    expected = (
+        f"<|im_start|>user\n{vision}What is this?<|im_end|>\n"
+        "<|im_start|>assistant\nA city.<|im_end|>\n"
+        f"<|im_start|>user\nAnd these?{vision}{vision}Compare.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert render(tokenizer, QWEN3_VL, CONVERSATION) == expected
+    with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert render(tokenizer, QWEN3_VL, with_system) == expected
+
+
 @pytest.mark.parametrize(
     "architecture, template",
     [
@@ -86,6 +108,7 @@ def test_qwen2_vl_is_the_published_chatml(tokenizer):
         ("QWenLMHeadModel", QWEN_VL_CHAT),
         ("Qwen2VLForConditionalGeneration", QWEN2_VL),
         ("Qwen2_5_VLForConditionalGeneration", QWEN2_VL),
+        ("Qwen3VLForConditionalGeneration", QWEN3_VL),
         ("LlamaForCausalLM", None),
     ],
 )

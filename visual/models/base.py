@@ -28,7 +28,7 @@ class VisionModel(Protocol):
     # Everything that changes the embedding besides the image bytes (model identity, preprocessing settings);
     # part of the embedding cache key.
     cache_salt: str
-    hidden_size: int  # the LLM's hidden size: width of each embedding row
+    hidden_size: int  # the LLM's hidden size: width of each embedding row (Qwen3-VL: of each of its 1 + k parts)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> VisionModel: ...
@@ -45,7 +45,8 @@ class VisionModel(Protocol):
 
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        """A batch of images -> one [num_tokens, hidden_size] tensor per image, on the model's device."""
+        """A batch of images -> one [num_tokens, hidden_size] tensor per image, on the model's device (Qwen3-VL:
+        [num_tokens, (1 + k) * hidden_size], the main embedding and its k DeepStack features side by side)."""
         ...
 
 
@@ -72,7 +73,7 @@ def _import_families() -> None:
     """Import the family modules so that their decorators run (a missing module is a family not written yet)."""
     import importlib
 
-    for name in ("llava", "qwen2_vl", "qwen2_5_vl", "qwen_vl"):
+    for name in ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen_vl"):
         try:
             importlib.import_module(f"visual.models.{name}")
         except ModuleNotFoundError as e:

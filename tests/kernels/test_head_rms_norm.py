@@ -1,0 +1,50 @@
+import pytest
+import torch
+from kernel_cases import ELEMENTWISE_TOL, assert_written_and_close, dtype_params, poisoned, randn, strided_view
+
+from language.kernels.head_rms_norm import qk_rms_norm
+from language.kernels.reference import qk_rms_norm_ref, rms_norm_ref
+
+
+@dtype_params
+@pytest.mark.parametrize("num_tokens, q_heads, k_heads, head_dim", [(1, 2, 1, 16), (7, 4, 2, 128), (5, 20, 4, 80)])
+def test_qk_rms_norm_matches_reference(dtype, num_tokens, q_heads, k_heads, head_dim):
+    gen = torch.Generator().manual_seed(num_tokens * q_heads * head_dim)
+    # The q and k heads as a view into a fused qkv row (tokens further apart than the heads they hold).
+    qk = strided_view(randn(num_tokens, q_heads + k_heads, head_dim, dtype=dtype, generator=gen) * 3)
+    before = qk.clone()
+    q_weight = randn(head_dim, dtype=dtype, generator=gen)
+    k_weight = randn(head_dim, dtype=dtype, generator=gen)
+    out = poisoned((num_tokens, q_heads + k_heads, head_dim), dtype)
+    assert qk_rms_norm(qk, q_weight, k_weight, q_heads, 1e-6, out=out) is out
+    assert_written_and_close(out, qk_rms_norm_ref(qk, q_weight, k_weight, q_heads, 1e-6), ELEMENTWISE_TOL)
+    assert torch.equal(qk, before), "qk_rms_norm must not modify its input"
+
+
+@dtype_params
+def test_qk_rms_norm_in_place_in_a_fused_qkv(dtype):
+    """As the decoder runs it: the q and k heads of a fused [N, Hq + 2 Hk, D] qkv normalised in place, v untouched."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = randn(6, 4 + 2 * 2, 32, dtype=dtype, generator=gen) * 3
+    before = qkv.clone()
+    q_weight, k_weight = randn(32, dtype=dtype, generator=gen), randn(32, dtype=dtype, generator=gen)
+    qk = qkv[:, :6]
+    assert qk_rms_norm(qk, q_weight, k_weight, 4, 1e-6, out=qk) is qk
+    assert_written_and_close(qkv[:, :6], qk_rms_norm_ref(before[:, :6], q_weight, k_weight, 4, 1e-6), ELEMENTWISE_TOL)
+    assert torch.equal(qkv[:, 6:], before[:, 6:])
+
+
+def test_qk_rms_norm_uses_each_weight_on_its_own_heads():
+    gen = torch.Generator().manual_seed(0)
+    qk = randn(3, 5, 32, dtype=torch.float32, generator=gen)
+    q_weight = randn(32, dtype=torch.float32, generator=gen)
+    k_weight = randn(32, dtype=torch.float32, generator=gen)
+    out = qk_rms_norm(qk, q_weight, k_weight, 3, 1e-6)
+    torch.testing.assert_close(out[:, :3], rms_norm_ref(qk[:, :3], q_weight, 1e-6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:, 3:], rms_norm_ref(qk[:, 3:], k_weight, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_qk_rms_norm_rejects_a_wrong_weight():
+    qk = torch.zeros(2, 3, 16)
+    with pytest.raises(AssertionError, match="k_weight"):
+        qk_rms_norm(qk, torch.ones(16), torch.ones(8), 2, 1e-6)

@@ -1,0 +1,88 @@
+"""Qwen3-VL's vision tower (dense models): transformers' own module (SigLIP2-style LayerNorm blocks with a GELU MLP,
+a learned position table bilinearly interpolated to each image's patch grid plus 2-D rotary, the 2x2 patch merger to
+`out_hidden_size`, and one DeepStack merger per `deepstack_visual_indexes` block) with the checkpoint's vision
+weights, and the same dynamic-resolution image processor as Qwen2-VL (`Qwen2VLImageProcessor`: 16 px patches,
+min/max pixels from the preprocessor config).
+
+Each image token's embedding row is [main | deepstack_0 | ... | deepstack_{k-1}]: (1 + k) * out_hidden_size values,
+what the language model splits again (`language/models/qwen3_vl.py`). One cache entry per image thus carries every
+tensor the LLM needs from it.
+
+As for Qwen2-VL, a batch is one packed token sequence with our varlen attention (`visual/models/packed_attention.py`);
+what the tower derives from the grids with host syncs (cu_seqlens, rotary ids, and here the position table's
+interpolation taps and weights) is built on the host, cached per grid size, and passed in."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from transformers import Qwen2VLImageProcessor
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Qwen3VLTower
+from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+from visual.models.base import ImageInput, register_vision_model
+from visual.models.packed_attention import pack_index
+from visual.models.qwen2_vl import Qwen2VLVisionModel
+
+
+@register_vision_model("Qwen3VLForConditionalGeneration")
+class Qwen3VLVisionModel(Qwen2VLVisionModel):
+    """Qwen2-VL's wrapper (loading, preprocessing, token counts, pixel upload) around the Qwen3-VL tower."""
+
+    tower_class = Qwen3VLTower
+    family = "qwen3_vl"
+    display_name = "Qwen3-VL"
+
+    def __init__(self, tower: Qwen3VLTower, processor: Qwen2VLImageProcessor, cache_salt: str) -> None:
+        super().__init__(tower, processor, cache_salt)
+        self.hidden_size = tower.config.out_hidden_size  # the mergers' output: the LLM's width
+        self.num_deepstack = len(tower.config.deepstack_visual_indexes)
+        self.embed_width = (1 + self.num_deepstack) * self.hidden_size  # columns of each embedding row
+
+    @torch.inference_mode()
+    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """-> one [num_tokens, (1 + k) * out_hidden_size] tensor per image: the merger's output, then each
+        DeepStack merger's, side by side."""
+        weight = self.tower.patch_embed.proj.weight
+        device, dtype = weight.device, weight.dtype
+        grids = [im.grid_thw for im in images]
+        index = pack_index(grids, self.merge_size)  # on the host: no per-image device work, no sync
+        taps, tap_weights = self.interpolation(grids)
+        pixels = self.upload_pixels(images, device, dtype)
+        out = self.tower(
+            pixels,
+            grid_thw=torch.tensor(grids),  # [images, 3]; unused by the tower when the indexes below are given
+            cu_seqlens=index.cu_seqlens.to(device, non_blocking=True),
+            max_seqlen=index.max_seqlen,
+            position_ids=index.position_ids.to(device, non_blocking=True),
+            interp_indices=taps.to(device, non_blocking=True),
+            interp_weights=tap_weights.to(device, non_blocking=True),
+        )
+        rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)  # [sum of tokens, (1 + k) * hidden]
+        return list(torch.split(rows, [im.num_tokens for im in images]))
+
+    def interpolation(self, grids: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The position table's interpolation taps [patches, 4] (long) and weights [patches, 4] (fp32) of a batch,
+        in the processor's patch order: transformers' own function, per grid (cached), concatenated."""
+        tower = self.tower
+        parts = [
+            _grid_interpolation(
+                tuple(grid), tower.num_grid_per_side, tower.interpolation_mode, tower.interpolation_align_corners,
+                self.merge_size,
+            )
+            for grid in grids
+        ]  # fmt: skip
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_interpolation(
+    grid: tuple[int, int, int], side: int, mode: str, align_corners: bool, merge_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One image's (taps, weights). Cached: under load most images share a few grid sizes."""
+    return get_vision_interpolation_indices_and_weights(
+        torch.tensor([grid]), num_grid_per_side=side, mode=mode, align_corners=align_corners,
+        spatial_merge_size=merge_size,
+    )  # fmt: skip
