@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13's serving comparison on the GPU host: mmserve, then (optionally) LightLLM v1.2.0 and HF transformers, on
-# one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl), with the same
-# client (benchmarks/serve_bench.py) and loads.
+# one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl; an 8B-shaped
+# Qwen3-VL with --family qwen3_vl), with the same client (benchmarks/serve_bench.py) and loads.
 #
 # Before: ../shared/gpu/wheels.sh (-> .whl) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both.
 # On the GPU host, from the repo root, begin the command with the wheels header:
@@ -11,11 +11,12 @@
 #   --lightllm        also LightLLM (bash .lightllm/serve.sh CKPT PORT): ~3 min start-up + ~1 min of loads
 #   --hf              also HF transformers generate on --hf_loads (default img336_x64,img896_x64): ~1.5 min
 #   --no_mmserve      skip our server (e.g. a second call for LightLLM only)
-#   --family F        qwen2_vl (default) or qwen2_5_vl: serve_bench's --family and the default checkpoint
+#   --family F        qwen2_vl (default), qwen2_5_vl or qwen3_vl: serve_bench's --family and the default checkpoint
 #   --loads LIST      server loads (default all); --hf_loads LIST
 #   --ckpt DIR        default per family: /tmp/q2vl7b (Qwen2-VL-7B-shaped, .lightllm/make_qwen2vl_7b.py when carried,
 #                     else mmserve.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
-#                     python3 -m mmserve.checkpoints.qwen2_5_vl --shape 7b); built when DIR has no config.json
+#                     python3 -m mmserve.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
+#                     python3 -m mmserve.checkpoints.qwen3_vl --shape 8b); built when DIR has no config.json
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
 # Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
 # logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
@@ -43,7 +44,8 @@ done
 case "$family" in
   qwen2_vl) ckpt=${ckpt:-/tmp/q2vl7b} ;;
   qwen2_5_vl) ckpt=${ckpt:-/tmp/q25vl7b} ;;
-  *) echo "unknown --family $family (qwen2_vl or qwen2_5_vl)" >&2; exit 2 ;;
+  qwen3_vl) ckpt=${ckpt:-/tmp/q3vl8b} ;;
+  *) echo "unknown --family $family (qwen2_vl, qwen2_5_vl or qwen3_vl)" >&2; exit 2 ;;
 esac
 logs=${OUT:-/tmp}
 jsonl=${OUT:+$OUT/bench.jsonl}
@@ -66,6 +68,9 @@ echo "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet
 if [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen2_5_vl ]; then
   say "building a Qwen2.5-VL-7B-shaped checkpoint in $ckpt"
   python3 -m mmserve.checkpoints.qwen2_5_vl --out "$ckpt" --shape 7b >&2 || exit 1
+elif [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen3_vl ]; then
+  say "building a Qwen3-VL-8B-shaped checkpoint in $ckpt"
+  python3 -m mmserve.checkpoints.qwen3_vl --out "$ckpt" --shape 8b >&2 || exit 1
 elif [ ! -f "$ckpt/config.json" ]; then
   say "building a Qwen2-VL-7B-shaped checkpoint in $ckpt"
   if [ -f .lightllm/make_qwen2vl_7b.py ]; then  # the layout both servers and HF read

@@ -25,6 +25,11 @@ from mmserve.tokenizers import load_tokenizer
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # per-token model inputs, left-padded like input_ids when requests are batched
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+# families whose inputs come from the checkpoint's own AutoProcessor -> their HF model class
+PROCESSOR_FAMILIES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+}
 
 
 def _sync() -> None:
@@ -41,12 +46,14 @@ class HFRunner:
 
             cls, dtype = LlavaForConditionalGeneration, torch.float16
             self.processor = CLIPImageProcessor.from_pretrained(model_dir)
-        elif family == "qwen2_5_vl":
-            from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+        elif family in PROCESSOR_FAMILIES:
+            import transformers
+            from transformers import AutoProcessor
 
-            # the checkpoint's own Qwen2_5_VLProcessor: it expands the image placeholder and returns everything the
-            # model takes (input_ids, attention_mask, pixel_values, image_grid_thw, mm_token_type_ids)
-            cls, dtype = Qwen2_5_VLForConditionalGeneration, torch.bfloat16
+            # the checkpoint's own processor (Qwen2_5_VLProcessor, Qwen3VLProcessor): it expands the image
+            # placeholder and returns everything the model takes (input_ids, attention_mask, pixel_values,
+            # image_grid_thw, mm_token_type_ids)
+            cls, dtype = getattr(transformers, PROCESSOR_FAMILIES[family]), torch.bfloat16
             self.processor = AutoProcessor.from_pretrained(model_dir)
         else:
             from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor
@@ -65,7 +72,7 @@ class HFRunner:
         """One request's model inputs: ids with the image placeholder expanded, and its pixel tensors; for the Qwen
         families also `mm_token_type_ids` (1 on image tokens), without which HF's generate silently gives every
         token plain 1-D positions instead of M-RoPE's."""
-        if self.family == "qwen2_5_vl":
+        if self.family in PROCESSOR_FAMILIES:
             images = [Image.open(io.BytesIO(png)).convert("RGB") for png in spec.images] or None
             out = dict(self.processor(text=[spec.prompt], images=images, return_tensors="pt"))
             if not self.takes_mm_types:

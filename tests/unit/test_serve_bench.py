@@ -247,22 +247,24 @@ def test_hf_baseline_skips_chat_loads() -> None:
     assert lines == [{"load": "chat896_5turn", "skipped": lines[0]["skipped"]}] and "chat" in lines[0]["skipped"]
 
 
-def test_qwen2_5_vl_family_prompts() -> None:
-    """Qwen2.5-VL: ChatML with Qwen2-VL's vision block, so both Qwen families get byte-identical requests."""
-    assert "qwen2_5_vl" in FAMILIES and parse_args(["--family", "qwen2_5_vl"]).family == "qwen2_5_vl"
-    assert build_prompt("qwen2_5_vl", "hi", True) == (
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_later_qwen_family_prompts(family: str) -> None:
+    """Qwen2.5-VL and Qwen3-VL: ChatML with Qwen2-VL's vision block, so the Qwen families get byte-identical
+    requests."""
+    assert family in FAMILIES and parse_args(["--family", family]).family == family
+    assert build_prompt(family, "hi", True) == (
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         f"<|im_start|>user\n{QWEN_MARK}hi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert build_prompt("qwen2_5_vl", "hi", False) == build_prompt("qwen2_vl", "hi", False)
-    assert QWEN_MARK not in build_prompt("qwen2_5_vl", "hi", False)
+    assert build_prompt(family, "hi", False) == build_prompt("qwen2_vl", "hi", False)
+    assert QWEN_MARK not in build_prompt(family, "hi", False)
     for name in ("img336_x64", "img896_same_x64", "text_x64", "one_896"):
         load = select_loads(name, num_requests=3, repeats=2)[0]
-        assert requests_for(load, "qwen2_5_vl", n_words=8) == requests_for(load, "qwen2_vl", n_words=8)
-    warm = warmup_requests([LOADS["img336_x64"], LOADS["text_x64"]], "qwen2_5_vl", n_words=4)
+        assert requests_for(load, family, n_words=8) == requests_for(load, "qwen2_vl", n_words=8)
+    warm = warmup_requests([LOADS["img336_x64"], LOADS["text_x64"]], family, n_words=4)
     assert [s.prompt.count(QWEN_MARK) for s in warm] == [0, 0, 1, 1]
     # chats: the same history format, and an answer spelling the vision block does not add an image
-    conv = chat_conversations(chat_load(1), "qwen2_5_vl", n_words=4)[0]
+    conv = chat_conversations(chat_load(1), family, n_words=4)[0]
     twin = chat_conversations(chat_load(1), "qwen2_vl", n_words=4)[0]
     answers = ["a" + QWEN_MARK + "b", "c"]
     assert conv.request(answers).body(16) == twin.request(answers).body(16)
@@ -272,20 +274,22 @@ def test_qwen2_5_vl_family_prompts() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_qwen_vl(tmp_path_factory):
-    """Tiny random checkpoints of both Qwen families (CPU, float32)."""
+    """Tiny random checkpoints of the Qwen2-VL generations (CPU, float32)."""
     pytest.importorskip("transformers")
     from mmserve.checkpoints.qwen2_5_vl import build_qwen2_5_vl
     from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+    from mmserve.checkpoints.qwen3_vl import build_qwen3_vl
 
     root = tmp_path_factory.mktemp("qwen_vl")
     return {
         "qwen2_vl": build_qwen2_vl(str(root / "q2vl")),
         "qwen2_5_vl": build_qwen2_5_vl(str(root / "q25vl")),
+        "qwen3_vl": build_qwen3_vl(str(root / "q3vl")),
     }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_hf_baseline_batched_equals_alone_with_mrope(family: str, tiny_qwen_vl: dict) -> None:
     """HF's batched greedy (left-padded) gives each request the tokens it gets alone, and the batch carries the
     image-token mask, so generate uses M-RoPE (non-zero rope deltas) rather than falling back to 1-D positions."""
