@@ -1,7 +1,7 @@
 """Qwen3's q/k norm: RMSNorm over each attention head of the queries and keys (weights [head_dim], one for the query
-heads, one for the key heads), read straight out of the fused qkv projection and written to any strided output, the
-input itself included (the decoder normalises its qkv in place, ready for the rotary + KV-store kernel). Rounding as
-HF's RMSNorm: normalise in fp32, cast to x's dtype, then scale."""
+heads, one for the key heads), read straight out of the fused qkv projection (no copy first) and written contiguous
+for the rotary kernel, or to any strided output, the input itself included. Rounding as HF's RMSNorm: normalise in
+fp32, cast to x's dtype, then scale."""
 
 from __future__ import annotations
 
