@@ -7,6 +7,10 @@ request ends.
     ...                                                        # the router reads the embeddings by key
     coord.release(entries)                                     # when the request finished or was aborted
     coord.on_result(msg)                                       # each EncodeDone/EncodeFailed of the visual process
+    coord.encoder_down(reason) / coord.encoder_up()            # the visual process died / is back (supervision)
+
+While the encoder is down, requests whose images are all cached are still served; one with a new image gets
+EncoderUnavailable at once, and so does every request waiting on an encoding the dead process had.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ class ImageEncodeError(Exception):
         self.key, self.error, self.bad_image = key, error, bad_image
 
 
+class EncoderUnavailable(Exception):
+    """The visual process is down (restarting): images that are not cached cannot be encoded now."""
+
+
 class MissingImageData(Exception):
     """acquire() was given no bytes (None) for keys the cache does not hold: the caller must supply them."""
 
@@ -41,18 +49,21 @@ class CacheCoordinator:
         self._pending: dict[str, asyncio.Future] = {}  # key -> resolves when the visual process answers
         self._room = asyncio.Event()  # replaced (after being set) whenever entries may have become free
         self.images_encoded = 0
+        self.down_reason: str | None = None  # set while the visual process is down
 
     async def acquire(self, images: list[tuple[str, bytes | None]]) -> list[CacheEntry]:
         """Hold the cache entries of one request's images (key, bytes), in order, once all are READY. Waits while
         the cache has no free room. Bytes may be None for an image the caller expects to be cached already; if it
         is not, MissingImageData is raised before anything changes. Raises CacheCapacityError (too many images for
-        the cache) or ImageEncodeError; on any error, or if cancelled, nothing stays held."""
+        the cache), ImageEncodeError or EncoderUnavailable; on any error, or if cancelled, nothing stays held."""
         keys = [key for key, _ in images]
         data = {key: blob for key, blob in images if blob is not None}
         while True:
             missing = [key for key in dict.fromkeys(keys) if key not in data and self.index.lookup(key) is None]
             if missing:
                 raise MissingImageData(missing)
+            if self.down_reason is not None and any(self.index.lookup(key) is None for key in keys):
+                raise EncoderUnavailable(self.down_reason)
             try:
                 entries, new = self.index.acquire(keys)
                 break
@@ -61,12 +72,13 @@ class CacheCoordinator:
         for key in new:
             self._pending[key] = asyncio.get_running_loop().create_future()
             self._send_job(EncodeJob(key, data[key]))
+        # Every future now, before the first wait: a result pops its key's future, maybe while we wait on another.
+        waits = {e.key: self._pending[e.key] for e in entries if e.state is EntryState.PENDING}
         try:
-            for entry in entries:
-                if entry.state is EntryState.PENDING:
-                    result = await asyncio.shield(self._pending[entry.key])
-                    if isinstance(result, EncodeFailed):
-                        raise ImageEncodeError(result.key, result.error, result.bad_image)
+            for fut in waits.values():
+                result = await asyncio.shield(fut)
+                if isinstance(result, EncodeFailed):
+                    raise ImageEncodeError(result.key, result.error, result.bad_image)
         except BaseException:
             self.release(entries)
             raise
@@ -80,7 +92,8 @@ class CacheCoordinator:
         """Apply one answer of the visual process (call it from the task that reads the visual results queue)."""
         if isinstance(msg, EncodeDone):
             self.images_encoded += 1
-            self.index.mark_ready(msg.key, msg.num_tokens)
+            if self.index.mark_ready(msg.key, msg.num_tokens) is None:  # dropped meanwhile: nobody will read it
+                unlink_segment(segment_name(self.shm_prefix, msg.key))
         else:
             self.index.mark_failed(msg.key)
         fut = self._pending.pop(msg.key, None)
@@ -88,11 +101,28 @@ class CacheCoordinator:
             fut.set_result(msg)
         self._room_changed()
 
+    def encoder_down(self, reason: str) -> None:
+        """The visual process died: what it was encoding is lost. Those entries are dropped (with any segment it
+        had begun to write) and their waiters get EncoderUnavailable; new images are refused until encoder_up."""
+        self.down_reason = reason
+        pending, self._pending = self._pending, {}
+        for key, fut in pending.items():
+            self.index.mark_failed(key)
+            unlink_segment(segment_name(self.shm_prefix, key))
+            if not fut.done():
+                fut.set_exception(EncoderUnavailable(reason))
+                fut.exception()  # retrieved: a waiter that was cancelled meanwhile leaves no "never retrieved" log
+        self._room_changed()
+
+    def encoder_up(self) -> None:
+        self.down_reason = None
+
     def metrics(self) -> dict[str, int]:
         return {
             "mmserve_images_encoded_total": self.images_encoded,
             "mmserve_embed_cache_hits_total": self.index.stats.hits,
             "mmserve_embed_cache_items": len(self.index),
+            "mmserve_embed_cache_items_in_use": self.index.num_in_use,
         }
 
     def _room_changed(self) -> None:

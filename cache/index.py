@@ -58,6 +58,11 @@ class EmbedCacheIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_in_use(self) -> int:
+        """Entries some request holds a reference to (PENDING or READY)."""
+        return sum(1 for e in self._entries.values() if e.refs > 0)
+
     def lookup(self, key: str) -> CacheEntry | None:
         return self._entries.get(key)
 

@@ -143,7 +143,11 @@ class EngineCore:
     """Schedules, launches and collects steps. The loop is overlapped: `step()` stages step N+1 on the host while
     step N runs on the device, then reads N's samples back (the only wait), drops any request that N finished
     from N+1, launches N+1 and returns N's outputs. Requests with penalties or seeds need their full history on
-    the host, so a step holding one reads the previous step back before staging."""
+    the host, so a step holding one reads the previous step back before staging.
+
+    A request's image embeddings are dropped once the step that ran its prompt's last chunk has been collected
+    (the device has read every image row by then, on any chunking); its first output token says so to the owner
+    of the embedding cache, which releases the entries then, not when the request finishes."""
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -282,6 +286,8 @@ class EngineCore:
             start += n
         collected = []
         for req, row in inflight.sampled:
+            if req.mm_items:  # its prompt's last chunk ran in this step: nothing reads its image rows any more
+                req.mm_items = []  # unmaps the shared memory (the owner releases its cache entries on this output)
             if not req.finished:  # an abort may have come while the step ran
                 token, logprob = out.ids[row], out.logprobs[row]
                 self._append_token(req, token, logprob)

@@ -5,6 +5,7 @@ Every child is stopped on the way out, and the server's sockets and shared memor
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -34,9 +35,11 @@ from mmserve.processes import (
     wait_ready,
 )
 from mmserve.router import run_router_process
+from mmserve.slow_clients import ClientTimeouts, WriteTimeout
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
 from mmserve.tp_workers import serve_worker_node, spawn_tp_workers
 from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
+from mmserve.visual_supervisor import VisualSupervisor
 from mmserve.zmq_queue import Endpoints, remove_dead_ipc_dirs
 
 logger = logging.getLogger("mmserve")
@@ -46,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until it stops, then exit the process with its status (0: stopped by a signal; 1: failed)."""
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise_fd_limit()
     # SIGTERM unwinds like Ctrl-C, so the `finally` in serve() stops the children even while they are still loading.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
@@ -58,6 +62,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 0
     exit_now(code)  # children, sockets and temp files are cleaned up by now
     return code
+
+
+def raise_fd_limit() -> None:
+    """Every client connection is a file descriptor: lift the soft limit (often 1024) to the hard one, so that
+    thousands of concurrent streams are admitted (and wait in the queue) instead of failing in accept()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            logger.warning("could not raise the open-file limit from %d: at most that many connections", soft)
 
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
@@ -100,18 +115,33 @@ def serve(config: ServerConfig) -> int:
         info = children[0].info
         metrics = ServerMetrics()
         metrics.on_stats(RouterStats(kv_total=info.max_total_token_num))  # before the router's first stats arrive
-        visual = VisualLink(config, endpoints, shm_prefix, children[2].info, tokenizer) if shm_prefix else None
+        visual_child = children[2] if shm_prefix else None
+        visual = VisualLink(config, endpoints, shm_prefix, visual_child.info, tokenizer) if visual_child else None
+        services: list = []
         if visual is not None:
+            supervisor = VisualSupervisor(
+                children,
+                visual_child,
+                spawn=lambda: spawn_visual(config, endpoints, shm_prefix),
+                max_restarts=config.visual_max_restarts,
+                startup_timeout_s=config.startup_timeout_s,
+                on_down=visual.on_visual_down,
+                on_up=visual.on_visual_up,
+                on_give_up=lambda reason: client.fatal(reason),
+            )
+            services = [visual, supervisor]
             metrics.registry.register(visual)
+            metrics.registry.register(supervisor)
         # A request must fit both the model's context and the whole KV cache.
         limits = Limits(min(info.max_req_total_len, info.max_total_token_num))
         preparer = RequestPreparer(tokenizer, limits, images=visual)
-        client = EngineClient(
-            preparer, children, endpoints, metrics, config.tokenizer_workers, services=[visual] if visual else []
-        )
-        gate = DrainGate(
-            build_app(client, OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template))
-        )
+        # Every child is vital but the visual process, which is supervised (restarted) instead.
+        vital = [c for c in children if c is not visual_child]
+        client = EngineClient(preparer, vital, endpoints, metrics, config.tokenizer_workers, services=services)
+        timeouts = ClientTimeouts(config.request_read_timeout, config.stream_write_timeout)
+        openai = OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template)
+        app = build_app(client, openai, timeouts)
+        gate = DrainGate(WriteTimeout(app, timeouts.write_s))
         server = DrainingServer(
             uvicorn.Config(
                 gate,

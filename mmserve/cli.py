@@ -87,6 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish while new ones get 503",
     )
+    p.add_argument(
+        "--request_read_timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request body may take to arrive in full; slower uploads get a 408 (0: no limit)",
+    )
+    p.add_argument(
+        "--stream_write_timeout",
+        type=float,
+        default=30.0,
+        help="seconds a response may wait on a client that does not read; then the connection is dropped and the "
+        "request aborted, freeing its KV slots (0: no limit)",
+    )
+    p.add_argument(
+        "--visual_max_restarts",
+        type=int,
+        default=3,
+        help="restarts of a visual process that keeps dying (in a row, with backoff) before the server exits non-zero",
+    )
     return p
 
 
@@ -130,6 +149,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             log_level=args.log_level,
             tokenizer_workers=args.tokenizer_workers,
             graceful_timeout=args.graceful_timeout,
+            request_read_timeout=args.request_read_timeout,
+            stream_write_timeout=args.stream_write_timeout,
+            visual_max_restarts=args.visual_max_restarts,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -65,6 +65,9 @@ class ServerConfig:
     tokenizer_workers: int = 2  # threads that tokenize (off the event loop)
     startup_timeout_s: float = 600.0  # model load limit for the child processes
     graceful_timeout: float = 30.0  # on SIGTERM: seconds in-flight requests may take to finish (LightLLM's name)
+    request_read_timeout: float = 60.0  # seconds a request body may take to arrive in full (0: no limit)
+    stream_write_timeout: float = 30.0  # seconds a response write may wait on a client that does not read (0: none)
+    visual_max_restarts: int = 3  # deaths of the visual process in a row it is restarted after; then the server exits
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -106,6 +109,10 @@ class ServerConfig:
             raise ValueError(f"--chat_template: no such file {self.chat_template!r}")
         if self.graceful_timeout < 0:
             raise ValueError("--graceful_timeout must be >= 0")
+        if self.request_read_timeout < 0 or self.stream_write_timeout < 0:
+            raise ValueError("--request_read_timeout and --stream_write_timeout must be >= 0")
+        if self.visual_max_restarts < 0:
+            raise ValueError("--visual_max_restarts must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
 

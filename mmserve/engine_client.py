@@ -19,7 +19,7 @@ from language.sampling_params import SamplingParams
 from mmserve.messages import AbortRequest, DetokBatch, TextOutput
 from mmserve.metrics import ServerMetrics
 from mmserve.processes import ChildProcess
-from mmserve.protocol import BadRequest, GenerateInput
+from mmserve.protocol import BadRequest, GenerateInput, ServerFailure
 from mmserve.tokenization import RequestPreparer
 from mmserve.zmq_queue import AsyncPullQueue, AsyncPushQueue, Endpoints
 
@@ -29,15 +29,15 @@ _WATCH_INTERVAL_S = 0.2
 
 
 class Service(Protocol):
-    """Something that lives on the HTTP event loop beside the client (e.g. the link to the visual process)."""
+    """Something that lives on the HTTP event loop beside the client (e.g. the link to the visual process, its
+    supervisor)."""
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
-
-class ServerFailure(Exception):
-    """A child process died: the request cannot complete (answered with 503)."""
+    def degraded(self) -> str | None:
+        """Why the server serves only in part now (/health says "degraded"), or None."""
 
 
 class ClientDisconnected(Exception):
@@ -76,7 +76,7 @@ class EngineClient:
     def __init__(
         self,
         preparer: RequestPreparer,
-        children: list[ChildProcess],
+        children: list[ChildProcess],  # the ones the server cannot run without (router, detokenizer)
         endpoints: Endpoints,
         metrics: ServerMetrics,
         tokenizer_workers: int = 2,
@@ -92,6 +92,7 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._group_of: dict[str, str] = {}  # member rid -> the group's (tokenized) rid, for n / best_of > 1
         self._group_left: dict[str, int] = {}  # group rid -> members not yet ended
+        self._released_early: set[str] = set()  # running rids whose images were released when their prefill ran
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="tokenize")
         self._tasks: list[asyncio.Task] = []
         self._ctx: zmq.asyncio.Context | None = None
@@ -126,6 +127,9 @@ class EngineClient:
 
     def healthy(self) -> bool:
         return self.failure is None and all(c.alive() for c in self.children)
+
+    def degraded(self) -> str | None:
+        return next((reason for s in self.services if (reason := s.degraded()) is not None), None)
 
     @property
     def num_in_flight(self) -> int:
@@ -172,13 +176,27 @@ class EngineClient:
         """The client is gone: stop generating and free the request's KV slots."""
         if self._streams.pop(rid, None) is None:
             return
-        self._release(rid)
+        self._end(rid)
         if self.failure is None:
             self._to_router.send_nowait(AbortRequest(rid))
 
+    def _end(self, rid: str) -> None:
+        """One engine request ended (each exactly once: whoever pops its stream calls this)."""
+        if rid in self._released_early:
+            self._released_early.discard(rid)
+        else:
+            self._release(rid)
+
+    def _prefill_ran(self, rid: str) -> None:
+        """The engine has run the request's whole prompt (its first token came): its images' cache entries are
+        not read any more, so they are released now rather than when it finishes."""
+        if rid not in self._released_early:
+            self._released_early.add(rid)
+            self._release(rid)
+
     def _release(self, rid: str) -> None:
-        """One engine request ended (each exactly once: whoever pops its stream calls this). A group's preparer
-        entries go when its last member ends."""
+        """What the preparer holds for one engine request (its images' cache entries), once per request: when its
+        prefill has run or it ended, whichever comes first. A group's go when each of its members is done."""
         group = self._group_of.pop(rid, None)
         if group is None:
             self.preparer.release(rid)
@@ -224,7 +242,7 @@ class EngineClient:
             raise
         except Exception as e:  # a broken pipeline must not leave requests hanging
             logger.exception("receive loop failed")
-            self._fatal(f"receive loop failed: {e!r}")
+            self.fatal(f"receive loop failed: {e!r}")
 
     def _deliver(self, batch: DetokBatch) -> None:
         if batch.stats is not None:
@@ -239,9 +257,11 @@ class EngineClient:
             if stream.first_token_time is None and out.tokens:
                 stream.first_token_time = now
                 self.metrics.ttft.observe(now - stream.arrival)
+            if out.output_tokens and not out.finished:
+                self._prefill_ran(out.rid)
             if out.finished:
                 del self._streams[out.rid]
-                self._release(out.rid)
+                self._end(out.rid)
                 if stream.first_token_time is not None and out.output_tokens > 1:
                     self.metrics.tpot.observe((now - stream.first_token_time) / (out.output_tokens - 1))
             stream.queue.put_nowait(out)
@@ -250,11 +270,12 @@ class EngineClient:
         while True:
             for child in self.children:
                 if not child.alive():
-                    self._fatal(f"the {child.name} process exited (code {child.exitcode})")
+                    self.fatal(f"the {child.name} process exited (code {child.exitcode})")
                     return
             await asyncio.sleep(_WATCH_INTERVAL_S)
 
-    def _fatal(self, reason: str) -> None:
+    def fatal(self, reason: str) -> None:
+        """The server cannot go on: fail every request in flight, /health fails, and the server exits non-zero."""
         logger.error("%s; failing in-flight requests and shutting down", reason)
         self.failure = reason
         self._failed.set()
@@ -264,7 +285,7 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
-            self._release(rid)
+            self._end(rid)
             stream.queue.put_nowait(ServerFailure(reason))
 
 

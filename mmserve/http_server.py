@@ -11,9 +11,10 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from language.sampling_params import SamplingParams
+from mmserve.drain import RETRY_AFTER_S
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.messages import TextOutput, TokenDetail
 from mmserve.metrics import CONTENT_TYPE
@@ -26,14 +27,17 @@ from mmserve.protocol import (
     parse_generate_body,
     stream_event,
 )
+from mmserve.slow_clients import BodyReadTimeout, BodyTooLarge, ClientTimeouts, ClosingStreamingResponse, read_body
 
-MAX_BODY_BYTES = 64 << 20  # a request with a few base64 images fits easily
 logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
 
 
-def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> FastAPI:
-    """The routes over one engine client; `openai` carries the server flags the OpenAI routes read."""
+def build_app(
+    client: EngineClient, openai: OpenAIOptions | None = None, timeouts: ClientTimeouts | None = None
+) -> FastAPI:
+    """The routes over one engine client; `openai` carries the server flags the OpenAI routes read. The write
+    timeout of `timeouts` is applied around the app (slow_clients.WriteTimeout), its read timeout here."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -44,6 +48,7 @@ def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> Fast
             await client.stop()
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
+    app.state.client_timeouts = timeouts or ClientTimeouts()
     from mmserve.openai_api import add_openai_routes  # here: it uses this module's helpers
 
     add_openai_routes(app, client, openai or OpenAIOptions())  # /v1/models, /v1/chat/completions, /v1/completions
@@ -51,7 +56,8 @@ def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> Fast
     @app.get("/health")
     async def health() -> Response:
         if client.healthy():
-            return JSONResponse({"status": "ok"})
+            reason = client.degraded()  # text is served: still 200, so that a liveness probe keeps the server
+            return JSONResponse({"status": "ok"} if reason is None else {"status": "degraded", "error": reason})
         return JSONResponse({"status": "unhealthy", "error": client.failure or "a child process is down"}, 503)
 
     @app.get("/metrics")
@@ -119,7 +125,7 @@ def build_app(client: EngineClient, openai: OpenAIOptions | None = None) -> Fast
         if first.error is not None:
             disconnected.cancel()
             return _error(_engine_error(first.error))
-        return StreamingResponse(_sse(client, stream, first, disconnected), media_type="text/event-stream")
+        return ClosingStreamingResponse(_sse(client, stream, first, disconnected), media_type="text/event-stream")
 
     return app
 
@@ -218,13 +224,13 @@ async def _sse(
 
 
 async def _read_body(request: Request) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise BadRequest("body", f"is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The body, within --request_read_timeout; too large or too slow: a 413 / 408 naming it."""
+    try:
+        return await read_body(request, request.app.state.client_timeouts.read_s)
+    except BodyTooLarge as e:
+        raise BadRequest("body", str(e), status=413) from None
+    except BodyReadTimeout as e:
+        raise BadRequest("body", str(e), status=408) from None
 
 
 def _watch_disconnect(request: Request) -> asyncio.Future:
@@ -243,4 +249,4 @@ def _error(e: BadRequest) -> JSONResponse:
 
 
 def _server_failure(e: ServerFailure) -> JSONResponse:
-    return JSONResponse({"error": f"server failure: {e}"}, status_code=503)
+    return JSONResponse({"error": f"server failure: {e}"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})

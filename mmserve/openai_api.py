@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from language.request import PromptLogprobs
 from mmserve.chat_templates import builtin_chat_template, model_architecture
@@ -30,6 +30,7 @@ from mmserve.openai_protocol import (
     logprobs_request,
 )
 from mmserve.protocol import BadRequest, GenerateInput, parse_json
+from mmserve.slow_clients import ClosingStreamingResponse
 
 _CLIENT_CLOSED = 499
 
@@ -190,7 +191,7 @@ class OpenAIServing:
                 self._abort_unfinished(streams)
                 return openai_error(first.error, 400, "messages" if chat else "prompt")
         events = self._events(body, streams, firsts, rid, chat, disconnected)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return ClosingStreamingResponse(events, media_type="text/event-stream")
 
     async def _events(self, body, streams, firsts, rid, chat, disconnected) -> AsyncIterator[str]:
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"

@@ -67,6 +67,10 @@ class BadRequest(Exception):
         return {"error": str(self), "field": self.field}
 
 
+class ServerFailure(Exception):
+    """The server cannot complete the request: a child process died, or a part it needs is down (answered 503)."""
+
+
 @dataclass(frozen=True)
 class GenerateInput:
     prompt: str

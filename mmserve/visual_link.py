@@ -20,7 +20,7 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cache.coordinator import CacheCoordinator
-from cache.shm_store import read_embedding
+from cache.shm_store import list_segments, read_embedding, unlink_segment
 from mmserve.config import ServerConfig
 from mmserve.messages import ImageRef
 from mmserve.multimodal.image_io import ImagePolicy
@@ -80,6 +80,7 @@ class VisualLink:
             max_images=config.max_images_per_request,
             fetch=FetchPolicy(allow_private=config.allow_private_urls),
         )
+        self.cache_salt = ready.cache_salt
         self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="image")
         self.preparer = MultimodalPreparer(processor, self.coordinator, ready.cache_salt, policy, self._image_pool)
         self._ctx: zmq.asyncio.Context | None = None
@@ -94,14 +95,36 @@ class VisualLink:
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._jobs = self._ctx.socket(zmq.PUSH)
+        self._jobs = self._jobs_socket()
         self._results = self._ctx.socket(zmq.PULL)
-        for sock in (self._jobs, self._results):
-            sock.setsockopt(zmq.LINGER, 0)
-        self._jobs.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; the cache bounds what is in flight
-        self._jobs.connect(self.endpoints.visual)
+        self._results.setsockopt(zmq.LINGER, 0)
         self._results.bind(self.endpoints.visual_results)
         self._task = asyncio.create_task(self._receive_results())
+
+    def _jobs_socket(self) -> zmq.asyncio.Socket:
+        jobs = self._ctx.socket(zmq.PUSH)
+        jobs.setsockopt(zmq.LINGER, 0)
+        jobs.setsockopt(zmq.SNDHWM, 0)  # never block the event loop; the cache bounds what is in flight
+        jobs.connect(self.endpoints.visual)
+        return jobs
+
+    # the VisualSupervisor's callbacks
+    def on_visual_down(self, reason: str) -> None:
+        """The visual process died: jobs still queued for it are dropped with its socket (a restarted process
+        must not encode keys the cache gave up on), and what it was encoding fails."""
+        self._jobs.close()
+        self._jobs = self._jobs_socket()
+        self.coordinator.encoder_down(reason)
+
+    def on_visual_up(self, ready: VisualReady) -> None:
+        if ready.cache_salt != self.cache_salt:
+            raise RuntimeError("the restarted visual process keys images differently (its cache salt changed)")
+        for name in list_segments(self.coordinator.shm_prefix + "px"):  # the dead process's pixels in transit
+            unlink_segment(name)
+        self.coordinator.encoder_up()
+
+    def degraded(self) -> str | None:
+        return None  # the supervisor says so while the visual process is down
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -135,4 +158,9 @@ class VisualLink:
         )
         yield GaugeMetricFamily(
             "mmserve_embed_cache_items", "Images held in the embedding cache", value=m["mmserve_embed_cache_items"]
+        )
+        yield GaugeMetricFamily(
+            "mmserve_embed_cache_items_in_use",
+            "Images in the embedding cache that requests still hold (until their prefill has run)",
+            value=m["mmserve_embed_cache_items_in_use"],
         )

@@ -23,13 +23,13 @@ from concurrent.futures import Executor
 
 import xxhash
 
-from cache.coordinator import CacheCoordinator, ImageEncodeError, MissingImageData
+from cache.coordinator import CacheCoordinator, EncoderUnavailable, ImageEncodeError, MissingImageData
 from cache.index import CacheCapacityError, CacheEntry
 from cache.key import cache_key
 from mmserve.messages import ImageRef
 from mmserve.multimodal.image_io import BadImage, ImagePolicy, LoadedImage, load_image_bytes, open_header
 from mmserve.multimodal.prompt import MultimodalPrompt, PromptImageMismatch, PromptProcessor
-from mmserve.protocol import BadRequest
+from mmserve.protocol import BadRequest, ServerFailure
 from mmserve.tokenization import PreparedPrompt, RunSync
 
 FIELD = "multimodal_params.images"
@@ -195,6 +195,9 @@ class MultimodalPreparer:
                 entries = await self.coordinator.acquire(list(zip(keys, data, strict=True)))
         except CacheCapacityError as e:
             raise BadRequest(FIELD, str(e)) from None
+        except EncoderUnavailable as e:
+            raise ServerFailure(f"images cannot be encoded now ({e}); the server is restarting its visual process: "
+                                "retry shortly (text requests and cached images are still served)") from None
         except ImageEncodeError as e:
             if e.bad_image:
                 raise BadRequest(FIELD, str(e)) from None

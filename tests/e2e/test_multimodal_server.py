@@ -78,3 +78,19 @@ def test_bad_images_get_400_and_text_still_works(server):
     assert r.status_code == 400 and r.json()["field"].startswith("multimodal_params.images")
     text = httpx.post(server.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 3}})
     assert text.status_code == 200 and text.json()["count_output_tokens"] >= 1
+
+
+def test_image_cache_entries_are_released_once_the_prefill_ran(server):
+    """Issue 10: an entry is held while the prefill reads it, not until the request finishes."""
+    body = {
+        "inputs": PROMPT,
+        "parameters": {"max_new_tokens": 1500, "ignore_eos": True},  # decodes for seconds
+        "multimodal_params": {"images": [{"type": "base64", "data": image_b64(30)}]},
+    }
+    with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()  # kept: dropping the iterator closes the connection
+        assert next(lines).startswith("data:")  # the prefill has run
+        server.wait_metric("mmserve_embed_cache_items_in_use", lambda v: v == 0)
+        m = server.metrics()
+        assert m["mmserve_requests_running"] == 1 and m["mmserve_embed_cache_items_in_use"] == 0  # still decoding
+    server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0)  # the dropped stream was aborted

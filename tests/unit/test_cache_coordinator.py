@@ -3,7 +3,7 @@ import asyncio
 import pytest
 import torch
 
-from cache.coordinator import CacheCoordinator, ImageEncodeError
+from cache.coordinator import CacheCoordinator, EncoderUnavailable, ImageEncodeError
 from cache.index import CacheCapacityError
 from cache.shm_store import list_segments, new_prefix, unlink_all, write_embedding
 from visual.messages import EncodeDone, EncodeFailed
@@ -49,6 +49,7 @@ def test_concurrent_requests_share_one_encode(prefix):
             "mmserve_images_encoded_total": 1,
             "mmserve_embed_cache_hits_total": 5,
             "mmserve_embed_cache_items": 1,
+            "mmserve_embed_cache_items_in_use": 1,
         }
         for entries in results:
             coord.release(entries)
@@ -120,5 +121,69 @@ def test_cancelled_waiter_releases(prefix):
         visual.finish(coord)
         coord.release(await task)
         assert coord.index.lookup("a") is None and list_segments(prefix) == [prefix + "b"]
+
+    asyncio.run(main())
+
+
+def test_a_result_for_a_later_image_while_waiting_on_an_earlier_one(prefix):
+    async def main():
+        visual = FakeVisual(prefix)
+        coord = CacheCoordinator(4, prefix, visual.send)
+        task = asyncio.create_task(coord.acquire([("a", b"x"), ("b", b"y")]))
+        await asyncio.sleep(0)
+        job_a, job_b = visual.jobs
+        coord.on_result(EncodeFailed(job_b.key, "broken", bad_image=True))  # b answers first, while a is awaited
+        write_embedding(prefix, "a", torch.ones(2, 3))
+        coord.on_result(EncodeDone("a", 2))
+        with pytest.raises(ImageEncodeError):
+            await task
+        assert coord.index.lookup("a").refs == 0
+
+    asyncio.run(main())
+
+
+def test_encoder_down_fails_waiters_refuses_new_images_and_serves_cached_ones(prefix):
+    async def main():
+        visual = FakeVisual(prefix)
+        coord = CacheCoordinator(4, prefix, visual.send)
+        cached = asyncio.create_task(coord.acquire([("c", b"z")]))
+        await asyncio.sleep(0)
+        visual.finish(coord)
+        coord.release(await cached)
+        waiting = asyncio.create_task(coord.acquire([("c", None), ("a", b"x")]))
+        await asyncio.sleep(0)
+        visual.jobs.clear()  # lost with the process
+        write_embedding(prefix, "a", torch.ones(1, 3))  # half-written by the process that died
+        coord.encoder_down("the visual process exited (code -9)")
+        with pytest.raises(EncoderUnavailable, match="code -9"):
+            await waiting
+        assert coord.index.lookup("a") is None and coord.index.lookup("c").refs == 0
+        assert list_segments(prefix) == [prefix + "c"]  # the dead process's partial segment is gone
+        with pytest.raises(EncoderUnavailable):
+            await coord.acquire([("b", b"y")])
+        assert visual.jobs == [] and coord.index.lookup("b") is None
+        entries = await coord.acquire([("c", None)])  # cached: served while the encoder is down
+        coord.release(entries)
+        coord.encoder_up()
+        task = asyncio.create_task(coord.acquire([("b", b"y")]))
+        await asyncio.sleep(0)
+        visual.finish(coord)
+        coord.release(await task)
+        assert coord.metrics()["mmserve_embed_cache_items_in_use"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_result_for_a_dropped_entry_unlinks_its_segment(prefix):
+    async def main():
+        visual = FakeVisual(prefix)
+        coord = CacheCoordinator(4, prefix, visual.send)
+        task = asyncio.create_task(coord.acquire([("a", b"x")]))
+        await asyncio.sleep(0)
+        coord.encoder_down("gone")
+        with pytest.raises(EncoderUnavailable):
+            await task
+        visual.finish(coord)  # an answer that was already on its way
+        assert coord.index.lookup("a") is None and list_segments(prefix) == []
 
     asyncio.run(main())
