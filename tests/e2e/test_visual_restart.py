@@ -70,7 +70,7 @@ def test_visual_process_sigkilled_mid_load_is_restarted_and_one_that_cannot_rest
     finally:
         if srv.proc.poll() is None:
             srv.stop(signal.SIGKILL)
-    assert srv.leftover_children() == []
+    assert srv.leftover_children(grace_s=15) == []  # its resource tracker may take a while on a loaded machine
     log = srv.log()
     assert "failed to restart" in log and "giving up" in log
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{srv.proc.pid}_")]
