@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernel_cases import ELEMENTWISE_TOL, assert_written_and_close, dtype_params, poisoned, randn, strided_view
+from kernel_cases import DEVICE, ELEMENTWISE_TOL, assert_written_and_close, dtype_params, poisoned, randn, strided_view
 
 from language.kernels.head_rms_norm import qk_rms_norm
 from language.kernels.reference import qk_rms_norm_ref, rms_norm_ref
@@ -45,6 +45,6 @@ def test_qk_rms_norm_uses_each_weight_on_its_own_heads():
 
 
 def test_qk_rms_norm_rejects_a_wrong_weight():
-    qk = torch.zeros(2, 3, 16)
+    qk = torch.zeros(2, 3, 16, device=DEVICE)  # the launcher's checks run where its kernel would (GPU, else CPU)
     with pytest.raises(AssertionError, match="k_weight"):
-        qk_rms_norm(qk, torch.ones(16), torch.ones(8), 2, 1e-6)
+        qk_rms_norm(qk, torch.ones(16, device=DEVICE), torch.ones(8, device=DEVICE), 2, 1e-6)
