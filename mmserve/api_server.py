@@ -37,7 +37,7 @@ from mmserve.processes import (
 from mmserve.router import run_router_process
 from mmserve.slow_clients import ClientTimeouts, WriteTimeout
 from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
-from mmserve.tp_workers import serve_worker_node, spawn_tp_workers
+from mmserve.tp_workers import check_tp_split, serve_worker_node, spawn_tp_workers
 from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
 from mmserve.visual_supervisor import VisualSupervisor
 from mmserve.zmq_queue import Endpoints, remove_dead_ipc_dirs
@@ -94,6 +94,9 @@ def resolve_model(config: ServerConfig) -> ServerConfig:
 
 
 def serve(config: ServerConfig) -> int:
+    if (error := check_tp_split(config)) is not None:  # before any child starts
+        logger.error("cannot start: %s", error)
+        return 1
     removed = remove_dead_segments()  # what servers killed outright (SIGKILL, OOM) left in /dev/shm
     if removed:
         logger.info("removed %d shared-memory segment(s) left by servers no longer running", len(removed))

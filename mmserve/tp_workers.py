@@ -49,6 +49,21 @@ def run_tp_worker_process(config: ServerConfig, rank: int, ready: Connection) ->
     run_child(worker_name(rank), config.log_level, ready, start)
 
 
+def check_tp_split(config: ServerConfig) -> str | None:
+    """Why --tp cannot split the model (its attention heads, KV heads or MLP width), or None when it can. Asked in
+    the parent before any child starts: each rank finds it too, but only after seconds of imports, and by then the
+    router and the visual process are loading as well."""
+    if config.tp == 1 or config.model_dir is None:
+        return None
+    from language.engine import model_config  # only for tp > 1: the decoder registry imports the kernels
+
+    try:
+        model_config(config.engine_config())
+    except (ValueError, OSError) as e:  # OSError: no config.json, which the ranks would report the same way
+        return str(e)
+    return None
+
+
 def spawn_tp_workers(config: ServerConfig) -> list[ChildProcess]:
     """This host's worker processes (every local rank but 0)."""
     return [spawn_child(worker_name(r), run_tp_worker_process, config, r) for r in config.local_ranks if r != 0]
@@ -57,6 +72,9 @@ def spawn_tp_workers(config: ServerConfig) -> list[ChildProcess]:
 def serve_worker_node(config: ServerConfig) -> int:
     """A host other than node 0 (--node_rank > 0): only its ranks, until one of them exits (rank 0 stopping ends
     them all) or this process is stopped. Returns the exit status: 0 when every rank stopped cleanly."""
+    if (error := check_tp_split(config)) is not None:
+        logger.error("cannot start: %s", error)
+        return 1
     children = spawn_tp_workers(config)
     try:
         wait_ready(children, config.startup_timeout_s)
