@@ -1,6 +1,7 @@
 """A child process that dies takes the server down promptly and cleanly: in-flight requests get 5xx, /health stops
-answering 200, the server exits non-zero, and no process is left behind. Also: a clean stop by SIGINT, and the
-graceful stop on SIGTERM (a request in flight completes, new ones get 503 with Retry-After, the server exits 0)."""
+answering 200, the server exits non-zero, and no process is left behind (a tensor-parallel rank: test_tp_server,
+with this module's kill_child_mid_load). Also: a clean stop by SIGINT, and the graceful stop on SIGTERM (a request
+in flight completes, new ones get 503 with Retry-After, the server exits 0)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server_proc import ServerProcess, free_port
+from tests.e2e.server_proc import ServerProcess
 
 
 def comm(pid: int) -> str:
@@ -28,11 +29,10 @@ def start(model_dir: str, tmp_path, *args: str) -> ServerProcess:
     return srv
 
 
-@pytest.mark.parametrize("victim", ["mmserve-router", "mmserve-detoken", "mmserve-tp1"])
-def test_dead_child_fails_requests_and_stops_the_server(e2e_model_dir, tmp_path, victim):
-    """mmserve-tp1: a tensor-parallel rank (issue 11), killed while rank 0 runs steps with it."""
-    tp = ["--tp", "2", "--nccl_port", str(free_port())] if victim == "mmserve-tp1" else []
-    srv = start(e2e_model_dir, tmp_path, *tp)
+def kill_child_mid_load(srv: ServerProcess, victim: str) -> None:
+    """SIGKILL the child process named `victim` while two long requests run: the non-streamed one gets a 5xx JSON
+    answer within 5 s, the stream ends with an error event, /health fails, the server exits non-zero within 30 s
+    and leaves no process behind."""
     try:
         pid = next(p for p in srv.children if comm(p) == victim)
         long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}  # ~10 s each
@@ -69,6 +69,12 @@ def test_dead_child_fails_requests_and_stops_the_server(e2e_model_dir, tmp_path,
         if srv.proc.poll() is None:
             srv.stop()
     assert srv.leftover_children() == []
+
+
+@pytest.mark.parametrize("victim", ["mmserve-router", "mmserve-detoken"])
+def test_dead_child_fails_requests_and_stops_the_server(e2e_model_dir, tmp_path, victim):
+    """A tensor-parallel rank (mmserve-tp1) is killed the same way in test_tp_server, on its --tp 2 server."""
+    kill_child_mid_load(start(e2e_model_dir, tmp_path), victim)
 
 
 def test_sigint_stops_every_process(e2e_model_dir, tmp_path):

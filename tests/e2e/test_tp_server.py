@@ -1,6 +1,8 @@
 """Issue 11's CPU acceptance: the real server at --tp 2 (2 ranks on gloo: the router process is rank 0, one worker
 process rank 1) gives HF transformers' greedy tokens for the tiny Llama, LLaVA-1.5 and Qwen2-VL checkpoints, images
-included (their rows reach rank 1 through the step's broadcast). Killing a rank mid-load is in test_server_failure."""
+included (their rows reach rank 1 through the step's broadcast); killing a rank mid-load fails the server (on the
+Llama's server, after its comparison: one start for both); a tp that does not divide the heads is refused at once.
+No server outlives its tests (the Llama's ends with the kill), so none idles beside the next one's start."""
 
 from __future__ import annotations
 
@@ -16,21 +18,26 @@ from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
 from tests.e2e import test_llava_server as llava
 from tests.e2e import test_qwen2_vl_server as qwen2_vl
 from tests.e2e.server_proc import ServerProcess, free_port, serving
+from tests.e2e.test_server_failure import kill_child_mid_load
 from tests.models.hf_reference import hf_greedy
 from tests.models.test_llava import IMAGES
 
 NEW_TOKENS = 12
 
 
-def tp_args() -> list[str]:
-    return ["--tp", "2", "--nccl_port", str(free_port()), "--max_total_token_num", "4096"]
+def tp_args(kv_tokens: int = 4096) -> list[str]:
+    return ["--tp", "2", "--nccl_port", str(free_port()), "--max_total_token_num", str(kv_tokens)]
 
 
 @pytest.fixture(scope="module")
 def llama_server(e2e_model_dir, tmp_path_factory):
-    srv = ServerProcess(e2e_model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), *tp_args())
-    with serving(srv):
-        yield srv
+    """One --tp 2 server for the HF comparison and then for killing a rank (the test right after it ends it)."""
+    kv_tokens = 8192  # the kill test's two 4000-token requests
+    srv = ServerProcess(e2e_model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), *tp_args(kv_tokens))
+    srv.wait_healthy()
+    yield srv
+    if srv.proc.poll() is None:  # the kill test did not run (deselected) or did not get to kill
+        srv.stop_cleanly()
 
 
 def test_llama_tp2_equals_hf(llama_server, e2e_model_dir):
@@ -52,6 +59,12 @@ def test_llama_tp2_equals_hf(llama_server, e2e_model_dir):
         assert answer["prompt_tokens"] == len(ids)
         assert [t["id"] for t in answer["tokens"]] == hf_greedy(hf, ids, NEW_TOKENS), prompt
     assert llama_server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0) == 0
+
+
+def test_killing_a_rank_mid_load_fails_the_server(llama_server):
+    """Issue 11: a tensor-parallel rank (mmserve-tp1) killed while rank 0 runs steps with it: in-flight requests
+    fail promptly, /health fails, the server exits non-zero within 30 s. Ends the module's Llama server."""
+    kill_child_mid_load(llama_server, "mmserve-tp1")
 
 
 def test_llava_tp2_equals_hf(tmp_path_factory):
