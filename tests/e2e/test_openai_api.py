@@ -359,12 +359,25 @@ def test_multiturn_two_image_example_runs(server):
 
 
 def test_no_max_tokens_fills_the_context(client, server):
-    """As vLLM's: with no max_tokens the reply may use all that the prompt leaves (4096 KV slots here)."""
-    for turns in ([("user", ["Hi"])], ONE_IMAGE):
-        reply = client.chat.completions.create(
-            model=MODEL, messages=openai_messages(turns), temperature=0, extra_body={"ignore_eos": True}
+    """As vLLM's: with no max_tokens the reply may use all that the prompt leaves (4096 KV slots here). The prompt
+    is padded to leave a few dozen tokens, so the reply is short enough to decode quickly on a CPU."""
+
+    def chat(turns, filler_words: int, **kwargs):
+        role, parts = turns[-1]
+        padded = [*turns[:-1], (role, [*parts, " a" * filler_words])]
+        return client.chat.completions.create(
+            model=MODEL, messages=openai_messages(padded), temperature=0, extra_body={"ignore_eos": True}, **kwargs
         )
+
+    for turns in ([("user", ["Hi"])], ONE_IMAGE):
+        base = chat(turns, 0, max_tokens=1).usage.prompt_tokens
+        per_word = (chat(turns, 1000, max_tokens=1).usage.prompt_tokens - base) / 1000
+        words = int((4096 - 40 - base) / per_word)
+        reply = chat(turns, words)
+        prompt = reply.usage.prompt_tokens
+        assert 4096 - 100 < prompt < 4096, f"the padding missed its mark: {prompt}-token prompt"
         assert reply.usage.total_tokens == 4096 and reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 4096 - prompt
 
 
 def test_a_local_path_inside_image_dir_reads_that_file(client):
