@@ -11,51 +11,22 @@ import glob
 import json
 import math
 import os
-import pickle
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
-from transformers import (
-    AutoTokenizer,
-    Qwen2VLImageProcessor,
-    Qwen3VLForConditionalGeneration,
-    Qwen3VLProcessor,
-    Qwen3VLVideoProcessor,
-)
+from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
 from mmserve.checkpoints.qwen3_vl import build_qwen3_vl, qwen3_vl_config
+from tests.models import qwen_vl_harness as vl
+from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 from visual.models.base import vision_model_class
 
 ARCH = "Qwen3VLForConditionalGeneration"
+FAMILY = QwenVLFamily("qwen3_vl", ARCH, build_qwen3_vl, Qwen3VLForConditionalGeneration, Qwen3VLProcessor,
+                      Qwen3VLVideoProcessor)  # fmt: skip
 SIZES = [(150, 100), (60, 200), (333, 77), (230, 170)]  # (width, height), non-square, different grids
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-VISION = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def _image(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def published_dir(tmp_path_factory) -> str:
-    return build_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl")))
-
-
-@pytest.fixture(scope="module")
-def hf_model(published_dir: str) -> Qwen3VLForConditionalGeneration:
-    return Qwen3VLForConditionalGeneration.from_pretrained(published_dir, dtype=torch.float32).eval()
-
-
-def hf_processor(model_dir: str) -> Qwen3VLProcessor:
-    return Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor.from_pretrained(model_dir),
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        video_processor=Qwen3VLVideoProcessor(),
-    )
+published_dir, hf_model = vl.checkpoint_fixtures(FAMILY)
 
 
 def test_published_layout(published_dir: str, hf_model) -> None:
@@ -101,66 +72,28 @@ def test_8b_config_shapes() -> None:
     assert round(sum(math.prod(s.shape) for s in specs) / 1e9, 2) == 8.77
 
 
-@pytest.mark.parametrize("dialect", ["published", "v5"])
-def test_vision_features_match_hf(dialect: str, published_dir: str, hf_model, tmp_path) -> None:
-    model_dir = published_dir if dialect == "published" else build_qwen3_vl(str(tmp_path), dialect="v5")
-    vision = vision_model_class(ARCH).from_pretrained(model_dir, torch.device("cpu"), torch.float32)
-    assert vision.hidden_size == hf_model.config.text_config.hidden_size
-    preprocess = pickle.loads(pickle.dumps(vision.preprocessor()))  # as the visual process's worker pool runs it
-    images = [preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
-    for im, (w, h) in zip(images, SIZES, strict=True):
-        assert im.num_tokens == vision.num_tokens(w, h) == im.pixel_values.shape[0] // 4
-        assert im.grid_thw == vision.grid_thw(w, h)
-    assert len({im.num_tokens for im in images}) == len(images)
-    ours = vision.encode(images)
-
-    with torch.inference_mode():
-        pixels = torch.cat([im.pixel_values for im in images])
-        grid = torch.tensor([im.grid_thw for im in images])
-        out = hf_model.model.get_image_features(pixels, image_grid_thw=grid)
+def deepstack_rows(vision, out, images) -> list[torch.Tensor]:
+    """HF's per-image rows as our tower writes them: the merger's output, then each DeepStack merger's."""
     hidden, k = vision.hidden_size, len(out.deepstack_features)
     assert k == 2 and vision.embed_width == (1 + k) * hidden
     # transformers splits the features per image since 5.2x; 5.17 splits only pooler_output.
     sizes = [im.num_tokens for im in images]
     per_image = lambda f: f if isinstance(f, (list, tuple)) else torch.split(f, sizes)  # noqa: E731
     features = [per_image(out.pooler_output)] + [per_image(f) for f in out.deepstack_features]
-    for i, (row, im) in enumerate(zip(ours, images, strict=True)):
-        assert row.shape == (im.num_tokens, (1 + k) * hidden)
-        theirs = [feature[i] for feature in features]
-        for j, expected in enumerate(theirs):
-            torch.testing.assert_close(row[:, j * hidden : (j + 1) * hidden], expected, rtol=1e-5, atol=1e-5)
-    # Batched encoding equals one image at a time (images do not attend to each other).
-    torch.testing.assert_close(vision.encode(images[1:2])[0], ours[1], rtol=1e-5, atol=1e-5)
+    return [torch.cat([feature[i] for feature in features], dim=1) for i in range(len(images))]
+
+
+@pytest.mark.parametrize("dialect", ["published", "v5"])
+def test_vision_features_match_hf(dialect: str, published_dir: str, hf_model, tmp_path) -> None:
+    vl.check_vision_features(FAMILY, dialect, published_dir, hf_model, tmp_path, SIZES, hf_rows=deepstack_rows)
 
 
 def test_mrope_positions_match_hf_get_rope_index(published_dir: str, hf_model) -> None:
-    from language.models.qwen2_vl_positions import mrope_positions
-
-    text = CHAT.format(f"Look: {VISION}and{VISION}, then{VISION}Compare.")
-    images = [_image(w, h, i) for i, (w, h) in enumerate(SIZES[:3])]
-    inputs = hf_processor(published_dir)(text=[text], images=images, return_tensors="pt")
-    theirs, delta = hf_model.model.get_rope_index(
-        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
-    )
-    config = hf_model.config
-    ours, our_delta = mrope_positions(
-        inputs["input_ids"][0].tolist(),
-        inputs["image_grid_thw"].tolist(),
-        image_token_id=config.image_token_id,
-        vision_start_token_id=config.vision_start_token_id,
-        spatial_merge_size=config.vision_config.spatial_merge_size,
-    )
-    assert torch.equal(ours, theirs[:, 0])
-    assert our_delta == int(delta)
+    vl.check_mrope_positions(FAMILY, published_dir, hf_model, SIZES)
 
 
 def test_video_placeholder_is_refused(published_dir: str) -> None:
-    from mmserve.multimodal.prompt import prompt_processor_class
-    from mmserve.protocol import BadRequest
-
-    prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, AutoTokenizer.from_pretrained(published_dir))
-    with pytest.raises(BadRequest, match="video input is not supported"):
-        prompter.count_images(CHAT.format("<|vision_start|><|video_pad|><|vision_end|>What happens?"))
+    vl.check_video_placeholder_refused(FAMILY, published_dir)
 
 
 def test_images_obey_the_pixel_bounds(published_dir: str) -> None:
@@ -174,49 +107,14 @@ def test_images_obey_the_pixel_bounds(published_dir: str) -> None:
     for size in [(20, 30), (1000, 700)]:
         t, h, w = prompter.grid_thw(*size)
         assert TINY_MIN_PIXELS <= h * w * 16 * 16 <= TINY_MAX_PIXELS
-        assert vision.preprocess(_image(*size, 0)).grid_thw == (t, h, w)
-
-
-def _check_generation(model_dir: str, hf_model, device: str, chunked_prefill_size: int) -> None:
-    """1 image, 2 images of different sizes and a text-only prompt, batched in our engine on `device` (the tower
-    there too, float32): each prompt equals HF's processor output and each answer HF generate's."""
-    from language.llm import LLM
-    from language.request import MultimodalItem
-    from language.sampling_params import SamplingParams
-    from mmserve.multimodal.prompt import prompt_processor_class
-    from tests.models.hf_reference import hf_greedy
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompter = prompt_processor_class(ARCH).from_pretrained(model_dir, tokenizer)
-    vision = vision_model_class(ARCH).from_pretrained(model_dir, torch.device(device), torch.float32)
-    processor = hf_processor(model_dir)
-    cases = [
-        (CHAT.format(VISION + "Describe this picture."), [_image(150, 100, 1)]),
-        (CHAT.format(f"{VISION}and{VISION}Compare the two cities."), [_image(60, 200, 2), _image(333, 77, 3)]),
-        (CHAT.format("What is AI?"), []),
-    ]
-    prompts, items = [], []
-    for text, images in cases:
-        mm = prompter.encode(text, [im.size for im in images])
-        embeds = vision.encode([vision.preprocess(im) for im in images]) if images else []
-        prompts.append(mm.token_ids)
-        placed = zip(mm.offsets, embeds, mm.grid_thw, strict=True)
-        items.append([MultimodalItem(offset=o, embeds=e.cpu(), grid_thw=g) for o, e, g in placed])
-    llm = LLM(model_dir, max_total_token_num=4096, device=device, dtype="float32",
-              chunked_prefill_size=chunked_prefill_size)  # fmt: skip
-    ours = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), mm_items=items)
-    for (text, images), prompt, gen in zip(cases, prompts, ours, strict=True):
-        inputs = processor(text=[text], images=images or None, return_tensors="pt")
-        assert inputs["input_ids"][0].tolist() == prompt
-        extra = {k: v for k, v in inputs.items() if k != "input_ids"}
-        assert gen.token_ids == hf_greedy(hf_model, prompt, 24, **extra)
+        assert vision.preprocess(vl.random_image(*size, 0)).grid_thw == (t, h, w)
 
 
 @pytest.mark.parametrize("chunked_prefill_size", [4096, 6])
 def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_prefill_size: int) -> None:
     """Whole prompts, and 6-token chunks: images, their DeepStack rows and their M-RoPE positions split across
     steps."""
-    _check_generation(published_dir, hf_model, "cpu", chunked_prefill_size)
+    vl.check_generation(FAMILY, published_dir, hf_model, "cpu", chunked_prefill_size)
 
 
 def test_deepstack_changes_the_answer(published_dir: str, hf_model) -> None:
@@ -229,7 +127,7 @@ def test_deepstack_changes_the_answer(published_dir: str, hf_model) -> None:
 
     prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, AutoTokenizer.from_pretrained(published_dir))
     vision = vision_model_class(ARCH).from_pretrained(published_dir, torch.device("cpu"), torch.float32)
-    image = _image(230, 170, 7)
+    image = vl.random_image(230, 170, 7)
     mm = prompter.encode(CHAT.format(VISION + "Describe."), [image.size])
     rows = vision.encode([vision.preprocess(image)])[0]
     flat = rows.clone()
@@ -248,7 +146,7 @@ def test_deepstack_changes_the_answer(published_dir: str, hf_model) -> None:
 def test_greedy_generation_matches_hf_on_gpu(published_dir: str, hf_model) -> None:
     """The engine on CUDA (Triton kernels incl. q/k norm and interleaved M-RoPE, CUDA-graph decode) with the tower on
     CUDA, float32: HF's tokens."""
-    _check_generation(published_dir, hf_model, "cuda", chunked_prefill_size=13)
+    vl.check_generation(FAMILY, published_dir, hf_model, "cuda", chunked_prefill_size=13)
 
 
 @pytest.mark.gpu
@@ -258,40 +156,13 @@ def test_packed_tower_on_gpu_matches_hf_sdpa(shape: str, published_dir: str) -> 
     """bf16 on CUDA: our packed tower (flash varlen over image boundaries, host-built interpolation) is as close to
     transformers' fp32 sdpa tower as transformers' own bf16 sdpa tower is, main and DeepStack features alike, for a
     batch of different grids; 8b: the published tower shape (transformers' random init, built in memory)."""
-    import copy
-
     from transformers import Qwen3VLConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
 
-    from visual.models.packed_attention import torch_varlen_attn
-    from visual.models.qwen3_vl import Qwen3VLVisionModel
-
-    assert torch_varlen_attn() is not None  # the packed path, not the per-image fallback
     device, dtype = torch.device("cuda"), torch.bfloat16
     ours = vision_model_class(ARCH).from_pretrained(published_dir, device, dtype)
     if shape == "8b":
-        config = Qwen3VLConfig(**qwen3_vl_config("8b", dtype)).vision_config
-        torch.manual_seed(0)
-        with torch.device(device):
-            tower = Tower._from_config(config, dtype=dtype)
-        ours = Qwen3VLVisionModel(tower, ours.processor, "bench")
-    hf_bf16 = copy.deepcopy(ours.tower)
-    hf_bf16.set_attn_implementation("sdpa")
-    hf_fp32 = copy.deepcopy(hf_bf16).float()
-    sizes = [(150, 100), (60, 200), (333, 77), (224, 224), (640, 480)]
-    images = [ours.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(sizes)]
-    got = torch.cat(ours.encode(images)).float()
-    with torch.inference_mode():
-        pixels = torch.cat([im.pixel_values for im in images]).to(device)
-        grid = torch.tensor([im.grid_thw for im in images], device=device)
-
-        def rows(out) -> torch.Tensor:
-            return torch.cat([out.pooler_output, *out.deepstack_features], dim=1).float()
-
-        exact = rows(hf_fp32(pixels, grid_thw=grid))
-        hf = rows(hf_bf16(pixels.to(dtype), grid_thw=grid))
-
-    def rel(a: torch.Tensor) -> float:
-        return ((a - exact).norm() / exact.norm()).item()
-
-    assert rel(got) <= 1.5 * rel(hf) + 1e-3, (rel(got), rel(hf))
+        ours = vl.with_random_tower(ours, Tower, Qwen3VLConfig(**qwen3_vl_config("8b", dtype)).vision_config)
+    vl.check_packed_tower_matches_hf_sdpa(
+        ours, device, dtype, lambda out: torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+    )
