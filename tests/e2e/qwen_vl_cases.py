@@ -53,18 +53,23 @@ def server_fixtures(family: QwenVLFamily, *server_args: str):
 
     @pytest.fixture(scope="module")
     def hf(model_dir):
-        model = family.hf_model(model_dir)
-        processor = family.hf_processor(model_dir)
-
-        def greedy(text: str, images: list[Image.Image], new_tokens: int = NEW_TOKENS) -> list[int]:
-            inputs = processor(text=[text], images=images or None, return_tensors="pt")
-            extra = {k: v for k, v in inputs.items() if k != "input_ids"}
-            return hf_greedy(model, inputs["input_ids"][0].tolist(), new_tokens, **extra)
-
-        greedy.tokenizer = processor.tokenizer
-        return greedy
+        return hf_greedy_for(family, model_dir)
 
     return model_dir, server, hf
+
+
+def hf_greedy_for(family: QwenVLFamily, model_dir: str) -> Callable[..., list[int]]:
+    """HF's greedy tokens for (text, images[, new_tokens]) on the checkpoint, with `.tokenizer`."""
+    model = family.hf_model(model_dir)
+    processor = family.hf_processor(model_dir)
+
+    def greedy(text: str, images: list[Image.Image], new_tokens: int = NEW_TOKENS) -> list[int]:
+        inputs = processor(text=[text], images=images or None, return_tensors="pt")
+        extra = {k: v for k, v in inputs.items() if k != "input_ids"}
+        return hf_greedy(model, inputs["input_ids"][0].tolist(), new_tokens, **extra)
+
+    greedy.tokenizer = processor.tokenizer
+    return greedy
 
 
 def generate(server, prompt: str, images: list[Image.Image], max_new_tokens: int = NEW_TOKENS) -> list[int]:

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mmserve.checkpoints.llava import build_llava_hf
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from tests.e2e import qwen_vl_cases
 from tests.e2e import test_llava_server as llava
-from tests.e2e import test_qwen2_vl_server as qwen2_vl
 from tests.e2e.server_proc import ServerProcess, free_port, serving
+from tests.e2e.test_qwen2_vl_server import FAMILY as QWEN2_VL
 from tests.e2e.test_server_failure import kill_child_mid_load
 from tests.models.hf_reference import hf_greedy
 from tests.models.test_llava import IMAGES
@@ -83,9 +84,11 @@ def test_qwen2_vl_tp2_equals_hf(tmp_path_factory):
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--enable_multimodal",
                         *tp_args())  # fmt: skip
     with serving(srv):
-        with ThreadPoolExecutor(len(qwen2_vl.CASES)) as pool:
-            ours = list(pool.map(lambda case: qwen2_vl.generate(srv, *case), qwen2_vl.CASES))
-        assert ours == qwen2_vl.hf_tokens(model_dir)
+        cases = qwen_vl_cases.CASES  # one image, two non-square images, text only: batched together
+        with ThreadPoolExecutor(len(cases)) as pool:
+            ours = list(pool.map(lambda case: qwen_vl_cases.generate(srv, *case), cases))
+    hf = qwen_vl_cases.hf_greedy_for(QWEN2_VL, model_dir)
+    assert ours == [hf(*case) for case in cases]
 
 
 def test_tp_that_does_not_divide_the_heads_fails_at_start(e2e_model_dir, tmp_path):
