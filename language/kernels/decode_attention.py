@@ -29,7 +29,10 @@ _MAX_CHUNKS = 64  # stage 2 merges all chunks of a head in one tile
 _PROGRAMS_PER_SM = 4  # enough programs in flight to cover HBM latency
 
 
-@triton.jit
+# The chunk count is not specialized, and stage 2's tile is the largest chunk count, so that decode-graph capture
+# (one chunk count per batch size) compiles each stage once rather than once per value class: minutes of start-up on
+# a machine whose Triton cache is cold.
+@triton.jit(do_not_specialize=["num_chunks"])
 def _decode_partial_kernel(
     q_ptr,  # [B, Hq, D]
     k_cache_ptr,  # [S, Hk, D]
@@ -101,7 +104,7 @@ def _decode_partial_kernel(
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _decode_merge_kernel(
     part_out_ptr,  # [B, Hq, C, D] fp32
     part_lse_ptr,  # [B, Hq, C] fp32
@@ -111,7 +114,7 @@ def _decode_merge_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the partial kernel's key tile (chunk lengths are multiples of it)
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # _MAX_CHUNKS, masked to the chunks in use
     BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -208,6 +211,6 @@ def decode_attention(
         _decode_merge_kernel[(batch, num_heads)](
             part_out, part_lse, b_seq_len, out, num_chunks,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=_launch_config()["BLOCK_N"],
-            BLOCK_C=pow2_at_least(num_chunks, 2), BLOCK_D=block_d, num_warps=4,
+            BLOCK_C=_MAX_CHUNKS, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     return out

@@ -24,7 +24,9 @@ from language.kernels.launch_utils import (
 _BLOCK_TOKENS = 32
 
 
-@triton.jit
+# Token counts and the strides that follow them are not specialized (Triton would compile a variant for 1, for
+# multiples of 16 and for the rest): decode-graph capture at start-up meets all three.
+@triton.jit(do_not_specialize=["stride_pos_axis", "num_tokens"])
 def _cos_sin_kernel(
     pos_ptr,  # [A, N] positions per axis (A = 1 for RoPE, 3 for M-RoPE)
     inv_freq_ptr,  # [F]
