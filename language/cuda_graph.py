@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from language.forward_batch import ForwardBatch
+from language.kernels.precompile import compile_only
 from language.progress import progress
 from language.sampler import sample_greedy
 from language.step_inputs import DecodeRows
@@ -83,6 +84,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        with compile_only("decode graphs"):  # every size's kernel variants at once, in parallel; nothing runs
+            for bs in self.sizes:
+                self._run(bs)
         pool = None
         sizes = list(reversed(self.sizes))  # largest first, so smaller graphs reuse its memory pool
         for bs in progress(sizes, len(sizes), "capturing decode graphs", logger):
