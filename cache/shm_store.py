@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from visual.shm_segments import (
     list_segments,
@@ -30,6 +31,7 @@ __all__ = [
     "list_segments",
     "new_prefix",
     "read_embedding",
+    "ShmEmbedReader",
     "remove_dead_segments",
     "segment_name",
     "unlink_all",
@@ -72,3 +74,14 @@ def remove_dead_segments() -> list[str]:
         except PermissionError:  # another user's segment in a sticky /dev/shm
             pass
     return removed
+
+
+@dataclass(frozen=True)
+class ShmEmbedReader:
+    """The router's EmbedReader (picklable, so it can be handed to the spawned router process): an image's
+    embeddings [num_tokens, hidden] by cache key, a view on shared memory."""
+
+    shm_prefix: str
+
+    def __call__(self, ref):  # ref: mmserve.messages.ImageRef (cache sits below mmserve in the import flow)
+        return read_embedding(self.shm_prefix, ref.key)

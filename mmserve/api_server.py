@@ -11,37 +11,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-import uvicorn
-
 from cache.shm_store import new_prefix, remove_dead_segments, unlink_all
+from mmserve.children import spawn_detokenizer, spawn_router, spawn_visual
 from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
 from mmserve.demo import demo_for, ensure_demo_checkpoint
-from mmserve.detokenizer_process import run_detokenizer_process
-from mmserve.drain import DrainGate, DrainingServer
-from mmserve.engine_client import EngineClient
-from mmserve.http_server import build_app
-from mmserve.messages import RouterStats
-from mmserve.metrics import ServerMetrics
-from mmserve.openai_protocol import OpenAIOptions
-from mmserve.processes import (
-    ChildProcess,
-    ChildStartError,
-    exit_now,
-    freeze_startup_objects,
-    seconds_since_process_start,
-    spawn_child,
-    stop_children,
-    wait_ready,
-)
-from mmserve.router import run_router_process
-from mmserve.slow_clients import ClientTimeouts, WriteTimeout
-from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
+from mmserve.endpoints import Endpoints, remove_dead_ipc_dirs
+from mmserve.processes import ChildProcess, ChildStartError, exit_now, stop_children
 from mmserve.tp_workers import check_tp_split, serve_worker_node, spawn_tp_workers
-from mmserve.visual_link import ShmEmbedReader, VisualLink, spawn_visual
-from mmserve.visual_supervisor import VisualSupervisor
-from mmserve.zmq_queue import Endpoints, remove_dead_ipc_dirs
 
+# Light imports only (the spawned children import this module again): the HTTP side's heavy ones (FastAPI,
+# transformers, torch) wait in mmserve.frontend until the children are on their way.
 logger = logging.getLogger("mmserve")
 
 
@@ -107,74 +87,14 @@ def serve(config: ServerConfig) -> int:
     shm_prefix = new_prefix() if config.enable_multimodal else None
     children: list[ChildProcess] = []
     try:
-        embed_reader = ShmEmbedReader(shm_prefix) if shm_prefix else None
-        children.append(spawn_child("router", run_router_process, config, endpoints, embed_reader))
-        children.append(spawn_child("detokenizer", run_detokenizer_process, config, endpoints))
+        children.append(spawn_router(config, endpoints, shm_prefix))
+        children.append(spawn_detokenizer(config, endpoints))
         if shm_prefix:
             children.append(spawn_visual(config, endpoints, shm_prefix))
         children += spawn_tp_workers(config)  # this host's ranks other than 0 (rank 0 is the router)
-        tokenizer = load_tokenizer(config)  # while the children load
-        wait_ready(children, config.startup_timeout_s)
-        info = children[0].info
-        metrics = ServerMetrics()
-        metrics.on_stats(RouterStats(kv_total=info.max_total_token_num))  # before the router's first stats arrive
-        visual_child = children[2] if shm_prefix else None
-        visual = VisualLink(config, endpoints, shm_prefix, visual_child.info, tokenizer) if visual_child else None
-        services: list = []
-        if visual is not None:
-            supervisor = VisualSupervisor(
-                children,
-                visual_child,
-                spawn=lambda: spawn_visual(config, endpoints, shm_prefix),
-                max_restarts=config.visual_max_restarts,
-                startup_timeout_s=config.startup_timeout_s,
-                on_down=visual.on_visual_down,
-                on_up=visual.on_visual_up,
-                on_give_up=lambda reason: client.fatal(reason),
-            )
-            services = [visual, supervisor]
-            metrics.registry.register(visual)
-            metrics.registry.register(supervisor)
-        # A request must fit both the model's context and the whole KV cache.
-        limits = Limits(min(info.max_req_total_len, info.max_total_token_num))
-        preparer = RequestPreparer(tokenizer, limits, images=visual)
-        # Every child is vital but the visual process, which is supervised (restarted) instead.
-        vital = [c for c in children if c is not visual_child]
-        client = EngineClient(preparer, vital, endpoints, metrics, config.tokenizer_workers, services=services)
-        timeouts = ClientTimeouts(config.request_read_timeout, config.stream_write_timeout)
-        openai = OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template)
-        app = build_app(client, openai, timeouts)
-        gate = DrainGate(WriteTimeout(app, timeouts.write_s))
-        server = DrainingServer(
-            uvicorn.Config(
-                gate,
-                host=config.host,
-                port=config.port,
-                log_level=config.log_level,
-                access_log=config.log_level == "debug",
-                timeout_graceful_shutdown=3,  # after the drain: for the last bytes of the answers
-            ),
-            gate,
-            config.graceful_timeout,
-            on_timeout=lambda: client.fail_in_flight("the server is shutting down (--graceful_timeout ran out)"),
-        )
-        client.on_fatal = lambda: setattr(server, "should_exit", True)
-        freeze_startup_objects()
-        logger.info(
-            "serving %s on http://%s:%d (started in %.1f s)",
-            config.model_dir,
-            config.host,
-            config.port,
-            seconds_since_process_start(),
-        )
-        try:
-            server.run()
-        except KeyboardInterrupt:  # the stopping signal, re-raised by uvicorn once it has stopped
-            pass
-        if client.failure is not None:
-            logger.error("exiting after a failure: %s", client.failure)
-            return 1
-        return 0 if server.started else 1
+        from mmserve.frontend import run_frontend  # FastAPI, transformers, torch: while the children load
+
+        return run_frontend(config, endpoints, shm_prefix, children)
     except ChildStartError as e:
         logger.error("%s", e)
         return 1

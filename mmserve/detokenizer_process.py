@@ -10,10 +10,11 @@ import zmq
 
 from mmserve.config import ServerConfig
 from mmserve.detokenizer import Detokenizer
+from mmserve.endpoints import Endpoints
 from mmserve.messages import ReadyInfo, RouterBatch
 from mmserve.processes import parent_alive, run_child
 from mmserve.tokenization import load_tokenizer
-from mmserve.zmq_queue import Endpoints, PullQueue, PushQueue
+from mmserve.zmq_queue import PullQueue, PushQueue
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,13 @@ import zmq
 import zmq.asyncio
 
 from language.sampling_params import SamplingParams
+from mmserve.endpoints import Endpoints
 from mmserve.messages import AbortRequest, DetokBatch, TextOutput
 from mmserve.metrics import ServerMetrics
 from mmserve.processes import ChildProcess
 from mmserve.protocol import BadRequest, GenerateInput, ServerFailure
 from mmserve.tokenization import RequestPreparer
-from mmserve.zmq_queue import AsyncPullQueue, AsyncPushQueue, Endpoints
+from mmserve.zmq_queue import AsyncPullQueue, AsyncPushQueue
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -130,16 +131,24 @@ class ChildProcess:
         return self.process.is_alive()
 
 
-def spawn_child(name: str, target: Callable, *args) -> ChildProcess:
-    """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state)."""
+def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
+    """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state). `target` may
+    be named "package.module:function", so that the parent need not import the child's module (and torch) first."""
     ctx = mp.get_context("spawn")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
+    if isinstance(target, str):
+        target, args = _run_named, (target, *args)
     # Not daemonic: a child may need its own workers (the visual process's preprocessing pool). The parent stops
     # its children itself (stop_children), and a child whose parent vanished exits on its own (setup_child).
     proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=False)
     proc.start()
     send_conn.close()
     return ChildProcess(name, proc, recv_conn)
+
+
+def _run_named(target: str, *args) -> None:
+    module, _, function = target.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:

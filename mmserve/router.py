@@ -20,6 +20,7 @@ import zmq
 
 from language.request import MultimodalItem, Request, RequestOutput
 from mmserve.config import ServerConfig
+from mmserve.endpoints import Endpoints
 from mmserve.messages import (
     AbortRequest,
     DetokSetup,
@@ -32,7 +33,7 @@ from mmserve.messages import (
     TokenOutput,
 )
 from mmserve.processes import parent_alive, run_child
-from mmserve.zmq_queue import Endpoints, PullQueue, PushQueue
+from mmserve.zmq_queue import PullQueue, PushQueue
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-import torch
-
 from mmserve.config import ServerConfig
 from mmserve.processes import ChildProcess, run_child, spawn_child, stop_children, wait_ready
 
@@ -35,6 +33,8 @@ def run_tp_worker_process(config: ServerConfig, rank: int, ready: Connection) ->
         # Waiting for rank 0's next step is a call into gloo that Python signal handlers cannot interrupt: SIGTERM
         # ends the process at once (it holds no shared memory or sockets of its own).
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        import torch
+
         from language.parallel.worker import TPWorker
 
         cfg = config.engine_config()

@@ -2,34 +2,32 @@
 them (the pieces themselves live in visual/, cache/ and mmserve/multimodal/).
 
     HTTP --EncodeJob--> visual --EncodeDone/EncodeFailed--> HTTP (CacheCoordinator)
-    router: reads each image's embeddings from shared memory by key (ShmEmbedReader)
+    router: reads each image's embeddings from shared memory by key (cache.shm_store.ShmEmbedReader)
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
-import torch
 import zmq
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cache.coordinator import CacheCoordinator
-from cache.shm_store import list_segments, read_embedding, unlink_segment
+from cache.shm_store import list_segments, unlink_segment
 from mmserve.config import ServerConfig
-from mmserve.messages import ImageRef
+from mmserve.endpoints import Endpoints
 from mmserve.multimodal.image_io import ImagePolicy
 from mmserve.multimodal.preparer import MultimodalPreparer
 from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.multimodal.url_fetch import FetchPolicy
-from mmserve.processes import ChildProcess, spawn_child
 from mmserve.tokenization import PreparedPrompt, RunSync
-from mmserve.zmq_queue import Endpoints
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.process import VisualProcessConfig, run_visual_process
 
@@ -40,17 +38,9 @@ logger = logging.getLogger(__name__)
 IMAGE_WORKERS = max(4, min(32, os.cpu_count() or 4))
 
 
-@dataclass(frozen=True)
-class ShmEmbedReader:
-    """The router's EmbedReader (picklable, so it can be handed to the spawned router process)."""
-
-    shm_prefix: str
-
-    def __call__(self, ref: ImageRef) -> torch.Tensor:
-        return read_embedding(self.shm_prefix, ref.key)  # [num_tokens, hidden], a view on shared memory
-
-
-def spawn_visual(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) -> ChildProcess:
+def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str, ready: Connection) -> None:
+    """The visual process's entry (mmserve.children.spawn_visual): its config is built here, in the child, so
+    that the server's parent needs none of the visual package's imports to start it."""
     cfg = VisualProcessConfig(
         model_dir=config.model_dir,
         jobs_addr=endpoints.visual,
@@ -62,19 +52,28 @@ def spawn_visual(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) ->
         log_level=config.log_level,
         load_format=config.load_format,
     )
-    return spawn_child("visual", run_visual_process, cfg)
+    run_visual_process(cfg, ready)
+
+
+def load_prompt_processor(config: ServerConfig, tokenizer):
+    """The family's prompt processor (HF's image processor inside: seconds of imports and files), for the
+    checkpoint's `architectures[0]`; the server builds it while its children load."""
+    with open(os.path.join(config.model_dir, "config.json")) as f:
+        architecture = json.load(f)["architectures"][0]
+    processor = prompt_processor_class(architecture).from_pretrained(config.model_dir, tokenizer)
+    if hasattr(processor, "image_dir"):  # Qwen-VL: paths inside <img></img> only from --image_dir
+        processor.image_dir = config.image_dir
+    return processor
 
 
 class VisualLink:
     """The HTTP process's image support (an `ImagePreparer`): its sockets and the results task live on the event
     loop between start() and stop()."""
 
-    def __init__(self, config: ServerConfig, endpoints: Endpoints, shm_prefix: str, ready: VisualReady, tokenizer):
+    def __init__(self, config: ServerConfig, endpoints: Endpoints, shm_prefix: str, ready: VisualReady, processor):
+        """`processor`: load_prompt_processor's, built while the children start."""
         self.endpoints = endpoints
         self.coordinator = CacheCoordinator(config.cache_capacity, shm_prefix, send_job=self._send_job)
-        processor = prompt_processor_class(ready.architecture).from_pretrained(config.model_dir, tokenizer)
-        if hasattr(processor, "image_dir"):  # Qwen-VL: paths inside <img></img> only from --image_dir
-            processor.image_dir = config.image_dir
         policy = ImagePolicy(
             max_pixels=config.max_image_pixels,
             max_images=config.max_images_per_request,

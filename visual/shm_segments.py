@@ -18,14 +18,19 @@ import struct
 import sys
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where a tensor is made: the server's parent names and sweeps segments before it imports torch
+# (its children start sooner).
 
 _HEADER = struct.Struct("<4sB3xQQ")  # magic, dtype code, num_tokens, hidden
 _DATA_OFFSET = 64
 _MAGIC = b"MMEC"
-_DTYPES = {1: torch.float16, 2: torch.bfloat16, 3: torch.float32}
+_DTYPES = {1: "float16", 2: "bfloat16", 3: "float32"}  # torch dtype names by header code
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
 _SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory (for unlink_all)
 
@@ -69,7 +74,10 @@ def unlink_all(prefix: str) -> int:
 
 def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
     """Write `embeds` [num_tokens, hidden] (any device) into a new segment for `key`."""
-    if embeds.dim() != 2 or embeds.dtype not in _DTYPE_CODES:
+    import torch
+
+    code = _DTYPE_CODES.get(str(embeds.dtype).removeprefix("torch."))
+    if embeds.dim() != 2 or code is None:
         raise ValueError(f"expected a 2-D float16/bfloat16/float32 tensor, got {embeds.dtype} {tuple(embeds.shape)}")
     name = segment_name(prefix, key)
     nbytes = embeds.numel() * embeds.element_size()
@@ -79,7 +87,7 @@ def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
         unlink_segment(name)
         shm = _open(name, create=True, size=_DATA_OFFSET + nbytes)
     try:
-        shm.buf[: _HEADER.size] = _HEADER.pack(_MAGIC, _DTYPE_CODES[embeds.dtype], embeds.shape[0], embeds.shape[1])
+        shm.buf[: _HEADER.size] = _HEADER.pack(_MAGIC, code, embeds.shape[0], embeds.shape[1])
         dst = torch.frombuffer(shm.buf, dtype=embeds.dtype, count=embeds.numel(), offset=_DATA_OFFSET)
         dst.view(embeds.shape).copy_(embeds)  # one copy, device -> shared memory
         del dst
@@ -91,6 +99,8 @@ def read_embedding(prefix: str, key: str) -> torch.Tensor:
     """The router's side: a [num_tokens, hidden] tensor viewing the entry's shared memory (no copy). The tensor owns
     the mapping: it stays valid after the owner unlinks the entry, and is unmapped when the last tensor made from it
     is freed, so the caller has nothing to release."""
+    import torch
+
     name = segment_name(prefix, key)
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
@@ -101,7 +111,7 @@ def read_embedding(prefix: str, key: str) -> torch.Tensor:
     if magic != _MAGIC:
         mapping.close()
         raise ValueError(f"shared memory segment {name} holds no embeddings")
-    dtype = _DTYPES[code]
+    dtype = getattr(torch, _DTYPES[code])
     # numpy keeps the mmap object alive (and mapped) for as long as any tensor made from this array lives;
     # torch.frombuffer would not (it keeps no reference to the buffer's owner).
     raw = np.frombuffer(mapping, dtype=np.uint8, count=num_tokens * hidden * dtype.itemsize, offset=_DATA_OFFSET)

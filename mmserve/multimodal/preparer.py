@@ -196,8 +196,10 @@ class MultimodalPreparer:
         except CacheCapacityError as e:
             raise BadRequest(FIELD, str(e)) from None
         except EncoderUnavailable as e:
-            raise ServerFailure(f"images cannot be encoded now ({e}); the server is restarting its visual process: "
-                                "retry shortly (text requests and cached images are still served)") from None
+            raise ServerFailure(
+                f"images cannot be encoded now ({e}); the server is restarting its visual process: "
+                "retry shortly (text requests and cached images are still served)"
+            ) from None
         except ImageEncodeError as e:
             if e.bad_image:
                 raise BadRequest(FIELD, str(e)) from None

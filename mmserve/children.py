@@ -1,0 +1,22 @@
+"""Starting the server's children by name: the parent spawns them before it imports anything heavy (torch,
+transformers, FastAPI), so that their seconds of imports and model loading overlap its own."""
+
+from __future__ import annotations
+
+from cache.shm_store import ShmEmbedReader
+from mmserve.config import ServerConfig
+from mmserve.endpoints import Endpoints
+from mmserve.processes import ChildProcess, spawn_child
+
+
+def spawn_router(config: ServerConfig, endpoints: Endpoints, shm_prefix: str | None) -> ChildProcess:
+    reader = ShmEmbedReader(shm_prefix) if shm_prefix else None
+    return spawn_child("router", "mmserve.router:run_router_process", config, endpoints, reader)
+
+
+def spawn_detokenizer(config: ServerConfig, endpoints: Endpoints) -> ChildProcess:
+    return spawn_child("detokenizer", "mmserve.detokenizer_process:run_detokenizer_process", config, endpoints)
+
+
+def spawn_visual(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) -> ChildProcess:
+    return spawn_child("visual", "mmserve.visual_link:run_visual_child", config, endpoints, shm_prefix)

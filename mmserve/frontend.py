@@ -1,0 +1,101 @@
+"""The server's HTTP side, assembled once the children are on their way: tokenizer and image processor (loaded
+while the children load), the link to the visual process and its supervisor, the engine client, the FastAPI app
+and uvicorn. `mmserve.api_server` starts the children first and calls `run_frontend`; it cleans up after it."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from mmserve.children import spawn_visual
+from mmserve.config import ServerConfig
+from mmserve.drain import DrainGate, DrainingServer
+from mmserve.endpoints import Endpoints
+from mmserve.engine_client import EngineClient
+from mmserve.http_server import build_app
+from mmserve.messages import RouterStats
+from mmserve.metrics import ServerMetrics
+from mmserve.openai_protocol import OpenAIOptions
+from mmserve.processes import ChildProcess, freeze_startup_objects, seconds_since_process_start, wait_ready
+from mmserve.slow_clients import ClientTimeouts, WriteTimeout
+from mmserve.tokenization import Limits, RequestPreparer, load_tokenizer
+from mmserve.visual_link import VisualLink, load_prompt_processor
+from mmserve.visual_supervisor import VisualSupervisor
+
+logger = logging.getLogger("mmserve")
+
+
+def run_frontend(
+    config: ServerConfig, endpoints: Endpoints, shm_prefix: str | None, children: list[ChildProcess]
+) -> int:
+    """Serve HTTP until the server stops; returns the exit status. `children`: router, detokenizer, then the visual
+    process (with `shm_prefix`) and this host's other tensor-parallel ranks, all spawned and still loading. Raises
+    ChildStartError when one fails to start."""
+    tokenizer = load_tokenizer(config)  # while the children load
+    try:
+        processor = load_prompt_processor(config, tokenizer) if shm_prefix else None
+    except ValueError as e:  # an architecture with no image support
+        logger.error("cannot start with --enable_multimodal: %s", e)
+        return 1
+    wait_ready(children, config.startup_timeout_s)
+    info = children[0].info
+    metrics = ServerMetrics()
+    metrics.on_stats(RouterStats(kv_total=info.max_total_token_num))  # before the router's first stats arrive
+    visual_child = children[2] if shm_prefix else None
+    visual = VisualLink(config, endpoints, shm_prefix, visual_child.info, processor) if visual_child else None
+    services: list = []
+    if visual is not None:
+        supervisor = VisualSupervisor(
+            children,
+            visual_child,
+            spawn=lambda: spawn_visual(config, endpoints, shm_prefix),
+            max_restarts=config.visual_max_restarts,
+            startup_timeout_s=config.startup_timeout_s,
+            on_down=visual.on_visual_down,
+            on_up=visual.on_visual_up,
+            on_give_up=lambda reason: client.fatal(reason),
+        )
+        services = [visual, supervisor]
+        metrics.registry.register(visual)
+        metrics.registry.register(supervisor)
+    # A request must fit both the model's context and the whole KV cache.
+    limits = Limits(min(info.max_req_total_len, info.max_total_token_num))
+    preparer = RequestPreparer(tokenizer, limits, images=visual)
+    # Every child is vital but the visual process, which is supervised (restarted) instead.
+    vital = [c for c in children if c is not visual_child]
+    client = EngineClient(preparer, vital, endpoints, metrics, config.tokenizer_workers, services=services)
+    timeouts = ClientTimeouts(config.request_read_timeout, config.stream_write_timeout)
+    openai = OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template)
+    app = build_app(client, openai, timeouts)
+    gate = DrainGate(WriteTimeout(app, timeouts.write_s))
+    server = DrainingServer(
+        uvicorn.Config(
+            gate,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=config.log_level == "debug",
+            timeout_graceful_shutdown=3,  # after the drain: for the last bytes of the answers
+        ),
+        gate,
+        config.graceful_timeout,
+        on_timeout=lambda: client.fail_in_flight("the server is shutting down (--graceful_timeout ran out)"),
+    )
+    client.on_fatal = lambda: setattr(server, "should_exit", True)
+    freeze_startup_objects()
+    logger.info(
+        "serving %s on http://%s:%d (started in %.1f s)",
+        config.model_dir,
+        config.host,
+        config.port,
+        seconds_since_process_start(),
+    )
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the stopping signal, re-raised by uvicorn once it has stopped
+        pass
+    if client.failure is not None:
+        logger.error("exiting after a failure: %s", client.failure)
+        return 1
+    return 0 if server.started else 1
