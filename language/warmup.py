@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from language.kernels.precompile import compile_only
 from language.progress import progress
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
@@ -60,6 +61,17 @@ def _run(engine: EngineCore, waves: list[list[Request]]) -> None:
 
 @torch.inference_mode()
 def warmup(engine: EngineCore) -> None:
+    """Every shape class once: first with launches that only compile (all variants at once, in parallel; what
+    those steps compute is garbage, so the prefix cache forgets it), then for real, each variant compiled."""
+    with compile_only("kernel warm-up"):
+        _warm(engine)
+    if engine.prefix is not None:
+        engine.prefix.clear()
+    _warm(engine)
+    engine.counters = type(engine.counters)()  # the figures start with the first real request
+
+
+def _warm(engine: EngineCore) -> None:
     free = engine.kv.slots.num_free
     shapes = warmup_shapes()
     for i, lens in progress(enumerate(shapes), len(shapes), "warming up kernels", logger):
@@ -77,6 +89,5 @@ def warmup(engine: EngineCore) -> None:
         waves[1].append(_request(engine, "warmup-long", long_len, 3, False))
     if sum(r.prompt_len + 6 for w in waves for r in w) <= free:
         _run(engine, waves)
-    engine.counters = type(engine.counters)()  # the figures start with the first real request
     if engine.model_info.device.type == "cuda":
         torch.cuda.synchronize()
