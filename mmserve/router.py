@@ -32,7 +32,7 @@ from mmserve.messages import (
     TokenizedRequest,
     TokenOutput,
 )
-from mmserve.processes import parent_alive, run_child
+from mmserve.processes import parent_alive, run_child, seconds_since_process_start
 from mmserve.zmq_queue import PullQueue, PushQueue
 
 logger = logging.getLogger(__name__)
@@ -216,6 +216,7 @@ def run_router_process(
     def start():
         from language.engine import EngineCore
 
+        logger.info("engine modules imported after %.1f s", seconds_since_process_start())
         core = EngineCore(config.engine_config())
         if core.model_info.device.type == "cuda" or config.tp > 1:
             # (On CPU, tensor-parallel ranks share the cores: one thread each.)
