@@ -20,7 +20,7 @@ from language.parallel.sharding import check_divisible
 from language.parallel.step_sync import StepChannel
 from language.prefix_cache import PrefixCache, cache_ids
 from language.progress import progress
-from language.request import PromptLogprobs, Request, RequestOutput, RequestStatus, TopLogprobs
+from language.request import PrefixNotCached, PromptLogprobs, Request, RequestOutput, RequestStatus, TopLogprobs
 from language.scheduler import Scheduler, StepPlan
 from language.step_inputs import stage
 from language.warmup import warmup
@@ -157,7 +157,9 @@ class EngineCore:
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
+        t0 = time.perf_counter()
         device = resolve_device(cfg.device)
+        logger.info("device %s found in %.1f s", device, time.perf_counter() - t0)
         torch.manual_seed(cfg.seed)
         # Tensor parallelism: this process is rank 0; the other ranks follow its steps (language/parallel/worker.py).
         model_config(cfg)
@@ -220,6 +222,8 @@ class EngineCore:
         if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
             raise ValueError("prompt token id out of the vocabulary")
         for item in req.mm_items:
+            if item.embeds is None:
+                continue  # covered by the cached prefix, or refused below
             if item.embeds.dim() != 2 or item.embeds.shape[1] != info.mm_embed_width:
                 raise ValueError(
                     f"image embeddings of shape {tuple(item.embeds.shape)}: this model takes rows of "
@@ -243,6 +247,8 @@ class EngineCore:
             req.prompt_logprobs = PromptLogprobs(list(req.prompt_ids), top=[] if p.prompt_logprobs else None)
         elif self.prefix is not None and not p.disable_prompt_cache:
             req.cache_ids = cache_ids(req)
+        if any(item.embeds is None for item in req.mm_items) and not self.scheduler.reserve_prefix(req):
+            raise PrefixNotCached(f"request {req.rid}: an image sent without embeddings is not in the prefix cache")
         self._requests[req.rid] = req
         self.scheduler.add(req)
 

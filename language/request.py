@@ -19,18 +19,26 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PrefixNotCached(ValueError):
+    """EngineCore.add_request: the request has images without embeddings whose KV the prefix cache does not hold
+    (any more). Nothing was added; send it again with the embeddings."""
+
+
 @dataclass
 class MultimodalItem:
-    """The embeddings of one image, placed at `offset` in the prompt (its placeholder tokens)."""
+    """The embeddings of one image, placed at `offset` in the prompt (its placeholder tokens). `embeds` may be None
+    (then `length` gives the placeholder count) for an image whose KV the prefix cache holds: the request is then
+    admitted only if its cached prefix covers the image (EngineCore.add_request), so its rows are never read."""
 
     offset: int  # index of the first placeholder token in prompt_ids
-    embeds: torch.Tensor  # [num_tokens, hidden], usually a view on the shared-memory cache
+    embeds: torch.Tensor | None  # [num_tokens, hidden], usually a view on the shared-memory cache
     key: str = ""  # the embedding cache key, so the owner can release it
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid, for M-RoPE positions
+    length: int = 0  # placeholder tokens, when there are no embeddings
 
     @property
     def num_tokens(self) -> int:
-        return self.embeds.shape[0]
+        return self.embeds.shape[0] if self.embeds is not None else self.length
 
 
 @dataclass
@@ -62,6 +70,8 @@ class Request:
     cached_len: int = 0
     prefix_node: object | None = None
     prompt_cache_len: int = 0
+    # While waiting: the cached prefix locked at arrival because it holds the KV of images sent without embeddings.
+    reserved_node: object | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -116,6 +116,23 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._unreserve(req)
+
+    def reserve_prefix(self, req: Request) -> bool:
+        """For a request with images sent without embeddings: whether the cached prefix it would reuse covers all
+        of them; if so, that prefix is locked until the request is admitted (or removed), so that admission reuses
+        at least that much and never reads those images' rows."""
+        node, matched = self._match(req)
+        if node is None or any(i.embeds is None and i.offset + i.num_tokens > matched for i in req.mm_items):
+            return False
+        self.prefix.lock(node)
+        req.reserved_node = node
+        return True
+
+    def _unreserve(self, req: Request) -> None:
+        if req.reserved_node is not None:
+            self.prefix.unlock(req.reserved_node)
+            req.reserved_node = None
 
     def schedule(self, has_free_row: Callable[[int], bool]) -> StepPlan:
         """The next step's work. Requests whose launched steps already sample their last token sit out."""
@@ -159,6 +176,7 @@ class Scheduler:
 
     def _reuse(self, req: Request, node: Node, length: int) -> None:
         self.prefix.lock(node)
+        self._unreserve(req)  # the path just locked holds the reserved one (it cannot have been evicted)
         self.prefix.hit_tokens += length
         req.prefix_node = node
         req.kv_len = req.cached_len = req.prompt_cache_len = length

@@ -138,7 +138,7 @@ class Detokenizer:
                 del self._states[out.rid]
                 if not out.finished:  # we stopped it: the router still holds its KV slots
                     aborts.append(AbortRequest(out.rid))
-        return DetokBatch(outputs=outputs, stats=batch.stats), aborts
+        return DetokBatch(outputs=outputs, stats=batch.stats, encode_needed=batch.encode_needed), aborts
 
     def _setup(self, setup: DetokSetup) -> None:
         kwargs = DECODE_KWARGS

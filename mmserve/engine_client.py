@@ -17,7 +17,7 @@ import zmq.asyncio
 
 from language.sampling_params import SamplingParams
 from mmserve.endpoints import Endpoints
-from mmserve.messages import AbortRequest, DetokBatch, TextOutput
+from mmserve.messages import AbortRequest, DetokBatch, ImagesReady, TextOutput
 from mmserve.metrics import ServerMetrics
 from mmserve.processes import ChildProcess
 from mmserve.protocol import BadRequest, GenerateInput, ServerFailure
@@ -96,6 +96,7 @@ class EngineClient:
         self._released_early: set[str] = set()  # running rids whose images were released when their prefill ran
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="tokenize")
         self._tasks: list[asyncio.Task] = []
+        self._encodes: set[asyncio.Task] = set()  # deferred images being encoded (see _encode_deferred)
         self._ctx: zmq.asyncio.Context | None = None
 
     # ------------------------------------------------------------------------------------------- life cycle
@@ -110,9 +111,10 @@ class EngineClient:
             await service.start()
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = self._tasks + list(self._encodes)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._fail_all("the server is shutting down")
         for service in self.services:
             await service.stop()
@@ -248,6 +250,11 @@ class EngineClient:
     def _deliver(self, batch: DetokBatch) -> None:
         if batch.stats is not None:
             self.metrics.on_stats(batch.stats)
+        for rid in batch.encode_needed:
+            if rid in self._streams:
+                task = asyncio.create_task(self._encode_deferred(rid))
+                self._encodes.add(task)
+                task.add_done_callback(self._encodes.discard)
         now = time.monotonic()
         for out in batch.outputs:
             if out.tokens:
@@ -266,6 +273,25 @@ class EngineClient:
                 if stream.first_token_time is not None and out.output_tokens > 1:
                     self.metrics.tpot.observe((now - stream.first_token_time) / (out.output_tokens - 1))
             stream.queue.put_nowait(out)
+
+    async def _encode_deferred(self, rid: str) -> None:
+        """The router wants the images this request was sent without (their KV is not in the prefix cache): encode
+        them, then let it go on; on failure the request ends as prepare's failure would have ended it."""
+        try:
+            await self.preparer.encode_deferred(rid)
+        except (BadRequest, ServerFailure) as e:
+            self._to_router.send_nowait(AbortRequest(rid))  # it waits there: its abort comes back to nobody
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._end(rid)
+                error = e if isinstance(e, ServerFailure) else TextOutput(rid, "", [], True, "error", 0, 0, str(e))
+                stream.queue.put_nowait(error)
+            return
+        except Exception as e:  # a bug: the request must still end
+            logger.exception("encoding the deferred images of %s failed", rid)
+            self._to_router.send_nowait(ImagesReady(rid, error=repr(e)))
+            return
+        self._to_router.send_nowait(ImagesReady(rid))
 
     async def _watch_children(self) -> None:
         while True:

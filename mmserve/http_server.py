@@ -178,7 +178,7 @@ def _engine_error(message: str) -> BadRequest:
     """The router refused the request: a parameter the engine checks names itself ("parameters.x: ..."), anything
     else is about the prompt."""
     name, sep, rest = message.partition(": ")
-    if sep and name.startswith("parameters."):
+    if sep and name.startswith(("parameters.", "multimodal_params.")):
         return BadRequest(name, rest)
     return BadRequest("inputs", message)
 

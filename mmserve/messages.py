@@ -27,6 +27,9 @@ class ImageRef:
     offset: int
     num_tokens: int
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid (M-RoPE positions)
+    # False: the embedding cache does not hold it (it was evicted since it was seen), and it is not encoded unless
+    # the router finds that the prefix cache does not cover it (then it asks: RouterBatch.encode_needed).
+    embedded: bool = True
 
 
 @dataclass
@@ -51,7 +54,7 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class ImagesReady:
-    """Visual process -> router: every image of request `rid` is in the embedding cache (or failed with `error`)."""
+    """HTTP server -> router: every image of request `rid` is in the embedding cache now (or failed with `error`)."""
 
     rid: str
     error: str | None = None
@@ -122,6 +125,9 @@ class RouterBatch:
     setups: list[DetokSetup] = field(default_factory=list)
     outputs: list[TokenOutput] = field(default_factory=list)
     stats: RouterStats | None = None
+    # Requests holding images sent without embeddings (ImageRef.embedded False) whose KV the prefix cache does not
+    # cover: the HTTP server encodes those images, then sends ImagesReady. Passed on by the detokenizer.
+    encode_needed: list[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------ detokenizer -> HTTP server
@@ -156,6 +162,7 @@ class TextOutput:
 class DetokBatch:
     outputs: list[TextOutput] = field(default_factory=list)
     stats: RouterStats | None = None
+    encode_needed: list[str] = field(default_factory=list)  # RouterBatch.encode_needed
 
 
 # ------------------------------------------------------------------------------ child process -> parent at start

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
-from language.request import MultimodalItem, Request, RequestOutput
+from language.request import MultimodalItem, PrefixNotCached, Request, RequestOutput
 from mmserve.config import ServerConfig
 from mmserve.endpoints import Endpoints
 from mmserve.messages import (
@@ -54,6 +54,7 @@ class Router:
         self._live: set[str] = set()  # rids inside the engine core
         self._setups: list[DetokSetup] = []
         self._own_outputs: list[TokenOutput] = []  # outputs the router makes itself (rejections, early aborts)
+        self._encode_needed: list[str] = []  # for the next batch: requests whose unembedded images must be encoded
         self._abort_issued = False  # the core owes us the final output of an aborted request
         self._last_stats: RouterStats | None = None
         self._first_token_pending: dict[str, float] = {}  # rid -> arrival (perf_counter), DEBUG logging only
@@ -93,7 +94,7 @@ class Router:
         elif msg.error is not None:
             self._reject(req.rid, len(req.prompt_ids), f"image encoding failed: {msg.error}")
         else:
-            self._admit(req)
+            self._admit(req, all_embedded=True)
 
     def _on_abort(self, rid: str) -> None:
         req = self._awaiting_images.pop(rid, None)
@@ -104,20 +105,31 @@ class Router:
             self._abort_issued = True
         self._early_ready.pop(rid, None)
 
-    def _admit(self, msg: TokenizedRequest) -> None:
+    def _admit(self, msg: TokenizedRequest, all_embedded: bool = False) -> None:
+        """Into the engine. Images the HTTP server sent without embeddings (evicted from the embedding cache since
+        they were seen) go in without them if the prefix cache holds their KV; otherwise the request waits here
+        while the HTTP server encodes them (`all_embedded` once it has: ImagesReady)."""
         try:
-            self.core.add_request(self._engine_request(msg))
+            self.core.add_request(self._engine_request(msg, all_embedded))
+        except PrefixNotCached:
+            self._awaiting_images[msg.rid] = msg
+            self._encode_needed.append(msg.rid)
+            return
         except ValueError as e:  # can never fit (too long for the cache or the model)
             self._reject(msg.rid, len(msg.prompt_ids), str(e))
             return
         self._live.add(msg.rid)
 
-    def _engine_request(self, msg: TokenizedRequest) -> Request:
+    def _engine_request(self, msg: TokenizedRequest, all_embedded: bool = False) -> Request:
         items = []
         if msg.images:
             if self._embed_reader is None:
                 raise ValueError("this server has no image support (start it with --enable_multimodal)")
-            items = [MultimodalItem(r.offset, self._embed_reader(r), r.key, r.grid_thw) for r in msg.images]
+            items = [
+                MultimodalItem(r.offset, self._embed_reader(r) if r.embedded or all_embedded else None, r.key,
+                               r.grid_thw, length=r.num_tokens)
+                for r in msg.images
+            ]  # fmt: skip
         # Families with multi-axis positions (Qwen2-VL) derive them from the prompt and the image grids in the engine.
         return Request(msg.rid, list(msg.prompt_ids), msg.params, items)
 
@@ -127,7 +139,9 @@ class Router:
     # ------------------------------------------------------------------------------------------- steps
 
     def has_work(self) -> bool:
-        return bool(self.core.has_unfinished() or self._abort_issued or self._own_outputs or self._setups)
+        return bool(
+            self.core.has_unfinished() or self._abort_issued or self._own_outputs or self._setups or self._encode_needed
+        )
 
     def step(self) -> RouterBatch | None:
         """One engine step (if anything runs); the batch for the detokenizer, or None if nothing changed."""
@@ -145,10 +159,11 @@ class Router:
                                  (time.perf_counter() - arrived) * 1e3, out.cached_tokens)  # fmt: skip
         stats = self.stats()
         setups, self._setups = self._setups, []
-        if not setups and not outputs and stats == self._last_stats:
+        needed, self._encode_needed = self._encode_needed, []
+        if not setups and not outputs and not needed and stats == self._last_stats:
             return None
         self._last_stats = stats
-        return RouterBatch(setups=setups, outputs=outputs, stats=stats)
+        return RouterBatch(setups=setups, outputs=outputs, stats=stats, encode_needed=needed)
 
     @staticmethod
     def _from_engine(out: RequestOutput) -> TokenOutput:

@@ -39,7 +39,16 @@ class ImagePreparer(Protocol):
     `multimodal_params` into token ids with image references (raising BadRequest for bad images), doing its slow
     parts through `run_sync` so the event loop never blocks, and holding the images' cache entries until `release`."""
 
-    async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt: ...
+    async def prepare(
+        self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync, defer: bool = False
+    ) -> PreparedPrompt:
+        """`defer`: the request may use the prefix cache, so images evicted from the embedding cache since they
+        were seen may be left unencoded (ImageRef.embedded False) for the router to decide on."""
+        ...
+
+    async def encode_deferred(self, rid: str) -> None:
+        """The router asks for `rid`'s deferred images after all (their KV is not in the prefix cache)."""
+        ...
 
     def release(self, rid: str) -> None:
         """The request ended (finished, aborted or failed): drop what `prepare` holds for it."""
@@ -64,7 +73,9 @@ class RequestPreparer:
         images = self._images_of(req)
         add_special = req.params.add_special_tokens
         if self.images is not None:
-            prepared = await self.images.prepare(rid, req.prompt, req.multimodal_params, run_sync)
+            p = req.params  # only a request that reuses the prefix cache, and runs once, can skip an encoding
+            defer = p.num_sequences == 1 and p.prompt_logprobs is None and not p.disable_prompt_cache
+            prepared = await self.images.prepare(rid, req.prompt, req.multimodal_params, run_sync, defer=defer)
             if add_special is False:
                 prepared = self._without_special_tokens(prepared)
         elif images:
@@ -94,6 +105,10 @@ class RequestPreparer:
             images=prepared.images,
             wait_for_images=prepared.wait_for_images,
         )
+
+    async def encode_deferred(self, rid: str) -> None:
+        if self.images is not None:
+            await self.images.encode_deferred(rid)
 
     def release(self, rid: str) -> None:
         if self.images is not None:

@@ -82,12 +82,19 @@ class VisualLink:
         self.cache_salt = ready.cache_salt
         self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="image")
         self.preparer = MultimodalPreparer(processor, self.coordinator, ready.cache_salt, policy, self._image_pool)
+        self._prefix_cache = config.prefix_cache  # what deferring an evicted image relies on
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task | None = None
 
     # ImagePreparer
-    async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt:
-        return await self.preparer.prepare(rid, prompt, multimodal_params, run_sync)
+    async def prepare(
+        self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync, defer: bool = False
+    ) -> PreparedPrompt:
+        defer = defer and self._prefix_cache
+        return await self.preparer.prepare(rid, prompt, multimodal_params, run_sync, defer)
+
+    async def encode_deferred(self, rid: str) -> None:
+        await self.preparer.encode_deferred(rid)
 
     def release(self, rid: str) -> None:
         self.preparer.release(rid)
@@ -154,6 +161,12 @@ class VisualLink:
         )
         yield CounterMetricFamily(
             "mmserve_embed_cache_hits", "Images found in the embedding cache", value=m["mmserve_embed_cache_hits_total"]
+        )
+        yield CounterMetricFamily(
+            "mmserve_images_encode_skipped",
+            "Images seen before and evicted from the embedding cache since, not encoded again because the prefix "
+            "cache held the KV of the prompt past them",
+            value=self.preparer.encodes_skipped,
         )
         yield GaugeMetricFamily(
             "mmserve_embed_cache_items", "Images held in the embedding cache", value=m["mmserve_embed_cache_items"]

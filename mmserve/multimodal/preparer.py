@@ -6,7 +6,11 @@ release them when the request ends.
     prepared = await preparer.prepare(rid, prompt, multimodal_params, run_sync)   # BadRequest on any client error
     preparer.release(rid)                                                         # finished / aborted / failed
 
-The request reaches the router only after its images are in the cache, so `wait_for_images` is always False.
+The request reaches the router only after its images are in the cache, with one exception: with `defer` (the
+prefix cache is on for the request), an image seen before but evicted from the embedding cache since is not encoded
+at once. Its ImageRef says `embedded=False`, and the router first tries the request on the prefix cache: when that
+holds the KV of the whole prompt up to past the image (a follow-up turn), the image is never encoded. Otherwise the
+router asks for it (`encode_deferred`), and the request goes on once it is in the cache.
 
 Latency: each image is decoded, checked and hashed in one call on `image_executor` (threads: PNG/JPEG decoding and
 xxhash release the GIL, so they scale with cores; the tokenizer pool stays free for prompts), and each new image's
@@ -99,8 +103,15 @@ class MultimodalPreparer:
             prompt_processor.max_image_bytes = self.policy.max_bytes
         self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
         self._seen = SeenImages()
+        # rid -> (its image entries, keys, bytes so far, the keys deferred): images not encoded unless the router
+        # asks (see the module's docstring)
+        self._deferred: dict[str, tuple[list, list[str], list[bytes | None], set[str]]] = {}
+        self.encodes_skipped = 0  # deferred images the router never asked for: their KV was in the prefix cache
+        self._encoding: set[str] = set()  # rids in encode_deferred (release drops them: it must not hold after)
 
-    async def prepare(self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync) -> PreparedPrompt:
+    async def prepare(
+        self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync, defer: bool = False
+    ) -> PreparedPrompt:
         start = time.perf_counter()
         items = multimodal_params.get("images") or []
         self._check_image_count(len(items) if isinstance(items, list) else 0)
@@ -116,7 +127,7 @@ class MultimodalPreparer:
         images, keys = [im for im, _ in loaded], [key for _, key in loaded]
         t_load = time.perf_counter()
         # Send the new images to the visual process first, then tokenize while they encode.
-        acquire = asyncio.ensure_future(self._acquire(rid, items, keys, [im.data for im in images]))
+        acquire = asyncio.ensure_future(self._acquire(rid, items, keys, [im.data for im in images], defer))
         try:
             mm_prompt: MultimodalPrompt = await run_sync(
                 self.prompt_processor.encode, prompt, [(im.width, im.height) for im in images]
@@ -134,11 +145,33 @@ class MultimodalPreparer:
             logger.debug("image request timing: rid=%s images=%d load_hash_ms=%.1f prompt_ms=%.1f encode_wait_ms=%.1f "
                          "total_ms=%.1f", rid, len(images), (t_load - start) * 1e3, (t_prompt - t_load) * 1e3,
                          (now - t_prompt) * 1e3, (now - start) * 1e3)  # fmt: skip
+        deferred = self._deferred[rid][3] if rid in self._deferred else set()
         refs = tuple(
-            ImageRef(key, offset, n, mm_prompt.grid_thw[i] if mm_prompt.grid_thw else None)
+            ImageRef(key, offset, n, mm_prompt.grid_thw[i] if mm_prompt.grid_thw else None, key not in deferred)
             for i, (key, offset, n) in enumerate(zip(keys, mm_prompt.offsets, mm_prompt.num_tokens, strict=True))
         )
-        return PreparedPrompt(mm_prompt.token_ids, refs, False)  # images are ready: no wait
+        return PreparedPrompt(mm_prompt.token_ids, refs, False)  # images are ready (or deferred): no wait
+
+    async def encode_deferred(self, rid: str) -> None:
+        """The router found that the prefix cache does not cover `rid`'s deferred images: encode them now (held
+        like the others until release). Raises as prepare would (BadRequest, ServerFailure)."""
+        deferred = self._deferred.pop(rid, None)
+        if deferred is None:
+            return
+        items, keys, data, missing = deferred
+        self._encoding.add(rid)
+        try:
+            data = await self._fill_bytes(items, keys, data, missing)
+            wanted = [(key, blob) for key, blob in zip(keys, data, strict=True) if key in missing]
+            entries = await self._guarded_acquire(wanted)
+        except BaseException:
+            self._encoding.discard(rid)
+            raise
+        if rid not in self._encoding:  # the request ended meanwhile (its client went away)
+            self.coordinator.release(entries)
+            return
+        self._encoding.discard(rid)
+        self._held[rid] = self._held.get(rid, []) + entries
 
     def _check_image_count(self, count: int) -> None:
         if count > self.policy.max_images:
@@ -146,6 +179,10 @@ class MultimodalPreparer:
                                     f"{self.policy.max_images} (--max_images_per_request)")  # fmt: skip
 
     def release(self, rid: str) -> None:
+        self._encoding.discard(rid)
+        deferred = self._deferred.pop(rid, None)
+        if deferred is not None:  # never asked for: the prefix cache held them (or the request ended before)
+            self.encodes_skipped += len(deferred[3])
         entries = self._held.pop(rid, None)
         if entries:
             self.coordinator.release(entries)
@@ -182,17 +219,34 @@ class MultimodalPreparer:
         """Undo an acquire that is no longer wanted: nothing stays held (cancelling it releases its entries)."""
         acquire.cancel()
         await asyncio.gather(acquire, return_exceptions=True)
+        self._deferred.pop(rid, None)
         self.release(rid)
 
-    async def _acquire(self, rid: str, items: list, keys: list[str], data: list[bytes | None]) -> None:
+    async def _acquire(
+        self, rid: str, items: list, keys: list[str], data: list[bytes | None], defer: bool = False
+    ) -> None:
         if not keys:
             return
-        try:
+        pairs = list(zip(keys, data, strict=True))
+        missing: set[str] = set()
+        while True:
             try:
-                entries = await self.coordinator.acquire(list(zip(keys, data, strict=True)))
-            except MissingImageData as e:  # seen before, but evicted since: decode these after all
-                data = await self._fill_bytes(items, keys, data, set(e.keys))
-                entries = await self.coordinator.acquire(list(zip(keys, data, strict=True)))
+                entries = await self._guarded_acquire([(k, d) for k, d in pairs if k not in missing])
+                break
+            except MissingImageData as e:  # seen before, but evicted since
+                if not defer:  # decode them after all
+                    data = await self._fill_bytes(items, keys, data, set(e.keys))
+                    pairs = list(zip(keys, data, strict=True))
+                    continue
+                missing |= set(e.keys)  # left to the router (see the module's docstring); the rest is held
+        if missing:
+            self._deferred[rid] = (items, keys, data, missing)
+        self._held[rid] = entries
+
+    async def _guarded_acquire(self, images: list[tuple[str, bytes | None]]) -> list[CacheEntry]:
+        """coordinator.acquire, its errors as the client should see them (MissingImageData passes through)."""
+        try:
+            return await self.coordinator.acquire(images)
         except CacheCapacityError as e:
             raise BadRequest(FIELD, str(e)) from None
         except EncoderUnavailable as e:
@@ -204,4 +258,3 @@ class MultimodalPreparer:
             if e.bad_image:
                 raise BadRequest(FIELD, str(e)) from None
             raise
-        self._held[rid] = entries

@@ -406,6 +406,46 @@ def test_server_with_the_cache_disabled(tmp_path):
         srv.stop_cleanly()
 
 
+ENCODED, SKIPPED = "mmserve_images_encoded_total", "mmserve_images_encode_skipped_total"
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_an_image_evicted_from_the_embedding_cache_is_not_encoded_when_the_prefix_cache_covers_it(name, tmp_path):
+    """An embedding cache of one image: a follow-up question about an image that has left it since is answered
+    from the prefix cache without running the image through the tower again (equal to HF all the same); the same
+    image after another text is encoded again, since nothing covers it; nothing is left held."""
+    family = Family(name, build(name, tmp_path / name))
+    srv = ServerProcess(family.model_dir, str(tmp_path / "server.log"), "--max_total_token_num", str(KV_SLOTS),
+                        "--enable_multimodal", "--cache_capacity", "1")  # fmt: skip
+    try:
+        srv.wait_healthy()
+        image, other = picture(120, 90, seed=701), picture(90, 120, seed=702)
+        first = family.chat([("Look closely at this picture. What color is it?", 1, None)])
+        post(srv, first, [image])
+        post(srv, family.chat([("And this one?", 1, None)]), [other])  # evicts `image` from the embedding cache
+        assert srv.wait_metric(ENCODED, lambda v: v == 2) == 2
+        follow_up = family.chat([("Look closely at this picture. How many objects are there?", 1, None)])
+        ids = family.prompt_ids(follow_up, [image])
+        ((_, end),) = family.image_runs(ids)
+        answer = post(srv, follow_up, [image])
+        assert answer.prompt_cache_len > end - 1  # the KV reached past the image...
+        assert srv.metrics()[ENCODED] == 2  # ...so it was not encoded
+        assert srv.wait_metric(SKIPPED, lambda v: v == 1) == 1
+        assert answer.ids == family.hf(follow_up, [image])
+
+        elsewhere = family.chat([("Look closely at this picture. How many objects are there?", 1, None)],
+                                system="Answer in one word.")  # fmt: skip
+        answer = post(srv, elsewhere, [image])
+        assert answer.prompt_cache_len < family.image_runs(family.prompt_ids(elsewhere, [image]))[0][0] + 1
+        assert srv.wait_metric(ENCODED, lambda v: v == 3) == 3  # the router asked for it
+        assert srv.metrics()[SKIPPED] == 1
+        assert answer.ids == family.hf(elsewhere, [image])
+        assert srv.wait_metric(USED, lambda v: v == 0) == 0
+        assert srv.wait_metric("mmserve_embed_cache_items_in_use", lambda v: v == 0) == 0
+    finally:
+        srv.stop_cleanly()
+
+
 EVICT_SLOTS = 256  # about twice the longest request of the load below
 
 

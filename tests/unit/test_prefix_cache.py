@@ -9,7 +9,7 @@ import torch
 
 from language.llm import LLM
 from language.prefix_cache import PrefixCache, cache_ids
-from language.request import MultimodalItem, Request
+from language.request import MultimodalItem, PrefixNotCached, Request
 from language.sampling_params import SamplingParams
 from language.slot_allocator import SlotAllocator
 from mmserve.checkpoints.llama import build_llama
@@ -111,3 +111,35 @@ def test_abort_in_flight_keeps_only_written_tokens(model_dir):
     assert engine.prefix.total_tokens == written == engine.kv.slots.num_used
     assert engine.prefix.match(ids)[1] == written and engine.stats().kv_used == 0
     assert np.unique(engine.prefix.path_slots(engine.prefix.match(ids)[0])).size == written
+
+
+def test_an_image_without_embeddings_runs_only_on_a_cached_prefix_that_covers_it(model_dir):
+    cached = LLM(model_dir, max_total_token_num=400, device="cpu")
+    plain = LLM(model_dir, max_total_token_num=400, device="cpu", prefix_cache=False)
+    engine, params = cached.engine, SamplingParams(max_new_tokens=6, ignore_eos=True)
+    hidden = engine.model_info.mm_embed_width
+    embeds = torch.randn(3, hidden, generator=torch.Generator().manual_seed(0)).to(engine.model_info.dtype)
+    key, stem = "a" * 32, [5, 9, 9, 9, 6, 7]
+
+    def request(rid: str, tail: list[int], with_embeds: bool, image_key: str = key) -> Request:
+        item = MultimodalItem(1, embeds if with_embeds else None, image_key, length=3)
+        return Request(rid, stem + tail, params, [item])
+
+    cached.run([request("first", [8], True)])
+    follow_up = request("follow-up", [10, 11], False)  # the image's KV is cached: no embeddings needed
+    (done,) = cached.run([follow_up])
+    (reference,) = plain.run([request("reference", [10, 11], True)])
+    assert done.output_ids == reference.output_ids and done.prompt_cache_len >= 5
+    assert engine.prefix.protected_tokens == 0
+
+    with pytest.raises(PrefixNotCached):  # another image in the same place: nothing cached covers it
+        engine.add_request(request("other", [10], False, image_key="b" * 32))
+    assert not engine.has_unfinished() and engine.prefix.protected_tokens == 0
+
+    waiting = request("aborted", [12], False)
+    engine.add_request(waiting)  # reserves the covering prefix until admitted...
+    assert engine.prefix.protected_tokens >= 5
+    engine.abort(waiting.rid)  # ...or removed
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.prefix.protected_tokens == 0 and engine.stats().kv_used == 0
