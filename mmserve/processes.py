@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -131,13 +132,14 @@ class ChildProcess:
         return self.process.is_alive()
 
 
-def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
+def spawn_child(name: str, target: Callable | str, *args, gpu: bool = False) -> ChildProcess:
     """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state). `target` may
-    be named "package.module:function", so that the parent need not import the child's module (and torch) first."""
+    be named "package.module:function", so that the parent need not import the child's module (and torch) first;
+    then `gpu` starts the CUDA driver on a thread while the child imports (a child that will use the GPU)."""
     ctx = mp.get_context("spawn")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     if isinstance(target, str):
-        target, args = _run_named, (target, *args)
+        target, args = _run_named, (target, gpu, *args)
     # Not daemonic: a child may need its own workers (the visual process's preprocessing pool). The parent stops
     # its children itself (stop_children), and a child whose parent vanished exits on its own (setup_child).
     proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=False)
@@ -146,9 +148,21 @@ def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
     return ChildProcess(name, proc, recv_conn)
 
 
-def _run_named(target: str, *args) -> None:
+def _run_named(target: str, gpu: bool, *args) -> None:
+    if gpu:
+        threading.Thread(target=_start_cuda_driver, name="cuda-init", daemon=True).start()
     module, _, function = target.partition(":")
     getattr(importlib.import_module(module), function)(*args)
+
+
+def _start_cuda_driver() -> None:
+    """cuInit, through the driver library itself: on a machine whose GPU driver is not kept loaded (no persistence
+    daemon) the first CUDA call waits seconds for the GPU to initialise. Made here it overlaps the child's seconds of
+    imports (ctypes lets go of the GIL); torch's own first call then finds the driver up. No GPU: nothing happens."""
+    try:
+        ctypes.CDLL("libcuda.so.1").cuInit(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:
