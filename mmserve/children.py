@@ -24,5 +24,9 @@ def spawn_visual(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) ->
     )
 
 
-def _on_gpu(config: ServerConfig) -> bool:
-    return config.device != "cpu"
+def _on_gpu(config: ServerConfig) -> int | None:
+    """The index of the GPU the router and the visual process use (None: the CPU)."""
+    if config.device == "cpu":
+        return None
+    _, _, index = config.device.partition(":")
+    return int(index) if index.isdigit() else 0

@@ -132,10 +132,11 @@ class ChildProcess:
         return self.process.is_alive()
 
 
-def spawn_child(name: str, target: Callable | str, *args, gpu: bool = False) -> ChildProcess:
+def spawn_child(name: str, target: Callable | str, *args, gpu: int | None = None) -> ChildProcess:
     """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state). `target` may
     be named "package.module:function", so that the parent need not import the child's module (and torch) first;
-    then `gpu` starts the CUDA driver on a thread while the child imports (a child that will use the GPU)."""
+    then `gpu` (a device index) starts the CUDA driver and that device's context on a thread while the child
+    imports (a child that will use that GPU)."""
     ctx = mp.get_context("spawn")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     if isinstance(target, str):
@@ -148,19 +149,26 @@ def spawn_child(name: str, target: Callable | str, *args, gpu: bool = False) -> 
     return ChildProcess(name, proc, recv_conn)
 
 
-def _run_named(target: str, gpu: bool, *args) -> None:
-    if gpu:
-        threading.Thread(target=_start_cuda_driver, name="cuda-init", daemon=True).start()
+def _run_named(target: str, gpu: int | None, *args) -> None:
+    if gpu is not None:
+        threading.Thread(target=_start_cuda, args=(gpu,), name="cuda-init", daemon=True).start()
+    from mmserve.hf_imports import skip_class_docstring_generation
+
+    skip_class_docstring_generation()  # before the child imports any transformers config or model class
     module, _, function = target.partition(":")
     getattr(importlib.import_module(module), function)(*args)
 
 
-def _start_cuda_driver() -> None:
-    """cuInit, through the driver library itself: on a machine whose GPU driver is not kept loaded (no persistence
-    daemon) the first CUDA call waits seconds for the GPU to initialise. Made here it overlaps the child's seconds of
-    imports (ctypes lets go of the GIL); torch's own first call then finds the driver up. No GPU: nothing happens."""
+def _start_cuda(device: int) -> None:
+    """The CUDA driver and the device's primary context (the one torch uses), through the driver library itself:
+    creating them takes seconds on a fresh machine, and made here it overlaps the child's seconds of imports (ctypes
+    lets go of the GIL); torch then finds them ready. The context is kept for the process's life, as torch's is.
+    No GPU (or no driver): nothing happens."""
     try:
-        ctypes.CDLL("libcuda.so.1").cuInit(0)
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), device) == 0:
+            cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
     except (OSError, AttributeError):
         pass
 
