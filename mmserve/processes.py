@@ -152,9 +152,9 @@ def spawn_child(name: str, target: Callable | str, *args, gpu: int | None = None
 def _run_named(target: str, gpu: int | None, *args) -> None:
     if gpu is not None:
         threading.Thread(target=_start_cuda, args=(gpu,), name="cuda-init", daemon=True).start()
-    from mmserve.hf_imports import skip_class_docstring_generation
+    from visual.hf_imports import skip_docstring_generation
 
-    skip_class_docstring_generation()  # before the child imports any transformers config or model class
+    skip_docstring_generation()  # before the child imports any transformers config or model class
     module, _, function = target.partition(":")
     getattr(importlib.import_module(module), function)(*args)
 

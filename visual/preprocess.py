@@ -12,6 +12,7 @@ import ctypes
 import gc
 import io
 import multiprocessing as mp
+import pickle
 import secrets
 import signal
 import time
@@ -21,6 +22,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPool
 import torch
 from PIL import Image
 
+from visual.hf_imports import skip_docstring_generation
 from visual.image_decode import BadImage, open_image
 from visual.models.base import ImageInput
 from visual.shared_pixels import SharedPixels, discard, share_tensor, take_tensor
@@ -35,9 +37,10 @@ _worker_preprocessor: Preprocessor | None = None
 _PR_SET_PDEATHSIG = 1
 
 
-def _init_worker(preprocessor: Preprocessor) -> None:
+def _init_worker(pickled_preprocessor: bytes) -> None:
     global _worker_preprocessor
-    _worker_preprocessor = preprocessor
+    skip_docstring_generation()  # before unpickling imports the image processor's transformers modules
+    _worker_preprocessor = pickle.loads(pickled_preprocessor)
     torch.set_num_threads(1)  # many workers side by side: one thread each, or their thread pools fight for cores
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server's parent decides
     try:  # die with the visual process even if it is killed outright (Linux)
@@ -46,7 +49,7 @@ def _init_worker(preprocessor: Preprocessor) -> None:
         pass
     # One tiny image through the whole path now: the image processor imports and sets up lazily (seconds of CPU in
     # each worker), which would otherwise land on the first requests the server serves.
-    if preprocessor is not None:
+    if _worker_preprocessor is not None:
         buf = io.BytesIO()
         Image.new("RGB", (32, 32), (127, 127, 127)).save(buf, "PNG")
         decode_and_preprocess(buf.getvalue())
@@ -116,7 +119,10 @@ class PreprocessPool:
         if make is not None and num_workers > 0:
             # spawn: the visual process has CUDA initialised, which must not be forked.
             self._executor: Executor = ProcessPoolExecutor(
-                num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(make(),)
+                num_workers,
+                mp_context=mp.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(pickle.dumps(make()),),  # unpickled after the worker set up its imports
             )
             # The pool spawns workers on demand: start them now, in the background (each warms up on a tiny image),
             # so the first images do not wait seconds for interpreters to start and the image processor to load.

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 CHILD = """
-from mmserve.hf_imports import skip_class_docstring_generation
-skip_class_docstring_generation()
+from visual.hf_imports import skip_docstring_generation
+skip_docstring_generation()
 import importlib
 auto_docstring = importlib.import_module("transformers.utils.auto_docstring")
 class Probe:
