@@ -11,7 +11,7 @@ from mmserve.processes import ChildProcess, spawn_child
 
 def spawn_router(config: ServerConfig, endpoints: Endpoints, shm_prefix: str | None) -> ChildProcess:
     reader = ShmEmbedReader(shm_prefix) if shm_prefix else None
-    return spawn_child("router", "mmserve.router:run_router_process", config, endpoints, reader, gpu=_on_gpu(config))
+    return spawn_child("router", "mmserve.router:run_router_process", config, endpoints, reader)
 
 
 def spawn_detokenizer(config: ServerConfig, endpoints: Endpoints) -> ChildProcess:
@@ -19,14 +19,4 @@ def spawn_detokenizer(config: ServerConfig, endpoints: Endpoints) -> ChildProces
 
 
 def spawn_visual(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) -> ChildProcess:
-    return spawn_child(
-        "visual", "mmserve.visual_link:run_visual_child", config, endpoints, shm_prefix, gpu=_on_gpu(config)
-    )
-
-
-def _on_gpu(config: ServerConfig) -> int | None:
-    """The index of the GPU the router and the visual process use (None: the CPU)."""
-    if config.device == "cpu":
-        return None
-    _, _, index = config.device.partition(":")
-    return int(index) if index.isdigit() else 0
+    return spawn_child("visual", "mmserve.visual_link:run_visual_child", config, endpoints, shm_prefix)

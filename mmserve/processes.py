@@ -10,7 +10,6 @@ import multiprocessing as mp
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -132,15 +131,13 @@ class ChildProcess:
         return self.process.is_alive()
 
 
-def spawn_child(name: str, target: Callable | str, *args, gpu: int | None = None) -> ChildProcess:
+def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
     """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state). `target` may
-    be named "package.module:function", so that the parent need not import the child's module (and torch) first;
-    then `gpu` (a device index) starts the CUDA driver and that device's context on a thread while the child
-    imports (a child that will use that GPU)."""
+    be named "package.module:function", so that the parent need not import the child's module (and torch) first."""
     ctx = mp.get_context("spawn")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     if isinstance(target, str):
-        target, args = _run_named, (target, gpu, *args)
+        target, args = _run_named, (target, *args)
     # Not daemonic: a child may need its own workers (the visual process's preprocessing pool). The parent stops
     # its children itself (stop_children), and a child whose parent vanished exits on its own (setup_child).
     proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=False)
@@ -149,28 +146,12 @@ def spawn_child(name: str, target: Callable | str, *args, gpu: int | None = None
     return ChildProcess(name, proc, recv_conn)
 
 
-def _run_named(target: str, gpu: int | None, *args) -> None:
-    if gpu is not None:
-        threading.Thread(target=_start_cuda, args=(gpu,), name="cuda-init", daemon=True).start()
+def _run_named(target: str, *args) -> None:
     from visual.hf_imports import skip_docstring_generation
 
     skip_docstring_generation()  # before the child imports any transformers config or model class
     module, _, function = target.partition(":")
     getattr(importlib.import_module(module), function)(*args)
-
-
-def _start_cuda(device: int) -> None:
-    """The CUDA driver and the device's primary context (the one torch uses), through the driver library itself:
-    creating them takes seconds on a fresh machine, and made here it overlaps the child's seconds of imports (ctypes
-    lets go of the GIL); torch then finds them ready. The context is kept for the process's life, as torch's is.
-    No GPU (or no driver): nothing happens."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), device) == 0:
-            cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
-    except (OSError, AttributeError):
-        pass
 
 
 def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:
