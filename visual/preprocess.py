@@ -112,25 +112,44 @@ def _ready() -> None:
 
 class PreprocessPool:
     def __init__(self, model, num_workers: int = 2, shm_prefix: str | None = None):
+        """The model's picklable `preprocessor()` in worker processes, or its `preprocess` in threads."""
         make = getattr(model, "preprocessor", None)
+        if make is not None and num_workers > 0:
+            self._start_processes(make(), num_workers, shm_prefix)
+        else:
+            self._start_threads(model.preprocess, num_workers, shm_prefix)
+
+    @classmethod
+    def of_preprocessor(cls, preprocessor: Preprocessor, num_workers: int, shm_prefix: str | None = None):
+        """A pool for a family's picklable preprocessor alone: no model needed, so its workers can start (seconds
+        each) while the tower loads."""
+        pool = cls.__new__(cls)
+        if num_workers > 0:
+            pool._start_processes(preprocessor, num_workers, shm_prefix)
+        else:
+            pool._start_threads(preprocessor, num_workers, shm_prefix)
+        return pool
+
+    def _start_processes(self, preprocessor: Preprocessor | None, num_workers: int, shm_prefix: str | None) -> None:
         self._preprocessor: Preprocessor | None = None
         # The server's prefix, so that its stop removes any pixel segment left behind.
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
-        if make is not None and num_workers > 0:
-            # spawn: the visual process has CUDA initialised, which must not be forked.
-            self._executor: Executor = ProcessPoolExecutor(
-                num_workers,
-                mp_context=mp.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(pickle.dumps(make()),),  # unpickled after the worker set up its imports
-            )
-            # The pool spawns workers on demand: start them now, in the background (each warms up on a tiny image),
-            # so the first images do not wait seconds for interpreters to start and the image processor to load.
-            self._starting = [self._executor.submit(_ready) for _ in range(num_workers)]
-        else:
-            self._preprocessor = model.preprocess
-            self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
-            self._starting = []
+        # spawn: the visual process has CUDA initialised, which must not be forked.
+        self._executor: Executor = ProcessPoolExecutor(
+            num_workers,
+            mp_context=mp.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(pickle.dumps(preprocessor),),  # unpickled after the worker set up its imports
+        )
+        # The pool spawns workers on demand: start them now, in the background (each warms up on a tiny image),
+        # so the first images do not wait seconds for interpreters to start and the image processor to load.
+        self._starting = [self._executor.submit(_ready) for _ in range(num_workers)]
+
+    def _start_threads(self, preprocess: Preprocessor, num_workers: int, shm_prefix: str | None) -> None:
+        self._preprocessor = preprocess
+        self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
+        self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
+        self._starting = []
 
     def wait_started(self, timeout_s: float = 120.0) -> None:
         """Block until every worker has started and warmed up (raises what a worker's start raised)."""

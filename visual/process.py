@@ -71,8 +71,13 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
             raise ValueError(f"--load_format dummy: {architecture}'s vision tower needs its weights (only the "
                              "Qwen2-VL family builds a random tower)")  # fmt: skip
         extra["dummy"] = True
+    pool = None
+    if hasattr(cls, "load_preprocessor") and cfg.num_preprocess_workers > 0:
+        # Its workers take longer to start than the tower to load: they start first, and both go on together.
+        preprocessor = cls.load_preprocessor(cfg.model_dir, cfg.vision_tower_dir)
+        pool = PreprocessPool.of_preprocessor(preprocessor, cfg.num_preprocess_workers, cfg.shm_prefix)
     model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
-    pool = PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
+    pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
     pool.wait_started()  # ready means the first image is served at full speed (the router takes longer to start)
     encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch)
     dtype_name = str(dtype).removeprefix("torch.")

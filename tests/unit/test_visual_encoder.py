@@ -48,10 +48,14 @@ def expected_embeds(model, data: bytes) -> torch.Tensor:
     return model.encode([model.preprocess(Image.open(io.BytesIO(data)))])[0]
 
 
-@pytest.mark.parametrize("workers", [0, 1], ids=["threads", "processes"])
+@pytest.mark.parametrize("workers", [0, 1, "early"], ids=["threads", "processes", "processes-before-the-model"])
 def test_encoder_steps_write_the_cache(model_dir, prefix, workers):
+    if workers == "early":  # the pool of the family's preprocessor alone, started before the model is built
+        pool = PreprocessPool.of_preprocessor(LlavaVisionModel.load_preprocessor(model_dir), 1)
     model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    encoder = VisualEncoder(model, PreprocessPool(model, workers), prefix, max_batch=2)
+    if workers != "early":
+        pool = PreprocessPool(model, workers)
+    encoder = VisualEncoder(model, pool, prefix, max_batch=2)
     images = {"a": png(80, 50, 0), "b": png(30, 60, 1), "c": png(56, 56, 2)}
     for key, data in images.items():
         encoder.submit(EncodeJob(key, data))

@@ -37,7 +37,9 @@ class VisionModel(Protocol):
 
     # Optional: `preprocessor() -> Callable[[Image.Image], ImageInput]`, a picklable object holding no weights (e.g.
     # the HF image processor). When a family has it, `visual.preprocess.PreprocessPool` runs it in worker processes;
-    # without it, `preprocess` runs in threads of the visual process.
+    # without it, `preprocess` runs in threads of the visual process. Optional too: the classmethod
+    # `load_preprocessor(model_dir, vision_tower_dir) -> ` the same object, from the config files alone, so that the
+    # pool's workers start (seconds each) while the tower loads.
 
     def num_tokens(self, width: int, height: int) -> int:
         """Embedding count for an image of this size, without preprocessing it (for prompt expansion)."""

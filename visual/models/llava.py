@@ -122,6 +122,13 @@ class LlavaVisionModel:
         self._preprocessor = LlavaPreprocessor(image_processor, spec.pad_to_square, spec.num_tokens)
 
     @classmethod
+    def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> LlavaPreprocessor:
+        """The preprocessor from the config files alone (the pool starts it while the tower loads)."""
+        spec = LlavaVisionSpec.read(model_dir, vision_tower_dir)
+        image_processor = AutoImageProcessor.from_pretrained(spec.processor_dir)
+        return LlavaPreprocessor(image_processor, spec.pad_to_square, spec.num_tokens)
+
+    @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype,
                         vision_tower_dir: str | None = None) -> LlavaVisionModel:  # fmt: skip
         spec = LlavaVisionSpec.read(model_dir, vision_tower_dir)
@@ -133,7 +140,7 @@ class LlavaVisionModel:
         if spec.projector_prefixes == ORIGINAL_PROJECTOR_PREFIXES:
             projector_state = {ORIGINAL_PROJECTOR_NAMES.get(k, k): v for k, v in projector_state.items()}
         _load(projector, projector_state, "projector")
-        image_processor = AutoImageProcessor.from_pretrained(spec.processor_dir)
+        image_processor = cls.load_preprocessor(model_dir, vision_tower_dir).image_processor
         salt = json.dumps(["llava", os.path.realpath(model_dir), os.path.realpath(spec.tower_dir),
                            image_processor.to_json_string(), spec.pad_to_square, str(dtype)])  # fmt: skip
         return cls(spec, tower, projector, image_processor, salt)

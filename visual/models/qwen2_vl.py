@@ -62,13 +62,19 @@ class Qwen2VLVisionModel:
         self._pixels = HostStaging()  # pinned (on CUDA) host buffer the batch's pixels are gathered into
 
     @classmethod
+    def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> Qwen2VLPreprocessor:
+        """The preprocessor from the config files alone (the pool starts it while the tower loads)."""
+        merge_size = AutoConfig.from_pretrained(model_dir).vision_config.spatial_merge_size
+        return Qwen2VLPreprocessor(Qwen2VLImageProcessor.from_pretrained(model_dir), merge_size)
+
+    @classmethod
     def from_pretrained(
         cls, model_dir: str, device: torch.device, dtype: torch.dtype, dummy: bool = False
     ) -> Qwen2VLVisionModel:
         """dummy: keep the random init (--load_format dummy), reading no weights."""
         config = AutoConfig.from_pretrained(model_dir)  # flat (published) or nested (transformers 5) config.json
         # Reads preprocessor_config.json, or processor_config.json's nested "image_processor".
-        processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
+        processor = cls.load_preprocessor(model_dir).processor
         # Built on the target device so that the (overwritten) random init is fast for 7B-sized towers.
         with torch.device(device):
             tower = cls.tower_class._from_config(config.vision_config, dtype=dtype)

@@ -147,6 +147,12 @@ class QwenVLVisionModel:
         self._preprocessor = QwenVLPreprocessor(cfg["image_size"])
 
     @classmethod
+    def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> QwenVLPreprocessor:
+        """The preprocessor from the config file alone (the pool starts it while the tower loads)."""
+        with open(os.path.join(model_dir, "config.json")) as f:
+            return QwenVLPreprocessor(json.load(f)["visual"]["image_size"])
+
+    @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> QwenVLVisionModel:
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)["visual"]
