@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 
 import torch
 import zmq
+from PIL import Image
 
 from visual.encoder import VisualEncoder
 from visual.messages import EncodeJob, VisualReady
@@ -78,11 +79,20 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
         pool = PreprocessPool.of_preprocessor(preprocessor, cfg.num_preprocess_workers, cfg.shm_prefix)
     model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
+    warm_up_tower(model)  # while the pool's workers start
     pool.wait_started()  # ready means the first image is served at full speed (the router takes longer to start)
     encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)
     return encoder, ready
+
+
+def warm_up_tower(model) -> None:
+    """One small image through the tower and projector, its result dropped: the first call loads the kernels and
+    sets up the libraries (about a second on a GPU), which would otherwise land on the first image served."""
+    model.encode([model.preprocess(Image.new("RGB", (64, 64), (127, 127, 127)))])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def serve(encoder: VisualEncoder, jobs: zmq.Socket, results: zmq.Socket, alive) -> None:
