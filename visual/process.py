@@ -80,7 +80,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
     warm_up_tower(model)  # while the pool's workers start
-    pool.wait_started()  # ready means the first image is served at full speed (the router takes longer to start)
+    pool.wait_started()  # ready means the first image is served at full speed
     encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)
