@@ -91,10 +91,6 @@ def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = Non
     dtype = resolve_dtype(cfg.dtype, lm_cfg.torch_dtype, device)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its final dtype on the device: no fp32 copy of 7B weights to cast
-    if device.type == "cuda":
-        t0 = time.perf_counter()
-        torch.cuda.init()
-        logger.info("CUDA ready on %s in %.1f s", device, time.perf_counter() - t0)
     t0 = time.perf_counter()
     try:
         with torch.device(device):
@@ -157,9 +153,7 @@ class EngineCore:
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
-        t0 = time.perf_counter()
         device = resolve_device(cfg.device)
-        logger.info("device %s found in %.1f s", device, time.perf_counter() - t0)
         torch.manual_seed(cfg.seed)
         # Tensor parallelism: this process is rank 0; the other ranks follow its steps (language/parallel/worker.py).
         model_config(cfg)

@@ -8,7 +8,6 @@ them (the pieces themselves live in visual/, cache/ and mmserve/multimodal/).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import pickle
@@ -29,6 +28,7 @@ from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.multimodal.url_fetch import FetchPolicy
 from mmserve.tokenization import PreparedPrompt, RunSync
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
+from visual.models.weights import read_json
 from visual.process import VisualProcessConfig, run_visual_process
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,7 @@ def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str
 def load_prompt_processor(config: ServerConfig, tokenizer):
     """The family's prompt processor (HF's image processor inside: seconds of imports and files), for the
     checkpoint's `architectures[0]`; the server builds it while its children load."""
-    with open(os.path.join(config.model_dir, "config.json")) as f:
-        architecture = json.load(f)["architectures"][0]
+    architecture = read_json(os.path.join(config.model_dir, "config.json"))["architectures"][0]
     processor = prompt_processor_class(architecture).from_pretrained(config.model_dir, tokenizer)
     if hasattr(processor, "image_dir"):  # Qwen-VL: paths inside <img></img> only from --image_dir
         processor.image_dir = config.image_dir

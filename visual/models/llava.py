@@ -140,7 +140,7 @@ class LlavaVisionModel:
         if spec.projector_prefixes == ORIGINAL_PROJECTOR_PREFIXES:
             projector_state = {ORIGINAL_PROJECTOR_NAMES.get(k, k): v for k, v in projector_state.items()}
         _load(projector, projector_state, "projector")
-        image_processor = cls.load_preprocessor(model_dir, vision_tower_dir).image_processor
+        image_processor = AutoImageProcessor.from_pretrained(spec.processor_dir)
         salt = json.dumps(["llava", os.path.realpath(model_dir), os.path.realpath(spec.tower_dir),
                            image_processor.to_json_string(), spec.pad_to_square, str(dtype)])  # fmt: skip
         return cls(spec, tower, projector, image_processor, salt)

@@ -74,7 +74,7 @@ class Qwen2VLVisionModel:
         """dummy: keep the random init (--load_format dummy), reading no weights."""
         config = AutoConfig.from_pretrained(model_dir)  # flat (published) or nested (transformers 5) config.json
         # Reads preprocessor_config.json, or processor_config.json's nested "image_processor".
-        processor = cls.load_preprocessor(model_dir).processor
+        processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
         # Built on the target device so that the (overwritten) random init is fast for 7B-sized towers.
         with torch.device(device):
             tower = cls.tower_class._from_config(config.vision_config, dtype=dtype)
