@@ -21,7 +21,6 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.vision_utils import get_vision_window_index
 
 from visual.models.base import ImageInput, register_vision_model
-from visual.models.packed_attention import pack_index
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 
@@ -84,16 +83,11 @@ class Qwen2_5_VLVisionModel(Qwen2VLVisionModel):
         weight = self.tower.patch_embed.proj.weight
         device, dtype = weight.device, weight.dtype
         grids = [im.grid_thw for im in images]
-        # On the host: no per-image device work, no sync.
-        index = pack_index(grids, self.merge_size)
-        windows = window_index(grids, self.merge_size, self.window_size, self.patch_size)
+        windows = window_index(grids, self.merge_size, self.window_size, self.patch_size)  # on the host, no sync
         pixels = self.upload_pixels(images, device, dtype)
         merged = self.tower(
             pixels,
-            grid_thw=torch.tensor(grids),  # [images, 3]; unused by the tower when the indexes below are given
-            cu_seqlens=index.cu_seqlens.to(device, non_blocking=True),
-            max_seqlen=index.max_seqlen,
-            position_ids=index.position_ids.to(device, non_blocking=True),
+            **self.packed_inputs(grids, device),
             window_index=windows.window_index.to(device, non_blocking=True),
             cu_window_seqlens=windows.cu_window_seqlens.to(device, non_blocking=True),
             max_window_seqlen=windows.max_window_seqlen,

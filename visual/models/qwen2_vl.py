@@ -120,17 +120,21 @@ class Qwen2VLVisionModel:
         self._pixels.fence(device)  # the next batch's gather waits for this upload
         return pixels
 
+    def packed_inputs(self, grids: list[tuple[int, int, int]], device: torch.device) -> dict:
+        """The tower's keyword arguments for a batch packed into one sequence, built on the host (no per-image device
+        work, no sync). `grid_thw` [images, 3] is unused by the tower when the indexes are given."""
+        index = pack_index(grids, self.merge_size)
+        return dict(
+            grid_thw=torch.tensor(grids),
+            cu_seqlens=index.cu_seqlens.to(device, non_blocking=True),
+            max_seqlen=index.max_seqlen,
+            position_ids=index.position_ids.to(device, non_blocking=True),
+        )
+
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         device, dtype = self.tower.get_device(), self.tower.get_dtype()
         grids = [im.grid_thw for im in images]
-        index = pack_index(grids, self.merge_size)  # on the host: no per-image device work, no sync
         pixels = self.upload_pixels(images, device, dtype)
-        merged = self.tower(
-            pixels,
-            grid_thw=torch.tensor(grids),  # [images, 3]; unused by the tower when the index below is given
-            cu_seqlens=index.cu_seqlens.to(device, non_blocking=True),
-            max_seqlen=index.max_seqlen,
-            position_ids=index.position_ids.to(device, non_blocking=True),
-        ).pooler_output  # [sum of tokens, hidden]
+        merged = self.tower(pixels, **self.packed_inputs(grids, device)).pooler_output  # [sum of tokens, hidden]
         return list(torch.split(merged, [im.num_tokens for im in images]))

@@ -23,7 +23,6 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from visual.models.base import ImageInput, register_vision_model
-from visual.models.packed_attention import pack_index
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 
@@ -48,15 +47,11 @@ class Qwen3VLVisionModel(Qwen2VLVisionModel):
         weight = self.tower.patch_embed.proj.weight
         device, dtype = weight.device, weight.dtype
         grids = [im.grid_thw for im in images]
-        index = pack_index(grids, self.merge_size)  # on the host: no per-image device work, no sync
         taps, tap_weights = self.interpolation(grids)
         pixels = self.upload_pixels(images, device, dtype)
         out = self.tower(
             pixels,
-            grid_thw=torch.tensor(grids),  # [images, 3]; unused by the tower when the indexes below are given
-            cu_seqlens=index.cu_seqlens.to(device, non_blocking=True),
-            max_seqlen=index.max_seqlen,
-            position_ids=index.position_ids.to(device, non_blocking=True),
+            **self.packed_inputs(grids, device),
             interp_indices=taps.to(device, non_blocking=True),
             interp_weights=tap_weights.to(device, non_blocking=True),
         )
