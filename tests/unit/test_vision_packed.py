@@ -1,6 +1,6 @@
-"""Qwen2-VL's packed vision attention: the host-built index equals transformers' own, the tower with our attention
-function equals HF's eager and sdpa towers, transformers hands it the whole batch in one call per block, and the
-varlen kernel is called right whatever its signature (checked on CPU against a reference varlen attention)."""
+"""Qwen2-VL's packed vision attention: the host-built index equals transformers' own, the tower with our layers
+equals HF's eager and sdpa towers, each block's attention gets the whole batch in one call, and the varlen kernel is
+called right whatever its signature (checked on CPU against a reference varlen attention)."""
 
 from __future__ import annotations
 
@@ -12,19 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from transformers import AttentionInterface
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-from visual.models.packed_attention import (
-    ATTN_IMPLEMENTATION,
-    call_varlen,
-    can_use_varlen,
-    pack_index,
-    packed_attention_forward,
-    sdpa_per_segment,
-)
+from visual.models.fused_layers import LinearPatchEmbed, PackedVisionAttention, QuickGELU
+from visual.models.packed_attention import call_varlen, can_use_varlen, dense_attention, pack_index, sdpa_per_segment
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 from visual.staging import HostStaging
 
@@ -66,7 +59,9 @@ def _hf_tower(model_dir: str, attn: str) -> Qwen2VisionTransformerPretrainedMode
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_packed_tower_equals_hf(model_dir: str, attn: str) -> None:
     vision = Qwen2VLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    assert all(b.attn.config._attn_implementation == ATTN_IMPLEMENTATION for b in vision.tower.blocks)
+    assert all(isinstance(b.attn, PackedVisionAttention) for b in vision.tower.blocks)
+    assert all(isinstance(b.mlp.act, QuickGELU) for b in vision.tower.blocks)
+    assert isinstance(vision.tower.patch_embed, LinearPatchEmbed)
     images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
     assert len({im.grid_thw for im in images}) == len(images)
     ours = vision.encode(images)
@@ -78,25 +73,23 @@ def test_packed_tower_equals_hf(model_dir: str, attn: str) -> None:
     assert [e.shape[0] for e in ours] == [im.num_tokens for im in images]
 
 
-def test_transformers_sends_the_whole_batch_once_per_block(model_dir: str) -> None:
-    """The design rests on transformers' dispatch: a "flash" implementation is called once per block with the packed
-    batch and its cu_seqlens (a non-flash one once per image). Watch the calls our function receives."""
+def test_each_block_attends_the_whole_batch_once(model_dir: str) -> None:
+    """The design rests on one attention call per block with every image packed, the host-built cu_seqlens and
+    max_seqlen (no device-side recomputation, no sync): watch the calls each block's attention receives."""
+    vision = Qwen2VLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
     calls: list[tuple[int, list[int], int | None]] = []
 
-    def watching(module, query, key, value, attention_mask, **kwargs):
-        calls.append((query.shape[2], kwargs["cu_seq_lens_q"].tolist(), kwargs.get("max_length_q")))
-        return packed_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    def watch(module, args, kwargs) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        calls.append((hidden.shape[0], kwargs["cu_seqlens"].tolist(), kwargs.get("max_seqlen")))
 
-    AttentionInterface.register("test_flash_watch", watching)
-    vision = Qwen2VLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    expected = vision.encode([vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)])
-    vision.tower.config._attn_implementation = "test_flash_watch"
+    for block in vision.tower.blocks:
+        block.attn.register_forward_pre_hook(watch, with_kwargs=True)
     images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
-    got = vision.encode(images)
+    vision.encode(images)
     index = pack_index([im.grid_thw for im in images], vision.merge_size)
     patches = sum(im.pixel_values.shape[0] for im in images)
     assert calls == [(patches, index.cu_seqlens.tolist(), index.max_seqlen)] * len(vision.tower.blocks)
-    torch.testing.assert_close(torch.cat(got), torch.cat(expected), rtol=0, atol=0)
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> torch.Tensor:
@@ -135,6 +128,18 @@ def test_call_varlen_adapts_to_the_signature(kernel, scale: float) -> None:
     if not math.isclose(scale, 16**-0.5):  # the scale matters here, so a dropped one would fail the check above
         default = sdpa_per_segment(*(t.transpose(0, 1)[None] for t in (q, k, v)), cu, 16**-0.5)[0]
         assert not torch.allclose(expected, default, atol=1e-3)
+
+
+def test_dense_attention_equals_per_segment_attention() -> None:
+    """Segments of one length (a batch of one image size) run as one dense batch: each still attends to itself."""
+    g = torch.Generator().manual_seed(3)
+    cu = pack_index([(1, 4, 6)] * 3 + [(2, 4, 6)], merge_size=2).cu_seqlens  # five frames of 24 patches
+    q, k, v = (torch.randn(int(cu[-1]), 2, 16, generator=g) for _ in range(3))  # [tokens, heads, head_dim]
+    out = dense_attention(q, k, v, segments=5, scale=0.3)
+    expected = sdpa_per_segment(*(t.transpose(0, 1)[None] for t in (q, k, v)), cu, 0.3)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    one_sequence = sdpa_per_segment(*(t.transpose(0, 1)[None] for t in (q, k, v)), cu[[0, -1]], 0.3)[0]
+    assert not torch.allclose(out, one_sequence, atol=1e-3)  # the segments are really kept apart
 
 
 def test_varlen_only_where_flash_runs() -> None:

@@ -13,7 +13,8 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from visual.models.base import ImageInput, register_vision_model
-from visual.models.packed_attention import pack_index, use_packed_attention
+from visual.models.fused_layers import use_fused_layers
+from visual.models.packed_attention import pack_index
 from visual.models.weights import load_prefixed_tensors
 from visual.staging import HostStaging
 
@@ -53,7 +54,7 @@ class Qwen2VLVisionModel:
         cache_salt: str,
     ) -> None:
         self.tower = tower.eval()
-        use_packed_attention(self.tower)  # the whole batch in one varlen attention call per block
+        use_fused_layers(self.tower)  # our attention (one varlen call per block), activation and patch embedding
         self.processor = processor
         self.cache_salt = cache_salt
         self.hidden_size: int = tower.config.hidden_size
