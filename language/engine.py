@@ -62,6 +62,7 @@ class StepCounters:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     busy_s: float = 0.0  # wall time inside step() that ran a batch
+    tower_waits: int = 0  # decode-only steps held back while the vision tower ran (the router's tower turn)
 
     def summary(self, since: StepCounters, elapsed_s: float) -> str:
         """Throughput since an earlier snapshot. `busy` is host time inside step(), which with the overlapped
@@ -72,6 +73,7 @@ class StepCounters:
             f"{steps} steps ({busy / max(steps, 1) * 1e3:.1f} ms each), "
             f"prefill {(self.prefill_tokens - since.prefill_tokens) / elapsed_s:.0f} tok/s, "
             f"decode {(self.decode_tokens - since.decode_tokens) / elapsed_s:.0f} tok/s, busy {busy / elapsed_s:.0%}"
+            + (f", {self.tower_waits - since.tower_waits} steps held for the tower" if self.tower_waits else "")
         )
 
 
@@ -303,6 +305,10 @@ class EngineCore:
         c.prefill_tokens += inflight.num_prefill_tokens
         c.decode_tokens += inflight.num_decode
         return collected
+
+    def has_prompt_work(self) -> bool:
+        """Prompt tokens wait to be prefilled: a request not yet admitted, or one part way through its prompt."""
+        return self.scheduler.has_prompt_work()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted) or self._inflight is not None

@@ -108,6 +108,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def has_prompt_work(self) -> bool:
+        return bool(self.waiting) or any(r.prefilling for r in self.running)
+
     def can_ever_fit(self, req: Request) -> bool:
         return peak_slots(req) <= self.max_total_tokens
 

@@ -7,11 +7,13 @@ from cache.shm_store import ShmEmbedReader
 from mmserve.config import ServerConfig
 from mmserve.endpoints import Endpoints
 from mmserve.processes import ChildProcess, spawn_child
+from visual.tower_turn import TowerTurn
 
 
 def spawn_router(config: ServerConfig, endpoints: Endpoints, shm_prefix: str | None) -> ChildProcess:
     reader = ShmEmbedReader(shm_prefix) if shm_prefix else None
-    return spawn_child("router", "mmserve.router:run_router_process", config, endpoints, reader)
+    turn = TowerTurn(shm_prefix) if shm_prefix and config.tower_turn_ms > 0 else None
+    return spawn_child("router", "mmserve.router:run_router_process", config, endpoints, reader, turn)
 
 
 def spawn_detokenizer(config: ServerConfig, endpoints: Endpoints) -> ChildProcess:

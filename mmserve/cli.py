@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let image URLs resolve to loopback/private/link-local addresses",
     )
+    p.add_argument(
+        "--tower_turn_ms",
+        type=float,
+        default=20.0,
+        help="how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
+    )
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
     p.add_argument(
         "--max_image_pixels",
@@ -141,6 +147,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             device=args.device,
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
+            tower_turn_ms=args.tower_turn_ms,
             max_image_pixels=args.max_image_pixels,
             max_images_per_request=args.max_images_per_request,
             vision_tower_dir=args.vision_tower_dir,

@@ -67,6 +67,9 @@ class ServerConfig:
     graceful_timeout: float = 30.0  # on SIGTERM: seconds in-flight requests may take to finish (LightLLM's name)
     request_read_timeout: float = 60.0  # seconds a request body may take to arrive in full (0: no limit)
     stream_write_timeout: float = 30.0  # seconds a response write may wait on a client that does not read (0: none)
+    # Per decode-only step, how long the router may hold back while the vision tower runs a batch (its turn on the
+    # shared GPU, visual/tower_turn.py); 0: never
+    tower_turn_ms: float = 20.0
     visual_max_restarts: int = 3  # deaths of the visual process in a row it is restarted after; then the server exits
 
     def __post_init__(self) -> None:

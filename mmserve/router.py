@@ -34,11 +34,13 @@ from mmserve.messages import (
 )
 from mmserve.processes import parent_alive, run_child, seconds_since_process_start
 from mmserve.zmq_queue import PullQueue, PushQueue
+from visual.tower_turn import TowerTurn
 
 logger = logging.getLogger(__name__)
 
 _THROUGHPUT_LOG_S = 5.0  # how often a busy router logs its throughput
 _IDLE_POLL_MS = 500  # how often an idle router checks that its parent is still there
+_TOWER_POLL_MS = 1  # while holding a step back for the vision tower: how often its flag is read
 _MAX_EARLY_READY = 10_000  # ImagesReady seen before (or without) their request: kept boundedly
 
 # Reads one image's embeddings from the shared-memory cache: [num_tokens, hidden].
@@ -46,9 +48,17 @@ EmbedReader = Callable[[ImageRef], torch.Tensor]
 
 
 class Router:
-    def __init__(self, core, embed_reader: EmbedReader | None = None):
+    def __init__(
+        self,
+        core,
+        embed_reader: EmbedReader | None = None,
+        tower_turn: TowerTurn | None = None,
+        tower_turn_s: float = 0.0,
+    ):
         self.core = core
         self._embed_reader = embed_reader
+        self._tower_turn = tower_turn if tower_turn_s > 0 else None
+        self._tower_turn_s = tower_turn_s
         self._awaiting_images: dict[str, TokenizedRequest] = {}
         self._early_ready: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[str] = set()  # rids inside the engine core
@@ -165,6 +175,18 @@ class Router:
         self._last_stats = stats
         return RouterBatch(setups=setups, outputs=outputs, stats=stats, encode_needed=needed)
 
+    def _give_tower_its_turn(self, inbox: PullQueue) -> None:
+        """While the vision tower runs a batch, hold back a step that would only decode (at most tower_turn_s), so
+        the tower has the GPU to itself; messages are handled meanwhile, and a prompt to prefill ends the wait."""
+        turn = self._tower_turn
+        if turn is None or not self.core.has_unfinished() or self.core.has_prompt_work() or not turn.is_up():
+            return
+        deadline = time.perf_counter() + self._tower_turn_s
+        self.core.counters.tower_waits += 1
+        while turn.is_up() and not self.core.has_prompt_work() and time.perf_counter() < deadline:
+            for msg in inbox.drain(_TOWER_POLL_MS):
+                self.handle(msg)
+
     @staticmethod
     def _from_engine(out: RequestOutput) -> TokenOutput:
         return TokenOutput(
@@ -196,6 +218,7 @@ class Router:
         while parent_alive(parent_pid):
             for msg in inbox.drain(0 if self.has_work() else _IDLE_POLL_MS):
                 self.handle(msg)
+            self._give_tower_its_turn(inbox)
             batch = self.step()
             if batch is not None:
                 to_detok.send(batch)
@@ -224,7 +247,11 @@ def ready_info(core) -> ReadyInfo:
 
 
 def run_router_process(
-    config: ServerConfig, endpoints: Endpoints, embed_reader: EmbedReader | None, ready: Connection
+    config: ServerConfig,
+    endpoints: Endpoints,
+    embed_reader: EmbedReader | None,
+    tower_turn: TowerTurn | None,
+    ready: Connection,
 ) -> None:
     """Process entry: load the model, report ready, then serve until the parent goes away or sends SIGTERM."""
 
@@ -238,7 +265,7 @@ def run_router_process(
             # Host work per step is many tiny tensor ops: a thread pool per op only adds wake-up latency and fights
             # the other processes for cores (4-5x slower steps measured on a 16-core GPU host).
             torch.set_num_threads(1)
-        router = Router(core, embed_reader)
+        router = Router(core, embed_reader, tower_turn, config.tower_turn_ms / 1e3)
         ctx = zmq.Context()
         inbox = PullQueue(ctx, endpoints.router)
         to_detok = PushQueue(ctx, endpoints.detokenizer)

@@ -24,6 +24,7 @@ from visual.preprocess import PreprocessPool
 from visual.shm_segments import write_embedding
 from visual.staging import HostStaging
 from visual.stats import VisionStats
+from visual.tower_turn import TowerTurn
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,11 @@ class VisualEncoder:
     """`submit` may be called from any thread (the visual process receives jobs on its own thread, so that the pool
     starts on an image while the tower runs); `step`, `has_work` and `shutdown` from one thread only."""
 
-    def __init__(self, model, pool: PreprocessPool, shm_prefix: str, max_batch: int = 16):
+    def __init__(
+        self, model, pool: PreprocessPool, shm_prefix: str, max_batch: int = 16, turn: TowerTurn | None = None
+    ):
         self.model = model
+        self.turn = turn  # raised while a batch runs: the router holds back decode-only steps meanwhile
         self.pool = pool
         self.shm_prefix = shm_prefix
         self.max_batch = max_batch
@@ -94,11 +98,17 @@ class VisualEncoder:
         start = time.perf_counter()
         arrived = [t for _, t, _ in batch]
         try:
-            embeds = self.model.encode([image for _, _, image in batch])  # each [num_tokens, hidden] on the device
-            for (_, _, image), emb in zip(batch, embeds, strict=True):
-                if emb.shape[0] != image.num_tokens:
-                    raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
-            host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
+            if self.turn is not None:
+                self.turn.raise_flag()
+            try:
+                embeds = self.model.encode([image for _, _, image in batch])  # each [num_tokens, hidden] on device
+                for (_, _, image), emb in zip(batch, embeds, strict=True):
+                    if emb.shape[0] != image.num_tokens:
+                        raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
+                host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
+            finally:
+                if self.turn is not None:
+                    self.turn.lower_flag()
             encoded = time.perf_counter()
             for (key, _, _), emb in zip(batch, host, strict=True):
                 write_embedding(self.shm_prefix, key, emb)  # host -> shm: a memcpy

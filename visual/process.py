@@ -27,6 +27,7 @@ from visual.messages import EncodeJob, VisualReady
 from visual.models.base import vision_model_class
 from visual.models.weights import read_json
 from visual.preprocess import PreprocessPool
+from visual.tower_turn import TowerTurn
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,11 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
     warm_up_tower(model)  # while the pool's workers start
     pool.wait_started()  # ready means the first image is served at full speed
-    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch)
+    turn = None
+    if device.type == "cuda":  # the GPU it shares with the router (on CPU each process has its own cores)
+        turn = TowerTurn(cfg.shm_prefix)
+        turn.create()
+    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)
     return encoder, ready

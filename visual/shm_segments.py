@@ -44,7 +44,7 @@ def segment_name(prefix: str, key: str) -> str:
     return prefix + key
 
 
-def _open(name: str, create: bool = False, size: int = 0) -> SharedMemory:
+def open_segment(name: str, create: bool = False, size: int = 0) -> SharedMemory:
     """Open a segment whose lifetime we manage ourselves: Python < 3.13 registers every open with the resource
     tracker, which would unlink it when the opening process exits (and warn), so unregister right away."""
     if sys.version_info >= (3, 13):
@@ -82,10 +82,10 @@ def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
     name = segment_name(prefix, key)
     nbytes = embeds.numel() * embeds.element_size()
     try:
-        shm = _open(name, create=True, size=_DATA_OFFSET + nbytes)
+        shm = open_segment(name, create=True, size=_DATA_OFFSET + nbytes)
     except FileExistsError:  # a stale segment of an entry that failed or was dropped mid-write: replace it
         unlink_segment(name)
-        shm = _open(name, create=True, size=_DATA_OFFSET + nbytes)
+        shm = open_segment(name, create=True, size=_DATA_OFFSET + nbytes)
     try:
         shm.buf[: _HEADER.size] = _HEADER.pack(_MAGIC, code, embeds.shape[0], embeds.shape[1])
         dst = torch.frombuffer(shm.buf, dtype=embeds.dtype, count=embeds.numel(), offset=_DATA_OFFSET)

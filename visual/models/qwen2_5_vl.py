@@ -2,8 +2,8 @@
 attention except in `fullatt_block_indexes`, merger to `out_hidden_size`) with the checkpoint's vision weights, and
 the same dynamic-resolution image processor as Qwen2-VL (`Qwen2VLImageProcessor`, min/max pixels).
 
-As for Qwen2-VL, every image of a batch is one packed token sequence through transformers' blocks, with our varlen
-attention function (`visual/models/packed_attention.py`). The tower reorders each image's merged tokens window by
+As for Qwen2-VL, every image of a batch is one packed token sequence through transformers' blocks, with our
+attention layers (`visual/models/fused_layers.py`). The tower reorders each image's merged tokens window by
 window; the full-attention blocks attend within each image (`cu_seqlens`), the others within each window
 (`cu_window_seqlens`), and the merger's output is put back in row-major order. The window order, both boundary lists
 and the rotary position ids are built on the host from the grids (cached per grid size) and passed to the tower, so

@@ -8,7 +8,7 @@ Each image token's embedding row is [main | deepstack_0 | ... | deepstack_{k-1}]
 what the language model splits again (`language/models/qwen3_vl.py`). One cache entry per image thus carries every
 tensor the LLM needs from it.
 
-As for Qwen2-VL, a batch is one packed token sequence with our varlen attention (`visual/models/packed_attention.py`);
+As for Qwen2-VL, a batch is one packed token sequence with our attention layers (`visual/models/fused_layers.py`);
 what the tower derives from the grids with host syncs (cu_seqlens, rotary ids, and here the position table's
 interpolation taps and weights) is built on the host, cached per grid size, and passed in."""
 

@@ -1,0 +1,80 @@
+"""The vision tower's turn on the GPU: a flag in shared memory, up while the tower runs a batch.
+
+The visual process and the router share one GPU from two processes, and the GPU time-slices between them. Under a
+burst of new images the router's decode steps for the requests already running took most of the GPU: a tower batch
+of eight 336 px images took 85 ms instead of 15 ms, the images behind it waited, and so did those requests' first
+tokens. The visual process raises this flag while a batch runs; the router holds back a step that would only decode
+while the flag is up (at most `--tower_turn_ms` per step), so images get through the tower and reach the LM sooner.
+Steps with prompt tokens to prefill never wait.
+
+The flag is the time (CLOCK_MONOTONIC, one clock for every process of the host) the batch started, 0 when none
+runs; a flag older than `_STALE_S` is ignored, so a visual process that died mid-batch holds nothing back. The
+segment is named after the server's shared-memory prefix (the parent's sweep at stop removes it with the
+embeddings), and the router maps it again every second: the visual process may start after it, or restart.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+from visual.shm_segments import open_segment, unlink_segment
+
+_NAME = "tower_turn"
+_FLAG = struct.Struct("<d")  # monotonic seconds at which the running batch started; 0.0: none runs
+_STALE_S = 10.0  # no batch takes this long: a flag this old was left by a visual process that died
+_REOPEN_S = 1.0  # how often the reader maps the segment again
+
+
+class TowerTurn:
+    """`create`, `raise_flag` and `lower_flag` in the visual process (the one writer); `is_up` in the router.
+    Picklable (only the name travels): each process maps the segment itself."""
+
+    def __init__(self, shm_prefix: str) -> None:
+        self.name = shm_prefix + _NAME
+        self._shm = None
+        self._next_open = 0.0
+
+    def __getstate__(self) -> dict:
+        return {"name": self.name}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__("")
+        self.name = state["name"]
+
+    # ---- the visual process
+    def create(self) -> None:
+        unlink_segment(self.name)  # a previous visual process's, if it died
+        self._shm = open_segment(self.name, create=True, size=_FLAG.size)
+        self.lower_flag()
+
+    def raise_flag(self) -> None:
+        if self._shm is not None:
+            _FLAG.pack_into(self._shm.buf, 0, time.monotonic())
+
+    def lower_flag(self) -> None:
+        if self._shm is not None:
+            _FLAG.pack_into(self._shm.buf, 0, 0.0)
+
+    # ---- the router
+    def is_up(self) -> bool:
+        now = time.monotonic()
+        if now >= self._next_open:  # the visual process may have started since, or restarted with a new segment
+            self._reopen(now)
+        if self._shm is None:
+            return False
+        (started,) = _FLAG.unpack_from(self._shm.buf, 0)
+        return started != 0.0 and now - started < _STALE_S
+
+    def _reopen(self, now: float) -> None:
+        self._next_open = now + _REOPEN_S
+        self.close()
+        try:
+            self._shm = open_segment(self.name)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
