@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from language.request import PromptLogprobs
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
+from mmserve import json_body
 from mmserve.messages import TokenDetail
 
 PARAMETER_NAMES = frozenset(
@@ -84,7 +85,7 @@ class GenerateInput:
 def parse_json(raw: bytes) -> dict:
     """A request body that must be one JSON object; BadRequest otherwise."""
     try:
-        body = json.loads(raw)
+        body = json_body.loads(raw)  # json.loads, with image payloads cut out first
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("body", "is not valid JSON") from None
     if not isinstance(body, dict):
