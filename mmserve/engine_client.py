@@ -56,6 +56,10 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.finished = False
 
+    def has_queued(self) -> bool:
+        """An output (or a failure) is waiting: next() would return at once."""
+        return not self.queue.empty()
+
     async def next(self, disconnected: asyncio.Future) -> TextOutput:
         """The next output; raises ServerFailure, or ClientDisconnected once `disconnected` is done."""
         if self.queue.empty():
