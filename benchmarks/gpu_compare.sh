@@ -17,6 +17,8 @@
 #                     else mmserve.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
 #                     python3 -m mmserve.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
 #                     python3 -m mmserve.checkpoints.qwen3_vl --shape 8b); built when DIR has no config.json
+#   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, as
+#                     before 2026-11-23, which bounds the 896 px and 256-request loads by its own CPU)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
 # Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
 # logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
@@ -26,6 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 lightllm=0; hf=0; mmserve=1; loads=all; hf_loads=img336_x64,img896_x64; family=qwen2_vl; ckpt=""; bench_args=""
+client_procs=4
 port=18080; lport=18090
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -37,6 +40,7 @@ while [ $# -gt 0 ]; do
     --ckpt) ckpt=$2; shift ;;
     --family) family=$2; shift ;;
     --bench_args) bench_args=$2; shift ;;
+    --client_procs) client_procs=$2; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
   shift
@@ -56,7 +60,8 @@ collect() { if [ -n "$jsonl" ]; then tee -a "$jsonl"; else cat; fi; }
 bench() {  # bench LOGNAME ARGS...: serve_bench with its JSON lines collected, its stderr in a log
   local name=$1; shift
   # shellcheck disable=SC2086
-  python3 benchmarks/serve_bench.py --family "$family" "$@" $bench_args 2> "$logs/$name.log" | collect
+  python3 benchmarks/serve_bench.py --family "$family" --client_procs "$client_procs" "$@" $bench_args \
+    2> "$logs/$name.log" | collect
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
   return "$rc"
