@@ -179,7 +179,7 @@ class Router:
         """While the vision tower runs a batch, hold back a step that would only decode (at most tower_turn_s), so
         the tower has the GPU to itself; messages are handled meanwhile, and a prompt to prefill ends the wait."""
         turn = self._tower_turn
-        if turn is None or not self.core.has_unfinished() or self.core.has_prompt_work() or not turn.is_up():
+        if turn is None or not turn.is_up() or not self.core.has_unfinished() or self.core.has_prompt_work():
             return
         deadline = time.perf_counter() + self._tower_turn_s
         self.core.counters.tower_waits += 1

@@ -8,6 +8,7 @@ segments directly would be one synchronous, pageable copy per image."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -98,17 +99,12 @@ class VisualEncoder:
         start = time.perf_counter()
         arrived = [t for _, t, _ in batch]
         try:
-            if self.turn is not None:
-                self.turn.raise_flag()
-            try:
+            with self.turn.batch_running() if self.turn is not None else contextlib.nullcontext():
                 embeds = self.model.encode([image for _, _, image in batch])  # each [num_tokens, hidden] on device
                 for (_, _, image), emb in zip(batch, embeds, strict=True):
                     if emb.shape[0] != image.num_tokens:
                         raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
                 host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
-            finally:
-                if self.turn is not None:
-                    self.turn.lower_flag()
             encoded = time.perf_counter()
             for (key, _, _), emb in zip(batch, host, strict=True):
                 write_embedding(self.shm_prefix, key, emb)  # host -> shm: a memcpy

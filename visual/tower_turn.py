@@ -15,8 +15,10 @@ embeddings), and the router maps it again every second: the visual process may s
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
+from collections.abc import Iterator
 
 from visual.shm_segments import open_segment, unlink_segment
 
@@ -27,7 +29,7 @@ _REOPEN_S = 1.0  # how often the reader maps the segment again
 
 
 class TowerTurn:
-    """`create`, `raise_flag` and `lower_flag` in the visual process (the one writer); `is_up` in the router.
+    """`create` and `batch_running` in the visual process (the one writer); `is_up` in the router.
     Picklable (only the name travels): each process maps the segment itself."""
 
     def __init__(self, shm_prefix: str) -> None:
@@ -55,6 +57,15 @@ class TowerTurn:
     def lower_flag(self) -> None:
         if self._shm is not None:
             _FLAG.pack_into(self._shm.buf, 0, 0.0)
+
+    @contextlib.contextmanager
+    def batch_running(self) -> Iterator[None]:
+        """The flag up for the `with` block: one tower batch, until its embeddings are back on the host."""
+        self.raise_flag()
+        try:
+            yield
+        finally:
+            self.lower_flag()
 
     # ---- the router
     def is_up(self) -> bool:

@@ -41,9 +41,11 @@ def test_reader_sees_the_writers_flag(prefix, reopen_at_once):
     writer.create()
     assert list_segments(prefix) == [prefix + "tower_turn"]  # swept with the embeddings at stop
     assert not reader.is_up()
-    writer.raise_flag()
-    assert reader.is_up()
-    writer.lower_flag()
+    with writer.batch_running():
+        assert reader.is_up()
+    assert not reader.is_up()
+    with pytest.raises(RuntimeError), writer.batch_running():  # a batch that fails lowers it too
+        raise RuntimeError("the tower failed")
     assert not reader.is_up()
 
 
