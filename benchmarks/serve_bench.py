@@ -148,7 +148,8 @@ def run_concurrent_in_procs(
     shares = [bodies[i::procs] for i in range(procs)]  # round robin: each process gets a mix
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=procs, mp_context=ctx) as pool:
-        list(pool.map(_client_ready, range(procs)))  # every process started and httpx imported
+        while len(set(pool.map(_client_ready, range(procs)))) < procs:  # until every process has started
+            pass
         start_at = time.time() + 0.2
         parts = list(pool.map(_client_share, [url] * procs, shares, [timeout] * procs, [start_at] * procs))
     results: list[RequestResult] = [RequestResult()] * len(bodies)
@@ -159,8 +160,9 @@ def run_concurrent_in_procs(
     return results, wall, sum(cpu for _, _, cpu in parts)
 
 
-def _client_ready(_: int) -> bool:
-    return True
+def _client_ready(_: int) -> int:
+    time.sleep(0.1)  # held a moment, so that each process of the pool takes one of these
+    return os.getpid()
 
 
 def _client_share(url: str, bodies: list[bytes], timeout: float, start_at: float) -> tuple[list, float, float]:
