@@ -67,7 +67,10 @@ bench() {  # bench LOGNAME ARGS...: serve_bench with its JSON lines collected, i
   return "$rc"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
-echo "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)\"," \
+# BENCH_COMMIT names the commit when this runs in an exported tree (git archive), where git would find none or
+# an enclosing repository's.
+commit=${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)}
+echo "{\"commit\": \"$commit\"," \
   "\"gpu\": \"$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)\"}" | collect
 
 if [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen2_5_vl ]; then
