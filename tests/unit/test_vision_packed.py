@@ -167,6 +167,7 @@ def test_host_staging_reuses_its_buffer() -> None:
         torch.testing.assert_close(pinned, torch.cat(parts))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels, varlen flash and cuDNN need a GPU")
 @pytest.mark.parametrize("sizes", [SIZES, [(112, 84)] * 3], ids=["mixed_sizes_varlen", "one_size_dense"])
 def test_fused_tower_on_gpu_is_close_to_hf(model_dir: str, sizes: list[tuple[int, int]]) -> None:
