@@ -12,7 +12,7 @@ from visual.tower_turn import TowerTurn
 
 def spawn_router(config: ServerConfig, endpoints: Endpoints, shm_prefix: str | None) -> ChildProcess:
     reader = ShmEmbedReader(shm_prefix) if shm_prefix else None
-    turn = TowerTurn(shm_prefix) if shm_prefix and config.tower_turn_ms > 0 else None
+    turn = TowerTurn(shm_prefix) if shm_prefix else None  # used or not as --tower_turn_ms says (Router)
     return spawn_child("router", "mmserve.router:run_router_process", config, endpoints, reader, turn)
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from torchvision import transforms
 
 from visual.models.base import ImageInput, register_vision_model
-from visual.models.weights import load_prefixed_tensors
+from visual.models.weights import load_prefixed_tensors, read_json
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -149,13 +149,11 @@ class QwenVLVisionModel:
     @classmethod
     def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> QwenVLPreprocessor:
         """The preprocessor from the config file alone (the pool starts it while the tower loads)."""
-        with open(os.path.join(model_dir, "config.json")) as f:
-            return QwenVLPreprocessor(json.load(f)["visual"]["image_size"])
+        return QwenVLPreprocessor(read_json(os.path.join(model_dir, "config.json"))["visual"]["image_size"])
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> QwenVLVisionModel:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)["visual"]
+        cfg = read_json(os.path.join(model_dir, "config.json"))["visual"]
         with torch.device(device):
             tower = QwenVisionTower(cfg)
         published = {k: v.to(dtype) for k, v in load_prefixed_tensors(model_dir, ("transformer.visual.",)).items()}
