@@ -8,13 +8,15 @@ their pixels back through shared memory (`visual.shared_pixels`), not through th
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import io
 import multiprocessing as mp
+import os
 import pickle
 import secrets
+import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -34,19 +36,51 @@ Preprocessor = Callable[[Image.Image], ImageInput]
 MAX_PIXELS = 256 * 1024 * 1024
 
 _worker_preprocessor: Preprocessor | None = None
-_PR_SET_PDEATHSIG = 1
+_all_started: threading.Barrier | None = None  # each worker's `_ready` waits here for all the others
+_START_TIMEOUT_S = 120.0
 
 
-def _init_worker(pickled_preprocessor: bytes) -> None:
-    global _worker_preprocessor
+class _Handoff:
+    """What a worker takes when it starts, let go of after the starts: the executor keeps its initargs for life, and a
+    barrier held to the end is a set of named semaphores that the visual process's os._exit leaves behind."""
+
+    def __init__(self, barrier: threading.Barrier):
+        self.barrier: threading.Barrier | None = barrier
+        self.visual_pid = os.getpid()
+
+
+def _leave_with(pid: int) -> None:
+    """Exit when process `pid` (the visual process) does, even if it is killed outright. Our parent is the fork
+    server, and it lives as long as any of its children does, so the parent's death signal would never come."""
+
+    def watch() -> None:
+        try:
+            pidfd = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited
+            select.select([pidfd], [], [])
+        except (AttributeError, OSError):
+            while _alive(pid):
+                time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="leave-with-visual", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _init_worker(pickled_preprocessor: bytes, handoff: _Handoff) -> None:
+    global _worker_preprocessor, _all_started
+    _all_started = handoff.barrier
     skip_docstring_generation()  # before unpickling imports the image processor's transformers modules
     _worker_preprocessor = pickle.loads(pickled_preprocessor)
     torch.set_num_threads(1)  # many workers side by side: one thread each, or their thread pools fight for cores
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server's parent decides
-    try:  # die with the visual process even if it is killed outright (Linux)
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    _leave_with(handoff.visual_pid)
     # One tiny image through the whole path now: the image processor imports and sets up lazily (seconds of CPU in
     # each worker), which would otherwise land on the first requests the server serves.
     if _worker_preprocessor is not None:
@@ -106,8 +140,24 @@ def _worker_task(data: bytes, shm_prefix: str) -> ImageInput:
     return out
 
 
-def _ready() -> None:
-    """A no-op task: running it makes the pool start a worker."""
+def _ready(timeout_s: float) -> int:
+    """The start task, one per worker: submitting it makes the pool start a worker, and it returns only once every
+    worker runs one. A worker that finished starting first cannot take all of them (it is blocked in the first), so
+    when all have returned, every worker has imported, unpickled and warmed up."""
+    _all_started.wait(timeout_s)
+    return os.getpid()
+
+
+def _forkserver(preprocessor: Preprocessor | None) -> mp.context.BaseContext:
+    """Workers forked from a fresh server process that imported torch, transformers and the family's preprocessing
+    modules once. The visual process itself has CUDA initialised and must not be forked; spawned workers would each
+    import all of it again (~5-15 CPU-s apiece), which on an 8-worker GPU host competed with the first requests."""
+    ctx = mp.get_context("forkserver")
+    modules = ["__main__", __name__]  # __main__: as spawn would import it, here once for all workers
+    if preprocessor is not None and type(preprocessor).__module__ not in ("builtins", "__main__"):
+        modules.append(type(preprocessor).__module__)
+    ctx.set_forkserver_preload(modules)  # a no-op once this process's fork server runs
+    return ctx
 
 
 class PreprocessPool:
@@ -134,27 +184,36 @@ class PreprocessPool:
         self._preprocessor: Preprocessor | None = None
         # The server's prefix, so that its stop removes any pixel segment left behind.
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
-        # spawn: the visual process has CUDA initialised, which must not be forked.
+        ctx = _forkserver(preprocessor)
+        self._handoff = _Handoff(ctx.Barrier(num_workers))
         self._executor: Executor = ProcessPoolExecutor(
             num_workers,
-            mp_context=mp.get_context("spawn"),
+            mp_context=ctx,
             initializer=_init_worker,
-            initargs=(pickle.dumps(preprocessor),),  # unpickled after the worker set up its imports
+            # the preprocessor is unpickled after the worker set up its imports
+            initargs=(pickle.dumps(preprocessor), self._handoff),
         )
-        # The pool spawns workers on demand: start them now, in the background (each warms up on a tiny image),
-        # so the first images do not wait seconds for interpreters to start and the image processor to load.
-        self._starting = [self._executor.submit(_ready) for _ in range(num_workers)]
+        # The pool starts workers on demand: start them all now, in the background (each warms up on a tiny image),
+        # so the first images do not wait for workers to start and the image processor to load.
+        self._starting = [self._executor.submit(_ready, _START_TIMEOUT_S) for _ in range(num_workers)]
 
     def _start_threads(self, preprocess: Preprocessor, num_workers: int, shm_prefix: str | None) -> None:
         self._preprocessor = preprocess
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
         self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
         self._starting = []
+        self._handoff = None
 
-    def wait_started(self, timeout_s: float = 120.0) -> None:
+    def wait_started(self, timeout_s: float = _START_TIMEOUT_S) -> None:
         """Block until every worker has started and warmed up (raises what a worker's start raised)."""
         for future in self._starting:
             future.result(timeout=timeout_s)
+        self._let_go_of_the_barrier()
+
+    def _let_go_of_the_barrier(self) -> None:
+        """Every worker holds its own copy by now (or the pool is stopping); ours going unlinks its semaphores."""
+        if self._handoff is not None:
+            self._handoff.barrier = None
 
     def submit(self, data: bytes) -> Future[ImageInput]:
         """Decode + preprocess in the pool; pass the finished future to `collect` (once)."""
@@ -186,4 +245,5 @@ class PreprocessPool:
         only when the queues are collected: the visual process leaves by os._exit, which skips that, and the tracker
         warned about "leaked semaphore objects" at every stop. Joining the pool drops its queues; collect them now."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._let_go_of_the_barrier()
         gc.collect()
