@@ -1,6 +1,7 @@
 """Decode step time of the engine on a 7B-shaped random Llama, beside the memory-bandwidth roofline.
 
     python benchmarks/decode_bench.py --model_dir /tmp/llama7b   # builds the checkpoint there if missing
+    python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1 --profile 1 --top 40  # any family's LM
 
 Measures the engine's own step() (CUDA-graph decode + sampling + bookkeeping) in steady state: all requests
 prefilled, every step a pure decode of the whole batch."""
@@ -43,7 +44,7 @@ def decode_ms_per_step(core: EngineCore, batch: int, prompt_len: int, steps: int
     return elapsed * 1e3
 
 
-def profile_steps(core: EngineCore, batch: int, prompt_len: int, steps: int) -> None:
+def profile_steps(core: EngineCore, batch: int, prompt_len: int, steps: int, top: int = 15) -> None:
     """Where one decode step's time goes: GPU kernel time per step against the step's wall time (the difference
     is the GPU idle between kernels and steps), and the kernels that take the most."""
     from torch.profiler import ProfilerActivity, profile
@@ -73,7 +74,7 @@ def profile_steps(core: EngineCore, batch: int, prompt_len: int, steps: int) -> 
         f"batch {batch}: {wall_us:.0f} us per step, GPU busy {gpu_us:.0f} us ({launches:.0f} kernels), "
         f"idle {wall_us - gpu_us:.0f} us"
     )
-    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:15]:
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
         print(f"  {e.device_time_total / steps:8.1f} us  x{e.count / steps:5.1f}  {e.key[:110]}")
 
 
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--prompt_len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profile", default="", help="batch sizes to profile after the table, e.g. 1,64")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled batch size")
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         t0 = time.perf_counter()
@@ -101,7 +103,7 @@ def main() -> None:
         ms = decode_ms_per_step(core, b, args.prompt_len, args.steps)
         print(f"| {b} | {ms:.2f} | {b * 1e3 / ms:.0f} | {ms / floor:.2f} |")
     for b in (int(x) for x in args.profile.split(",") if x):
-        profile_steps(core, b, args.prompt_len, 20)
+        profile_steps(core, b, args.prompt_len, 20, args.top)
 
 
 if __name__ == "__main__":
