@@ -1,6 +1,7 @@
-"""Micro-benchmarks of the attention kernels against torch SDPA on equivalent dense tensors (H100, 7B shapes).
+"""Micro-benchmarks of the attention kernels against torch SDPA on equivalent dense tensors (H100, 7B shapes), and
+of the batch-1 GEMV against cuBLAS.
 
-Usage: python benchmarks/kernels_bench.py [--sweep] [--only prefill|decode|elementwise] [--baseline DIR]
+Usage: python benchmarks/kernels_bench.py [--sweep] [--only prefill|decode|elementwise|gemv] [--baseline DIR]
 The prefill table (bf16, the serving loads' prompt shapes, Qwen2-VL-7B and LLaVA-7B heads) compares with SDPA's
 flash backend; --baseline DIR adds a column for an older prefill kernel kept in DIR (old_prefill_attention.py).
 --sweep also times alternative tile configurations (to fill the launchers' tables)."""
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
-from language.kernels import decode_attention, rms_norm, silu_and_mul, store_kv
+from language.kernels import decode_attention, gemv, rms_norm, silu_and_mul, store_kv
 
 # The package rebinds these names to the dispatching functions, so fetch the modules themselves.
 decode_module = importlib.import_module("language.kernels.decode_attention")
@@ -184,6 +185,40 @@ def bench_elementwise() -> None:
     print(f"{name:<72} ours {t:8.4f} ms {4 * k.numel() * 2 / t / 1e6:7.0f} GB/s")
 
 
+# A Qwen2-VL-7B decode step's linear layers at batch 1: (name, out features, in features, bias, layers)
+GEMV_SHAPES = [
+    ("qkv_proj", 4608, 3584, True, 28),
+    ("o_proj", 3584, 3584, False, 28),
+    ("gate_up_proj", 37888, 3584, False, 28),
+    ("down_proj", 3584, 18944, False, 28),
+    ("lm_head", 152064, 3584, False, 2),
+]
+
+
+def bench_gemv() -> None:
+    """One row times each layer's weight, bf16: one weight per layer (so none is served from L2), every layer's call
+    replayed back to back in one CUDA graph, as in a decode step; per call, ours against F.linear (cuBLAS)."""
+    dtype = torch.bfloat16
+    for name, num_out, k, with_bias, layers in GEMV_SHAPES:
+        weights = [torch.randn(num_out, k, device="cuda", dtype=dtype) * 0.02 for _ in range(layers)]
+        bias = torch.randn(num_out, device="cuda", dtype=dtype) if with_bias else None
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        ours_ms, cublas_ms = (
+            ms(lambda f=f, weights=weights, bias=bias, x=x: [f(x, w, bias) for w in weights], graph=True) / layers
+            for f in (gemv, F.linear)
+        )
+        ref = F.linear(x.float(), weights[0].float(), None if bias is None else bias.float())
+        err = (gemv(x, weights[0], bias).float() - ref).abs().max().item()
+        nbytes = num_out * k * 2
+        print(
+            f"{f'gemv {name} [1, {k}] x [{num_out}, {k}]':<72} ours {ours_ms * 1e3:7.2f} us "
+            f"{nbytes / ours_ms / 1e9:5.2f} TB/s | cuBLAS {cublas_ms * 1e3:7.2f} us "
+            f"{nbytes / cublas_ms / 1e9:5.2f} TB/s"
+            f" | ours/cuBLAS {ours_ms / cublas_ms:5.2f} | max|diff| vs fp32 {err:.1e}",
+            flush=True,
+        )
+
+
 def sweep_prefill() -> None:
     """Every PREFILL_SWEEP tile on every table shape, GQA packing on and off: one markdown table per shape."""
     default = prefill_module._launch_config
@@ -244,7 +279,7 @@ def load_baseline(directory: str | None):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--only", choices=("prefill", "decode", "elementwise"))
+    parser.add_argument("--only", choices=("prefill", "decode", "elementwise", "gemv"))
     parser.add_argument("--baseline", help="folder holding an older old_prefill_attention.py to time beside ours")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -263,6 +298,8 @@ def main() -> None:
             sweep_decode()
     if args.only in (None, "elementwise"):
         bench_elementwise()
+    if args.only in (None, "gemv"):
+        bench_gemv()
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ import inspect
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from language.kernels import reference
 from language.kernels.decode_attention import decode_attention as _decode_attention_triton
 from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
+from language.kernels.gemv import gemv
 from language.kernels.head_rms_norm import qk_rms_norm as _qk_rms_norm_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
@@ -56,10 +58,24 @@ prefill_attention = _dispatch(_prefill_attention_triton, reference.prefill_atten
 decode_attention = _dispatch(_decode_attention_triton, reference.decode_attention_ref)
 splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embeddings_ref)
 
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row on CUDA (a batch-1 decode step): the GEMV kernel reads the weights faster than cuBLAS does."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and x.dtype == weight.dtype
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear (x [n, K], weight [N, K] -> [n, N]), through the GEMV kernel where `gemv_applies`."""
+    return gemv(x, weight, bias) if gemv_applies(x, weight) else F.linear(x, weight, bias)
+
+
 __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "decode_attention",
+    "gemv",
+    "gemv_applies",
+    "linear",
     "mrope_cos_sin",
     "prefill_attention",
     "qk_rms_norm",

@@ -14,7 +14,7 @@ from language.forward_batch import ForwardBatch
 from language.models.hf_config import lm_config_from_hf
 from language.models.registry import register_model
 from language.parallel.group import TPGroup
-from language.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from language.parallel.layers import Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from language.parallel.sharding import Shard, TensorView, make_shard, take
 
 
@@ -38,7 +38,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
         if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised (weights [head_dim]) before the rotary
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -85,7 +85,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LMConfig, shard: Shard, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shard.intermediate, bias=False)  # [gate | up]
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * shard.intermediate, bias=False)  # [gate | up]
         self.down_proj = RowParallelLinear(shard.intermediate, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

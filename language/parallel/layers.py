@@ -1,6 +1,7 @@
 """Layers whose output needs the other ranks: a row-parallel linear (partial sums all-reduced), the embedding and
 lm_head split by vocabulary rows. With a group of one they are the plain layers, with no collective at all.
-Column-parallel linears (q/k/v, gate/up) need no communication: they are nn.Linear of this rank's width.
+Column-parallel linears (q/k/v, gate/up) need no communication: they are `Linear` of this rank's width. Every
+layer here multiplies through `kernels.linear` (a GEMV kernel for one row on CUDA, F.linear otherwise).
 
 Each is built to round where the unsharded layer rounds and nowhere else, so that TP=N differs from TP=1 only by
 the order of fp32 sums: the row-parallel partials are summed in fp32 and rounded once; the embedding's sum adds
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from language import kernels
 from language.parallel.group import TPGroup
 
 # torch >= 2.8 on CUDA: a bf16/fp16 GEMM that writes its fp32 accumulator instead of rounding it (aten::mm.dtype).
@@ -24,12 +26,21 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     the upcast fallback (CPU; CUDA before torch 2.8, at an extra pass over the weight) computes the same sum."""
     if x.dtype == torch.float32:
         return F.linear(x, weight)
+    if kernels.gemv_applies(x, weight):
+        return kernels.gemv(x, weight, out_dtype=torch.float32)
     if x.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear through `kernels.linear` (same parameters and names)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
     """x [n, in / tp] (this rank's columns) -> [n, out], summed over ranks. No bias (o_proj and down_proj have
     none; a bias would be added once, not once per rank).
 
@@ -69,7 +80,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """hidden [n, H] -> logits [n, vocab] on every rank: each rank scores its vocabulary rows, then an all-gather
     (so every rank can take the greedy argmax itself; rank 0 samples)."""
 
