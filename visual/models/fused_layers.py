@@ -3,7 +3,7 @@ parameters and their names:
 
 - `PackedVisionAttention` replaces each block's attention: qkv projection, then one kernel that splits q/k/v and
   applies the 2-D rotary (`visual.kernels.qkv_rotary`), then every image of the batch in one varlen flash call
-  (`packed_attention`; a dense cuDNN call when they all have one size), then the output projection;
+  (`packed_attention`; a dense flash call when they all have one size), then the output projection;
 - `QuickGELU` replaces the MLP's QuickGELU (Qwen2-VL) with one kernel;
 - `LinearPatchEmbed` runs the patch embedding's Conv3d, whose kernel equals its stride, as the GEMM it is.
 
@@ -51,7 +51,7 @@ class PackedVisionAttention(torch.nn.Module):
             if max_seqlen is None:  # the towers pass it; computing it here costs a host sync
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             segments = cu_seqlens.shape[0] - 1
-            if segments * max_seqlen == num_tokens:  # all of one length (a batch of one image size): dense, cuDNN
+            if segments * max_seqlen == num_tokens:  # all of one length (a batch of one image size): dense
                 out = dense_attention(q, k, v, segments, self.scaling)
             else:
                 out = call_varlen(kernel, q, k, v, cu_seqlens.to(torch.int32), max_seqlen, self.scaling)
