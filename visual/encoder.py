@@ -124,6 +124,11 @@ class VisualEncoder:
         )
         return [EncodeDone(key, image.num_tokens) for key, _, image in batch]
 
+    def warm_up(self, embeds: list[torch.Tensor]) -> None:
+        """A warm-up batch's embeddings through the copy back to the host, dropped there: sizes the pinned staging
+        buffer for a full batch before the first one is served."""
+        self._to_host(embeds)
+
     def _to_host(self, embeds: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device embeddings -> host tensors: one non-blocking copy into the pinned staging buffer when they are
         consecutive pieces of one tensor (what every family returns), then one wait for the batch."""

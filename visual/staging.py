@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-_GROWTH = 1.25  # headroom when growing, so that slowly rising batch sizes do not re-pin every time
+_GROWTH = 2.0  # headroom when growing: batch sizes rise one by one under load, and each re-pin stalls the tower
 
 
 class HostStaging:
