@@ -4,20 +4,23 @@
 # From the repo root, after the wheels header of benchmarks/gpu_compare.sh (python3 -m pip install ... .whl/*.whl
 # && export PYTHONPATH=/tmp/site:$PWD ...), run one of:
 #   bash benchmarks/tp_compare.sh parity [--tp 2]     # H200 x2: 7B-shaped Qwen2-VL, greedy tokens TP=1 vs TP=N and
-#                                                     # vs TP=1 again (requests one at a time; ~3 min with the build)
+#                                                     # vs TP=1 again (requests one at a time; ~3 min with the build;
+#                                                     # --dtype fp32: the same bf16 checkpoint served in fp32)
 #   bash benchmarks/tp_compare.sh perf [--tp 2]       # H200 x2: img336_x64 throughput + one_336 TPOT, TP=1 then TP=N
 #   bash benchmarks/tp_compare.sh dummy72b [--tp 4]   # H200 x4: Qwen2-VL-72B shape, --load_format dummy, img336_x64
-# Flags: --tp N, --ckpt DIR (default /tmp/q2vl7b, or /tmp/q2vl72b for dummy72b; built when it has no config.json),
+# Flags: --tp N, --dtype bf16|fp32 (the servers' --data_type, default bf16),
+#        --ckpt DIR (default /tmp/q2vl7b, or /tmp/q2vl72b for dummy72b; built when it has no config.json),
 #        --bench_args "..." (more serve_bench flags), --server_args "..." (more server flags).
 # Output: JSON lines on stdout (also appended to $OUT/bench.jsonl when $OUT is set); logs in ${OUT:-/tmp}/*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 mode=${1:-}; shift || true
-tp=""; ckpt=""; bench_args=""; server_args=""; port=18080
+tp=""; ckpt=""; bench_args=""; server_args=""; port=18080; dtype=bf16
 while [ $# -gt 0 ]; do
   case "$1" in
     --tp) tp=$2; shift ;;
+    --dtype) dtype=$2; shift ;;
     --ckpt) ckpt=$2; shift ;;
     --bench_args) bench_args=$2; shift ;;
     --server_args) server_args=$2; shift ;;
@@ -59,7 +62,8 @@ status=0
 case "$mode" in
   parity)
     say "greedy tokens at TP=1, TP=$tp and TP=1 again, one request at a time"
-    python3 benchmarks/tp_parity.py --model_dir "$ckpt" --tp 1 "$tp" --port "$port" --server_args "$server_args" \
+    python3 benchmarks/tp_parity.py --model_dir "$ckpt" --tp 1 "$tp" --port "$port" --data_type "$dtype" \
+      --server_args "$server_args" \
       2> "$logs/tp_parity.log" | collect
     status=${PIPESTATUS[0]}
     [ "$status" -eq 0 ] || tail -c 2000 "$logs/tp_parity.log" >&2 ;;
