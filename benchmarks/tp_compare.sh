@@ -52,6 +52,7 @@ bench() {  # bench NAME ARGS...: serve_bench starting its own server, JSON lines
   local name=$1; shift
   # shellcheck disable=SC2086
   python3 benchmarks/serve_bench.py --family qwen2_vl --name "$name" --model_dir "$ckpt" --port "$port" --startup \
+    --data_type "$dtype" \
     "$@" $bench_args 2> "$logs/$name.log" | collect
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
