@@ -194,20 +194,36 @@ class PreprocessPool:
             initargs=(pickle.dumps(preprocessor), self._handoff),
         )
         # The pool starts workers on demand: start them all now, in the background (each warms up on a tiny image),
-        # so the first images do not wait for workers to start and the image processor to load.
-        self._starting = [self._executor.submit(_ready, _START_TIMEOUT_S) for _ in range(num_workers)]
+        # so the first images do not wait for workers to start and the image processor to load. From a thread: the
+        # first start waits until the fork server has imported its modules (seconds), which the caller spends on
+        # loading the tower meanwhile.
+        self._starting: list[Future[int]] = []
+        self._submitter = threading.Thread(
+            target=lambda: self._starting.extend(
+                self._executor.submit(_ready, _START_TIMEOUT_S) for _ in range(num_workers)
+            ),
+            name="preprocess-start",
+            daemon=True,
+        )
+        self._submitter.start()
 
     def _start_threads(self, preprocess: Preprocessor, num_workers: int, shm_prefix: str | None) -> None:
         self._preprocessor = preprocess
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
         self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
         self._starting = []
+        self._submitter = None
         self._handoff = None
 
     def wait_started(self, timeout_s: float = _START_TIMEOUT_S) -> None:
         """Block until every worker has started and warmed up (raises what a worker's start raised)."""
+        deadline = time.monotonic() + timeout_s
+        if self._submitter is not None:
+            self._submitter.join(timeout_s)
+            if self._submitter.is_alive():
+                raise TimeoutError(f"preprocessing workers did not start within {timeout_s:.0f} s")
         for future in self._starting:
-            future.result(timeout=timeout_s)
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
         self._let_go_of_the_barrier()
 
     def _let_go_of_the_barrier(self) -> None:
@@ -244,6 +260,8 @@ class PreprocessPool:
         process pool's queues hold POSIX semaphores registered with multiprocessing's resource tracker, unlinked
         only when the queues are collected: the visual process leaves by os._exit, which skips that, and the tracker
         warned about "leaked semaphore objects" at every stop. Joining the pool drops its queues; collect them now."""
+        if self._submitter is not None:
+            self._submitter.join()  # its submits must not meet a pool already shut down
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._let_go_of_the_barrier()
         gc.collect()

@@ -73,15 +73,21 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
             raise ValueError(f"--load_format dummy: {architecture}'s vision tower needs its weights (only the "
                              "Qwen2-VL family builds a random tower)")  # fmt: skip
         extra["dummy"] = True
+    phases = StartPhases()
     pool = None
     if hasattr(cls, "load_preprocessor") and cfg.num_preprocess_workers > 0:
         # Its workers take longer to start than the tower to load: they start first, and both go on together.
         preprocessor = cls.load_preprocessor(cfg.model_dir, cfg.vision_tower_dir)
         pool = PreprocessPool.of_preprocessor(preprocessor, cfg.num_preprocess_workers, cfg.shm_prefix)
+        phases.done("preprocessor")
     model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
+    phases.done("tower built and loaded")
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
     warm = warm_up_tower(model, cfg.max_batch)  # while the pool's workers start
+    phases.done("warm-up")
     pool.wait_started()  # ready means the first image is served at full speed
+    phases.done(f"{cfg.num_preprocess_workers} preprocessing workers")
+    logger.info("start-up: %s", phases)
     turn = None
     if device.type == "cuda":  # the GPU it shares with the router (on CPU each process has its own cores)
         turn = TowerTurn(cfg.shm_prefix)
@@ -91,6 +97,22 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)
     return encoder, ready
+
+
+class StartPhases:
+    """Seconds spent in each start-up phase, for one log line (start-up has a 30 s budget; this says where it went)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._phases: list[tuple[str, float]] = []
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phases.append((name, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._phases)
 
 
 def warm_up_tower(model, max_batch: int) -> list[torch.Tensor]:
