@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import forkserver
 
 import torch
 from PIL import Image
@@ -148,15 +149,21 @@ def _ready(timeout_s: float) -> int:
     return os.getpid()
 
 
-def _forkserver(preprocessor: Preprocessor | None) -> mp.context.BaseContext:
-    """Workers forked from a fresh server process that imported torch, transformers and the family's preprocessing
-    modules once. The visual process itself has CUDA initialised and must not be forked; spawned workers would each
-    import all of it again (~5-15 CPU-s apiece), which on an 8-worker GPU host competed with the first requests."""
+def start_fork_server() -> None:
+    """Start the workers' fork server now: its imports (torch, transformers, every family's modules: seconds) go on
+    beside the caller's own imports and tower load, instead of after them when the pool's first worker starts."""
+    _fork_server_context()
+    forkserver.ensure_running()
+
+
+def _fork_server_context() -> mp.context.BaseContext:
+    """Workers forked from a fresh server process that imported torch, transformers and the families' preprocessing
+    once (`visual.fork_server_preload`). The visual process itself has CUDA initialised and must not be forked;
+    spawned workers would each import all of it again (~5-15 CPU-s apiece), which on an 8-worker GPU host competed
+    with the first requests."""
     ctx = mp.get_context("forkserver")
-    modules = ["__main__", __name__]  # __main__: as spawn would import it, here once for all workers
-    if preprocessor is not None and type(preprocessor).__module__ not in ("builtins", "__main__"):
-        modules.append(type(preprocessor).__module__)
-    ctx.set_forkserver_preload(modules)  # a no-op once this process's fork server runs
+    # __main__: as spawn would import it, here once for all workers. No effect once this process's server runs.
+    ctx.set_forkserver_preload(["__main__", "visual.fork_server_preload"])
     return ctx
 
 
@@ -184,7 +191,7 @@ class PreprocessPool:
         self._preprocessor: Preprocessor | None = None
         # The server's prefix, so that its stop removes any pixel segment left behind.
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
-        ctx = _forkserver(preprocessor)
+        ctx = _fork_server_context()
         self._handoff = _Handoff(ctx.Barrier(num_workers))
         self._executor: Executor = ProcessPoolExecutor(
             num_workers,

@@ -26,7 +26,7 @@ from visual.encoder import VisualEncoder
 from visual.messages import EncodeJob, VisualReady
 from visual.models.base import vision_model_class
 from visual.models.weights import read_json
-from visual.preprocess import PreprocessPool
+from visual.preprocess import PreprocessPool, start_fork_server
 from visual.tower_turn import TowerTurn
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ def resolve_device_dtype(cfg: VisualProcessConfig) -> tuple[torch.device, torch.
 
 
 def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
+    if cfg.num_preprocess_workers > 0:
+        start_fork_server()  # the workers' imports, beside ours (7-8 s of the H100 host's start-up, measured)
     architecture = read_json(f"{cfg.model_dir}/config.json")["architectures"][0]
     device, dtype = resolve_device_dtype(cfg)
     extra = {"vision_tower_dir": cfg.vision_tower_dir} if cfg.vision_tower_dir else {}

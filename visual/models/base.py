@@ -65,13 +65,13 @@ def register_vision_model(*architectures: str):
 
 
 def vision_model_class(architecture: str) -> type:
-    _import_families()
+    import_families()
     if architecture not in _REGISTRY:
         raise ValueError(f"no vision model for architecture {architecture!r}; known: {sorted(_REGISTRY)}")
     return _REGISTRY[architecture]
 
 
-def _import_families() -> None:
+def import_families() -> None:
     """Import the family modules so that their decorators run (a missing module is a family not written yet)."""
     import importlib
 
