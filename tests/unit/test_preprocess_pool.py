@@ -77,3 +77,22 @@ def test_the_pool_stop_leaves_no_leaked_semaphores(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert "leaked" not in done.stderr, done.stderr
+
+
+def test_the_fork_server_preload_imports_every_family_without_docstring_generation():
+    """The fork server imports its preload modules and ignores any that fail, so a broken one would only show as
+    slow workers: import it in a fresh interpreter, as the fork server does, and check what it leaves."""
+    check = textwrap.dedent(
+        """
+        import importlib
+        import visual.fork_server_preload
+        d = importlib.import_module("transformers.utils.auto_docstring")  # the module, not the function of its name
+        from visual.models.base import _REGISTRY
+        assert d.auto_class_docstring.__name__ == "_unchanged", d.auto_class_docstring
+        assert "Qwen2VLForConditionalGeneration" in _REGISTRY and "LlavaForConditionalGeneration" in _REGISTRY
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
