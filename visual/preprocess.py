@@ -3,7 +3,9 @@ batches ready pixel tensors through the tower.
 
 A family whose model has `preprocessor()` (a picklable callable holding no weights, e.g. LLaVA's CLIP processor)
 runs in worker processes; otherwise `model.preprocess` runs in threads of the visual process. Worker processes hand
-their pixels back through shared memory (`visual.shared_pixels`), not through the result pipe.
+their pixels back through shared memory (`visual.shared_pixels`), not through the result pipe. They are forked from
+a fork server that imported everything they need once (`start_fork_server`, `visual.fork_server_preload`), and the
+pool counts as started only when every one of them has warmed up.
 """
 
 from __future__ import annotations
