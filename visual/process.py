@@ -85,7 +85,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
     phases.done("tower built and loaded")
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
-    warm = warm_up_tower(model, cfg.max_batch)  # while the pool's workers start
+    warm = warm_up_tower(model, device, cfg.max_batch)  # while the pool's workers start
     phases.done("warm-up")
     pool.wait_started()  # ready means the first image is served at full speed
     phases.done(f"{cfg.num_preprocess_workers} preprocessing workers")
@@ -117,19 +117,18 @@ class StartPhases:
         return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._phases)
 
 
-def warm_up_tower(model, max_batch: int) -> list[torch.Tensor]:
-    """One small image through the tower and projector: the first call loads the kernels and sets up the libraries
-    (about a second on a GPU), which would otherwise land on the first image served. On a GPU, then a full batch of
-    336 px images (LLaVA's size, a common small one), whose embeddings are returned for `VisualEncoder.warm_up`: the
-    first batch of each larger size paid for pinning a bigger staging buffer (cudaHostAlloc, ~35 ms for 30 MB on
-    the H100 host), for new allocator segments and for loading GEMM kernels: 20-60 ms a batch, measured, one after
-    another in the first load after a start."""
+def warm_up_tower(model, device: torch.device, max_batch: int) -> list[torch.Tensor]:
+    """A batch through the tower and projector, its embeddings returned for `VisualEncoder.warm_up`: the first call
+    loads the kernels and sets up the libraries (about a second on a GPU), which would otherwise land on the first
+    image served. On a GPU the batch is a full one of 336 px images (LLaVA's size, a common small one): the first
+    batch of each larger size paid for pinning a bigger staging buffer (cudaHostAlloc, ~35 ms for 30 MB on the H100
+    host), for new allocator segments and for loading GEMM kernels: 20-60 ms a batch, measured, one after another in
+    the first load after a start. On CPU one small image does."""
     gray = Image.new("RGB", (64, 64), (127, 127, 127))
-    out = model.encode([model.preprocess(gray)])
-    if torch.cuda.is_available() and out[0].is_cuda:
-        image = model.preprocess(gray.resize((336, 336)))
-        out = model.encode([image] * max_batch)
-        torch.cuda.synchronize()
+    if device.type != "cuda":
+        return model.encode([model.preprocess(gray)])
+    out = model.encode([model.preprocess(gray.resize((336, 336)))] * max_batch)
+    torch.cuda.synchronize()
     return out
 
 
