@@ -188,6 +188,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._inflight: InflightStep | None = None
+        self._launched_at = 0.0  # perf_counter when the step in flight was launched
         if device.type == "cuda":
             warmup(self)
         logger.info("engine ready: %s on %s (%s), %d KV slots%s", lm.architecture, device, dtype, num_slots,
@@ -273,6 +274,7 @@ class EngineCore:
             staged.drop_finished()
             if staged.num_seqs:
                 self._inflight = self.runner.launch(staged)
+                self._launched_at = time.perf_counter()
         # Built while the device runs the step just launched.
         outputs += [self._output(req, [token], [logprob], top) for req, token, logprob, top in collected]
         if plan or outputs:
@@ -284,6 +286,9 @@ class EngineCore:
         alternatives or None) each; prompt scores go to their requests' prompt_logprobs first."""
         inflight, self._inflight = self._inflight, None
         out = inflight.wait()
+        if logger.isEnabledFor(logging.DEBUG):  # a timeline of the steps (perf_counter: one clock for the host)
+            logger.debug("step timing: launched=%.4f collected=%.4f prefill_tokens=%d decode=%d", self._launched_at,
+                         time.perf_counter(), inflight.num_prefill_tokens, inflight.num_decode)  # fmt: skip
         start = 0
         for req, n in inflight.scored:
             if not req.finished:
@@ -305,6 +310,13 @@ class EngineCore:
         c.prefill_tokens += inflight.num_prefill_tokens
         c.decode_tokens += inflight.num_decode
         return collected
+
+    def prompt_tokens_in_flight(self) -> int:
+        """Prompt tokens the step still on the device prefills (0 when none is in flight or it has finished)."""
+        inflight = self._inflight
+        if inflight is None or inflight.done():
+            return 0
+        return inflight.num_prefill_tokens
 
     def has_prompt_work(self) -> bool:
         """Prompt tokens wait to be prefilled: a request not yet admitted, or one part way through its prompt."""

@@ -17,7 +17,7 @@ from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
 from mmserve.demo import demo_for, ensure_demo_checkpoint
 from mmserve.endpoints import Endpoints, remove_dead_ipc_dirs
-from mmserve.processes import ChildProcess, ChildStartError, exit_now, stop_children
+from mmserve.processes import ChildProcess, ChildStartError, configure_logging, exit_now, stop_children
 from mmserve.tp_workers import check_tp_split, serve_worker_node, spawn_tp_workers
 
 # Light imports only (the spawned children import this module again): the HTTP side's heavy ones (FastAPI,
@@ -28,7 +28,7 @@ logger = logging.getLogger("mmserve")
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until it stops, then exit the process with its status (0: stopped by a signal; 1: failed)."""
     config = parse_config(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(config.log_level)
     raise_fd_limit()
     # SIGTERM unwinds like Ctrl-C, so the `finally` in serve() stops the children even while they are still loading.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

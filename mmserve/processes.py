@@ -46,10 +46,24 @@ def seconds_since_process_start() -> float:
 # --------------------------------------------------------------------------------------------- inside a child
 
 
+# Libraries whose DEBUG lines would drown ours (PIL dumps every PNG chunk it reads): they stay at INFO when the
+# server runs at --log_level debug.
+_CHATTY_LOGGERS = ("PIL", "httpx", "httpcore", "asyncio", "urllib3", "filelock", "fsspec")
+
+
+def configure_logging(log_level: str, name: str = "%(name)s") -> None:
+    """The root logger at `log_level`, each line tagged with `name` (a child's process name, or the logger's)."""
+    level = log_level.upper()
+    logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    if level == "DEBUG":
+        for chatty in _CHATTY_LOGGERS:
+            logging.getLogger(chatty).setLevel(logging.INFO)
+
+
 def setup_child(name: str, log_level: str) -> int:
     """Signal handling of a child: Ctrl-C reaches the whole process group, but only the parent decides to stop
     (it then sends SIGTERM); die with the parent even if it is killed outright. Returns the parent's pid."""
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    configure_logging(log_level, name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
