@@ -93,6 +93,10 @@ class InflightStep:
     scored: list[tuple[Request, int]] = field(default_factory=list)  # prompt_logprobs: (request, positions)
     widths: tuple[int, int, int, int] = (0, 0, 0, 0)  # B, k, S, kp
 
+    def done(self) -> bool:
+        """The device has finished the step (never blocks)."""
+        return self.event is None or self.event.query()
+
     def wait(self) -> HostSamples:
         if self.event is not None:
             self.event.synchronize()

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import zmq
 
 from language.config import EngineConfig
 from language.engine import EngineCore
 from language.sampling_params import SamplingParams
+from mmserve import router as router_module
 from mmserve.checkpoints.llama import build_llama
 from mmserve.messages import AbortRequest, ImagesReady, RouterBatch, TokenizedRequest
 from mmserve.router import Router
+from mmserve.zmq_queue import PullQueue, PushQueue
 
 KV_SLOTS = 256
 
@@ -124,3 +129,45 @@ def test_many_requests_never_exceed_the_cache(router):
 def test_unknown_message_type(router):
     with pytest.raises(TypeError):
         router.handle("hello")
+
+
+class _StepStillRunning:
+    """Stands in for the CUDA event of a step still on the device (a CPU engine finishes each step at launch):
+    `query()` is False until `finished()` says otherwise."""
+
+    def __init__(self, finished):
+        self.finished = finished
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        assert self.queries < 1_000_000, "the router never saw the message that ends the step"
+        return self.finished()
+
+    def synchronize(self) -> None:
+        assert self.finished()
+
+
+def test_a_prompt_that_arrives_during_a_long_prompt_step_joins_the_next_step(router, monkeypatch, tmp_path):
+    monkeypatch.setattr(router_module, "_PLAN_AFTER_PROMPT_TOKENS", 8)  # "a"'s 10-token prompt is a long step
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/inbox"
+    inbox, sender = PullQueue(ctx, addr), PushQueue(ctx, addr)
+    try:
+        router.handle(request("a", prompt_len=10))
+        router.step()  # launches a's prompt
+        inflight = router.core._inflight
+        assert inflight is not None and inflight.num_prefill_tokens == 10
+        # b arrives while a's step runs; the step ends only once the router has taken b in
+        inflight.event = _StepStillRunning(lambda: "b" in router._live)
+        b = request("b")
+        sender.send(dataclasses.replace(b, prompt_ids=list(range(40, 46))))  # shares no prefix with a's prompt
+        router._plan_after_long_step(inbox)
+        assert "b" in router._live and inflight.event.queries > 1
+        router.step()  # collects a's prompt step and launches the next: b's prompt is in it
+        assert router.core._inflight.num_prefill_tokens == 6 and router.core._inflight.num_decode == 1
+        router._plan_after_long_step(inbox)  # a 6-token step is short: planned while it runs (returns at once)
+    finally:
+        inbox.close()
+        sender.close()
+        ctx.term()
