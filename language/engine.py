@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -259,8 +260,12 @@ class EngineCore:
         self._aborted.append(self._output(req, []))
 
     # ---- one step ----
-    def step(self) -> list[RequestOutput]:
-        """Launch the next step and return what the previous one produced (and any aborts)."""
+    def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """Launch the next step and return what the previous one produced (and any aborts).
+
+        emit: if given, it takes those outputs before a step with prompt tokens is launched (and step returns the
+        rest, if any): launching an eager forward over thousands of prompt tokens keeps the host busy for tens of ms,
+        and the previous step's tokens need not wait for that. The device idles only while emit runs."""
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
@@ -273,13 +278,19 @@ class EngineCore:
         if staged is not None:
             staged.drop_finished()
             if staged.num_seqs:
+                if emit is not None and staged.prefill.reqs:
+                    emit(outputs + self._outputs_of(collected))
+                    outputs, collected = [], []
                 self._inflight = self.runner.launch(staged)
                 self._launched_at = time.perf_counter()
         # Built while the device runs the step just launched.
-        outputs += [self._output(req, [token], [logprob], top) for req, token, logprob, top in collected]
+        outputs += self._outputs_of(collected)
         if plan or outputs:
             self.counters.busy_s += time.perf_counter() - t0
         return outputs
+
+    def _outputs_of(self, collected: list[tuple[Request, int, float, TopLogprobs | None]]) -> list[RequestOutput]:
+        return [self._output(req, [token], [logprob], top) for req, token, logprob, top in collected]
 
     def _collect(self) -> list[tuple[Request, int, float, TopLogprobs | None]]:
         """Wait for the step in flight and hand its samples to their requests: (request, token, logprob, its top

@@ -156,12 +156,28 @@ class Router:
             self.core.has_unfinished() or self._abort_issued or self._own_outputs or self._setups or self._encode_needed
         )
 
-    def step(self) -> RouterBatch | None:
-        """One engine step (if anything runs); the batch for the detokenizer, or None if nothing changed."""
-        outputs, self._own_outputs = self._own_outputs, []
-        if self.core.has_unfinished() or self._abort_issued:
-            self._abort_issued = False
-            outputs += [self._from_engine(out) for out in self.core.step()]
+    def step(self, send: Callable[[RouterBatch], None] | None = None) -> RouterBatch | None:
+        """One engine step (if anything runs); the batch for the detokenizer, or None if nothing changed.
+        send: where a batch goes before a prompt step is launched (the previous step's tokens, then, go out before
+        the host spends tens of ms launching it); the rest is returned."""
+        own, self._own_outputs = self._own_outputs, []
+        if not (self.core.has_unfinished() or self._abort_issued):
+            return self._batch(own)
+        self._abort_issued = False
+
+        def emit(early: list[RequestOutput]) -> None:
+            nonlocal own
+            batch = self._batch(own + [self._from_engine(out) for out in early])
+            own = []
+            if batch is not None:
+                send(batch)
+
+        late = self.core.step(emit if send is not None else None)
+        return self._batch(own + [self._from_engine(out) for out in late])
+
+    def _batch(self, outputs: list[TokenOutput]) -> RouterBatch | None:
+        """The detokenizer's batch: these outputs, the setups of requests that arrived since the last batch (before
+        any of their tokens), the requests whose images must be encoded, and the stats if they changed."""
         for out in outputs:
             if out.finished:
                 self._live.discard(out.rid)
@@ -232,7 +248,7 @@ class Router:
                 self.handle(msg)
             self._give_tower_its_turn(inbox)
             self._plan_after_long_step(inbox)
-            batch = self.step()
+            batch = self.step(to_detok.send)
             if batch is not None:
                 to_detok.send(batch)
             now = time.monotonic()

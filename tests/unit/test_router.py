@@ -171,3 +171,26 @@ def test_a_prompt_that_arrives_during_a_long_prompt_step_joins_the_next_step(rou
         inbox.close()
         sender.close()
         ctx.term()
+
+
+def test_tokens_go_out_before_a_prompt_step_is_launched(router):
+    router.handle(request("a", n=4))
+    first = router.step()  # launches a's prompt
+    assert first is not None and [s.rid for s in first.setups] == ["a"] and not first.outputs
+    b = request("b")
+    router.handle(dataclasses.replace(b, prompt_ids=list(range(40, 46))))
+
+    sent: list[tuple[RouterBatch, object]] = []
+    rest = router.step(lambda batch: sent.append((batch, router.core._inflight)))
+    # a's first token went out while nothing was in flight: before the step with b's prompt was launched
+    ((early, inflight_then),) = sent
+    assert inflight_then is None and [o.rid for o in early.outputs] == ["a"] and early.outputs[0].new_token_ids
+    assert [s.rid for s in early.setups] == ["b"]  # b's setup precedes any of its tokens
+    assert router.core._inflight.num_prefill_tokens == 6 and rest is None  # nothing left: stats unchanged
+
+    sent.clear()
+    decode_only = router.step(lambda batch: sent.append((batch, router.core._inflight)))
+    assert not sent  # a decode step is launched at once; its predecessor's tokens come back from step()
+    assert sorted(o.rid for o in decode_only.outputs) == ["a", "b"]
+    batches = run_until_idle(router)
+    assert outputs_of(batches, "a")[-1].output_tokens == 4
