@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from PIL import Image
 
 from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
-from mmserve.multimodal.base64_decode import decode_fast
 from mmserve.multimodal.url_fetch import FetchPolicy, fetch_url
 from visual.image_decode import BadImage, open_header, open_image
 
@@ -59,10 +58,8 @@ def decode_base64(text: str, max_bytes: int) -> bytes:
             raise BadImage("a data: URL image must be base64-encoded")
     if len(text) > (max_bytes + 2) // 3 * 4 + len(text) // 64 + 4:  # room for line breaks, checked again below
         raise BadImage(f"image is larger than {max_bytes} bytes")
-    data = decode_fast(text)  # large well-formed payloads: most of the work without the GIL
     try:
-        if data is None:
-            data = base64.b64decode(text, validate=True)
+        data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         # Line-wrapped base64 (MIME style): strip the whitespace (copying a multi-MB string only in this case).
         try:
