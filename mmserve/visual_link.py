@@ -26,16 +26,28 @@ from mmserve.multimodal.image_io import ImagePolicy
 from mmserve.multimodal.preparer import MultimodalPreparer
 from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.multimodal.url_fetch import FetchPolicy
+from mmserve.processes import parent_alive, run_child
 from mmserve.tokenization import PreparedPrompt, RunSync
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.weights import read_json
-from visual.process import VisualProcessConfig, run_visual_process
+from visual.process import VisualProcessConfig, start_visual_process
 
 logger = logging.getLogger(__name__)
 
 # Threads that decode, check and hash request images. Decoding and hashing release the GIL, so this scales with the
 # cores (the tokenizer pool, --tokenizer_workers, is 2 by default and also parses request bodies).
 IMAGE_WORKERS = max(4, min(32, os.cpu_count() or 4))
+
+
+def run_visual_process(cfg: VisualProcessConfig, ready: Connection) -> None:
+    """The visual process: `visual.process.start_visual_process` inside the children's common plumbing (signals,
+    logging, the ready handshake over `ready`, exiting with the parent)."""
+
+    def start():
+        info, serve_while = start_visual_process(cfg)
+        return info, lambda parent_pid: serve_while(lambda: parent_alive(parent_pid))
+
+    run_child("visual", cfg.log_level, ready, start)
 
 
 def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str, ready: Connection) -> None:

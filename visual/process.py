@@ -4,8 +4,9 @@ process until its parent goes away.
     jobs:    HTTP --EncodeJob--> visual  (zmq PULL, bound here at `jobs_addr`)
     results: visual --EncodeDone/EncodeFailed--> HTTP  (zmq PUSH, connects to `results_addr`)
 
-Started like the other children: `spawn_child("visual", run_visual_process, cfg)`; its ready payload is a
-`VisualReady` (the HTTP process keys the cache with its `cache_salt`).
+`start_visual_process` loads it; the server runs it as a child process (`mmserve.visual_link.run_visual_process`,
+spawned like the other children), whose ready payload is a `VisualReady` (the HTTP process keys the cache with its
+`cache_salt`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 import torch
 import zmq
@@ -171,31 +172,28 @@ def _receive_jobs(encoder: VisualEncoder, jobs: zmq.Socket, stop: threading.Even
             encoder.submit(job)
 
 
-def run_visual_process(cfg: VisualProcessConfig, ready: Connection) -> None:
-    """Process entry (spawned by the server's parent)."""
-    from mmserve.processes import parent_alive, run_child
+def start_visual_process(cfg: VisualProcessConfig) -> tuple[VisualReady, Callable[[Callable[[], bool]], None]]:
+    """Load the encoder and open the sockets: the ready payload, and the loop that serves jobs while `alive()`
+    holds. The process plumbing around it (signals, logging, the ready handshake, exiting with the parent) is the
+    server's: `mmserve.visual_link.run_visual_process`."""
+    encoder, info = load_encoder(cfg)
+    if info.device.startswith("cuda"):
+        torch.set_num_threads(1)  # its CPU work is in the pool; spare threads would only contend with the router
+    ctx = zmq.Context()
+    jobs, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (jobs, results):
+        sock.setsockopt(zmq.LINGER, 0)
+    jobs.bind(cfg.jobs_addr)
+    results.connect(cfg.results_addr)
+    logger.info("vision model %s loaded on %s (%s)", info.architecture, info.device, info.dtype)
 
-    def start():
-        encoder, info = load_encoder(cfg)
-        if info.device.startswith("cuda"):
-            torch.set_num_threads(1)  # its CPU work is in the pool; spare threads would only contend with the router
-        ctx = zmq.Context()
-        jobs, results = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        for sock in (jobs, results):
-            sock.setsockopt(zmq.LINGER, 0)
-        jobs.bind(cfg.jobs_addr)
-        results.connect(cfg.results_addr)
-        logger.info("vision model %s loaded on %s (%s)", info.architecture, info.device, info.dtype)
+    def serve_while(alive: Callable[[], bool]) -> None:
+        try:
+            serve(encoder, jobs, results, alive)
+        finally:
+            encoder.shutdown()
+            jobs.close()
+            results.close()
+            ctx.term()
 
-        def serve_until_parent_exits(parent_pid: int) -> None:
-            try:
-                serve(encoder, jobs, results, lambda: parent_alive(parent_pid))
-            finally:
-                encoder.shutdown()
-                jobs.close()
-                results.close()
-                ctx.term()
-
-        return info, serve_until_parent_exits
-
-    run_child("visual", cfg.log_level, ready, start)
+    return info, serve_while

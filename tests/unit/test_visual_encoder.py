@@ -13,12 +13,13 @@ from cache.shm_store import list_segments, new_prefix, read_embedding, unlink_al
 from mmserve.checkpoints.llava import build_llava_hf
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
 from mmserve.processes import spawn_child, stop_children, wait_ready
+from mmserve.visual_link import run_visual_process
 from visual.encoder import VisualEncoder, consecutive_view
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.llava import LlavaVisionModel
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 from visual.preprocess import PreprocessPool
-from visual.process import VisualProcessConfig, run_visual_process
+from visual.process import VisualProcessConfig
 from visual.stats import VisionStats, parse_stats_line
 
 CPU = torch.device("cpu")
