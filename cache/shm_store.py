@@ -17,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from visual.pids import pid_alive
 from visual.shm_segments import (
     list_segments,
     new_prefix,
@@ -41,19 +42,6 @@ __all__ = [
 
 _SHM_DIR = "/dev/shm"  # where Linux lists POSIX shared memory
 _OWNER = re.compile(r"mmsv_(\d+)_")  # the start of every name new_prefix() makes
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process `pid` exists (a zombie counts: its parent may still clean up after it)."""
-    if pid <= 0:
-        return True  # not a pid we can ask about: keep
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    return True
 
 
 def remove_dead_segments() -> list[str]:

@@ -30,6 +30,7 @@ from PIL import Image
 from visual.hf_imports import skip_docstring_generation
 from visual.image_decode import BadImage, open_image
 from visual.models.base import ImageInput
+from visual.pids import pid_alive
 from visual.shared_pixels import SharedPixels, discard, share_tensor, take_tensor
 
 Preprocessor = Callable[[Image.Image], ImageInput]
@@ -61,19 +62,11 @@ def _leave_with(pid: int) -> None:
             pidfd = os.pidfd_open(pid)  # Linux >= 5.3: readable once the process has exited
             select.select([pidfd], [], [])
         except (AttributeError, OSError):
-            while _alive(pid):
+            while pid_alive(pid):
                 time.sleep(0.5)
         os._exit(0)
 
     threading.Thread(target=watch, name="leave-with-visual", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _init_worker(pickled_preprocessor: bytes, handoff: _Handoff) -> None:
