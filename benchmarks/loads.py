@@ -167,12 +167,19 @@ def _load_index(load: Load) -> int:
     return list(LOADS).index(load.name) + 1
 
 
-def requests_for(load: Load, family: str, n_words: int = 64) -> tuple[list[RequestSpec], RequestSpec | None]:
+# Seeds of round r start r * ROUND_STRIDE higher: apart from every load's own range (load index * 100_000).
+ROUND_STRIDE = 10_000_000
+
+
+def requests_for(
+    load: Load, family: str, n_words: int = 64, image_round: int = 0
+) -> tuple[list[RequestSpec], RequestSpec | None]:
     """(timed requests, the cache-warming request sent before them or None). Question i of every load is the same
-    text (so text_x64 is img336_x64 with the image removed); image seeds are unique per load and request."""
+    text (so text_x64 is img336_x64 with the image removed); image seeds are unique per load and request, and per
+    `image_round`: a repeat of a load against one running server with a new round misses the embedding cache."""
     if load.is_chat:
         raise ValueError(f"{load.name} is a multi-turn chat: its requests depend on the answers (chat_conversations)")
-    base = _load_index(load) * 100_000
+    base = _load_index(load) * 100_000 + image_round * ROUND_STRIDE
     with_image = load.size is not None
     shared = random_png(base + 99_999, load.size) if load.same_image and with_image else None
     specs = []

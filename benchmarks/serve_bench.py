@@ -234,7 +234,7 @@ def run_chat_load(url: str, load: Load, family: str, args: argparse.Namespace) -
 def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
     if load.is_chat:
         return run_chat_load(url, load, family, args)
-    specs, warm = requests_for(load, family, args.question_words)
+    specs, warm = requests_for(load, family, args.question_words, args.image_round)
     bodies = [s.body(args.max_new_tokens) for s in specs]
     if warm is not None:  # the image is seen once before: the timed requests hit the embedding cache
         res, _, _ = asyncio.run(run_sequential(url, [warm.body(args.max_new_tokens)], "cache warm", args.timeout))
@@ -336,6 +336,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--question_words", type=int, default=64, help="words in each question")
     ap.add_argument("--no_warmup", action="store_true")
+    ap.add_argument(
+        "--image_round",
+        type=int,
+        default=0,
+        help="new random images (round N's seeds): repeats of a load against one running server miss its cache",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="per request, s")
     ap.add_argument("--startup", action="store_true", help="report start-to-healthy of the server started here")
     ap.add_argument("--startup_timeout", type=float, default=600)

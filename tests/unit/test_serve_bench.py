@@ -129,6 +129,16 @@ def test_select_loads_and_overrides() -> None:
         select_loads("img999_x1")
 
 
+def test_image_rounds_give_new_images_and_the_same_questions() -> None:
+    load = select_loads("img336_x64", num_requests=2)[0]
+    first, _ = requests_for(load, "qwen2_vl", n_words=8)
+    again, _ = requests_for(load, "qwen2_vl", n_words=8, image_round=0)
+    second, _ = requests_for(load, "qwen2_vl", n_words=8, image_round=1)
+    assert first == again
+    assert [s.prompt for s in first] == [s.prompt for s in second]
+    assert not {s.image_png for s in first} & {s.image_png for s in second}
+
+
 def test_requests_same_image_and_text_twins() -> None:
     same, warm = requests_for(select_loads("img896_same_x64", num_requests=3)[0], "qwen2_vl", n_words=8)
     assert warm is not None and all(s.image_png == warm.image_png for s in same)
