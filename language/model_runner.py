@@ -2,8 +2,9 @@
 
 A step's integer inputs go to the device in one copy from a pinned buffer; the ids of decode rows never leave the
 device (the previous step scattered its samples into `last_token`, indexed by table row); image embeddings are
-copied on a side stream; sampled ids and log-probs come back through a non-blocking copy into pinned memory that
-`InflightStep.wait` reads once the step's CUDA event has fired. Pure decode steps replay a captured CUDA graph.
+uploaded on a side stream (`EmbedUpload`); sampled ids and log-probs come back through a non-blocking copy into
+pinned memory that `InflightStep.wait` reads once the step's CUDA event has fired. Pure decode steps replay a
+captured CUDA graph.
 
 Log-probabilities beyond the chosen token's cost nothing unless asked: top-k alternatives are computed for a step
 only when one of its rows asks (top_logprobs), and the head runs over prompt positions only for the chunks of
@@ -18,42 +19,17 @@ import numpy as np
 import torch
 
 from language.cuda_graph import DecodeGraphs
+from language.embed_upload import EmbedUpload
 from language.forward_batch import ForwardBatch
 from language.kv_cache import KVCache
 from language.parallel import step_sync
 from language.parallel.step_sync import StepChannel, StepMessage
+from language.pinned_staging import PinnedStaging
 from language.request import Request, TopLogprobs
 from language.sampler import Samples, SamplingBatch, sample, sample_greedy, token_logprobs
 from language.step_inputs import StagedStep
 
 _ALIGN = 16  # int64 elements: 128 bytes
-
-
-class PinnedStaging:
-    """Two pinned host buffers used in turn (one may still feed an in-flight copy) and one device buffer, grown on
-    demand. On CPU both are plain memory."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.int64):
-        self.device, self.dtype = device, dtype
-        self._pin = device.type == "cuda"
-        self._host: list[torch.Tensor] = [torch.empty(0, dtype=dtype), torch.empty(0, dtype=dtype)]
-        self._dev = torch.empty(0, dtype=dtype, device=device)
-        self._turn = 0
-
-    def host(self, n: int) -> torch.Tensor:
-        self._turn ^= 1
-        if self._host[self._turn].numel() < n:
-            size = max(1024, 1 << (n - 1).bit_length())
-            self._host[self._turn] = torch.empty(size, dtype=self.dtype, pin_memory=self._pin)
-        return self._host[self._turn][:n]
-
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        n = host.numel()
-        if self._dev.numel() < n:
-            self._dev = torch.empty(max(1024, 1 << (n - 1).bit_length()), dtype=self.dtype, device=self.device)
-        dev = self._dev[:n]
-        dev.copy_(host, non_blocking=True)
-        return dev
 
 
 @dataclass
@@ -171,7 +147,7 @@ class ModelRunner:
         self._ids_out = PinnedStaging(device)
         self._lp_out = PinnedStaging(device, torch.float32)
         on_gpu = device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if on_gpu else None
+        self.embeds = EmbedUpload(device)
         self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and on_gpu else None
 
     @torch.inference_mode()
@@ -196,7 +172,7 @@ class ModelRunner:
                 self.channel.send(step_sync.EAGER, layout.fields() + [all_greedy], packed)
             embeds = None
             if layout.num_mm:
-                embeds = self._embeds_to_device(staged.prefill.mm_embeds)
+                embeds = self.embeds.to_device(staged.prefill.mm_embeds, self.model.embed_tokens.weight.dtype)
                 if self.channel is not None:
                     self.channel.share(embeds)
             batch, targets = self._batch(packed, layout, embeds)
@@ -324,23 +300,6 @@ class ModelRunner:
             mm_positions=mm_rows_d if layout.num_mm else None,
         )
         return batch, scored_d
-
-    def _embeds_to_device(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """[M, hidden] in the LM's dtype. On GPU the copy runs on a side stream, so the host returns while it
-        proceeds beside the step in flight; the compute stream waits for it before the splice."""
-        dtype = self.model.embed_tokens.weight.dtype  # the visual process may run in another dtype
-        host = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if self._copy_stream is None:
-            return host.to(dtype)
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._copy_stream):
-            # Allocated from the copy stream's pool, so it never reuses memory the step in flight still reads;
-            # record_stream keeps it from being reused before the compute stream is done with it.
-            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            out.copy_(host, non_blocking=True)
-        out.record_stream(compute)
-        compute.wait_stream(self._copy_stream)
-        return out.to(dtype)
 
 
 def _copy_out(staging: PinnedStaging, parts: list[torch.Tensor | None]) -> torch.Tensor:
