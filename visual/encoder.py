@@ -23,7 +23,7 @@ from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualResult
 from visual.models.base import ImageInput
 from visual.preprocess import PreprocessPool
 from visual.shm_segments import write_embedding
-from visual.staging import HostStaging
+from visual.staging import HostStaging, in_parallel
 from visual.stats import VisionStats
 from visual.tower_turn import TowerTurn
 
@@ -106,8 +106,9 @@ class VisualEncoder:
                         raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
                 host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
             encoded = time.perf_counter()
-            for (key, _, _), emb in zip(batch, host, strict=True):
-                write_embedding(self.shm_prefix, key, emb)  # host -> shm: a memcpy
+            # host -> shm: a memcpy per image, into pages that fault in as they are written
+            keys = [key for key, _, _ in batch]
+            in_parallel(lambda pair: write_embedding(self.shm_prefix, *pair), zip(keys, host, strict=True))
         except Exception as e:  # the model or the shared memory failed: these keys fail, the process goes on
             logger.exception("encoding %d images failed", len(batch))
             self.stats.failed += len(batch)
