@@ -38,8 +38,15 @@ def in_parallel(fn: Callable[[T], object], items: Iterable[T]) -> None:
     global _copier
     if _copier is None:
         _copier = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="visual-copy")
-    for _ in _copier.map(fn, items):  # consumes the results, so an error surfaces here
+    for _ in _copier.map(_in_inference_mode, [fn] * len(items), items):  # consumed: an error surfaces here
         pass
+
+
+def _in_inference_mode(fn: Callable[[T], object], item: T) -> object:
+    """Threads do not inherit inference mode, and the buffers the tower's batch uses are inference tensors (which
+    only inference mode may write into)."""
+    with torch.inference_mode():
+        return fn(item)
 
 
 class HostStaging:
