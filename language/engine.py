@@ -249,7 +249,6 @@ class EngineCore:
             raise PrefixNotCached(f"request {req.rid}: an image sent without embeddings is not in the prefix cache")
         self._requests[req.rid] = req
         self.scheduler.add(req)
-        self.runner.embeds.prefetch(req.mm_items)  # into pinned memory while it waits for its step
 
     def abort(self, rid: str) -> None:
         """Finish a request now. If a step in flight still writes its cache, its slots are reused only by later
