@@ -17,7 +17,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
-_PAIRS = re.compile(r"(\w+)=([-\w.]+)")
+FIELDS = re.compile(r"(\w+)=([-\w.]+)")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def parse_line(line: str) -> Event | None:
     """The event a debug line records, or None for any other line."""
     if " DEBUG " not in line:
         return None
-    f = dict(_PAIRS.findall(line.split(" DEBUG ", 1)[1]))
+    f = dict(FIELDS.findall(line.split(" DEBUG ", 1)[1]))
     if "step timing:" in line:
         start = float(f["launched"])
         return Event(start, float(f["collected"]), "step", f"prefill={f['prefill_tokens']} decode={f['decode']}")

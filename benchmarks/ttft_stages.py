@@ -1,0 +1,127 @@
+"""Where a burst's time to first token goes, stage by stage, from a server's `--log_level debug` log.
+
+    python benchmarks/ttft_stages.py SERVER_LOG [--min_requests 16]
+
+The HTTP side's `request timing` and `image request timing` lines and the router's `router timing` line of one
+request share its rid; requests whose HTTP starts lie within a second of each other form a burst (a load run against
+the server). Per burst of at least --min_requests requests, the median, 10th and 90th percentile of each stage:
+
+- start: the HTTP handler's start, after the burst's first (the intake's spread: the client's upload and the
+  server's event loop)
+- read+parse: the body's read and its JSON parse
+- image+prompt: the images' decode, check and hash, and the prompt's expansion and tokenization
+- encode wait: from the encode jobs' submission to the embeddings being in the cache (preprocessing, the queue for
+  the tower, the tower batch, the shared-memory write)
+- router: from the request's arrival in the router to its first token leaving it (the wait for a step, and the
+  prefill)
+- first token: from the burst's first start to the request's first token leaving the router
+
+and, over the burst's window, the router's host time per prompt step (from the previous step's read-back to the
+launch returning), which the device waits through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/ttft_stages.py` from anywhere
+
+from benchmarks.log_timeline import FIELDS  # noqa: E402
+
+STAGES = ("start", "read+parse", "image+prompt", "encode wait", "router", "first token")
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(FIELDS.findall(line.split(" DEBUG ", 1)[1]))
+
+
+def requests_and_steps(lines) -> tuple[dict[str, dict[str, float]], list[tuple[float, float, int]]]:
+    """Per rid: the stages' raw figures (s); and the steps as (launched, collected, prompt tokens)."""
+    reqs: dict[str, dict[str, float]] = defaultdict(dict)
+    steps = []
+    for line in lines:
+        if " DEBUG " not in line:
+            continue
+        f = _fields(line)
+        if "image request timing:" in line:
+            r = reqs[f["rid"]]
+            r["image+prompt"] = (float(f["load_hash_ms"]) + float(f["prompt_ms"])) / 1e3
+            r["encode wait"] = float(f["encode_wait_ms"]) / 1e3
+        elif "request timing:" in line and "start" in f:
+            r = reqs[f["rid"]]
+            r["http_start"] = float(f["start"])
+            r["read+parse"] = (float(f["read_ms"]) + float(f["parse_ms"])) / 1e3
+        elif "router timing:" in line:
+            r = reqs[f["rid"]]
+            r["router"] = float(f["first_token_ms"]) / 1e3
+            r["first_token_at"] = float(f["arrived"]) + r["router"]
+        elif "step timing:" in line:
+            steps.append((float(f["launched"]), float(f["collected"]), int(f["prefill_tokens"])))
+    complete = {rid: r for rid, r in reqs.items() if {"http_start", "first_token_at"} <= r.keys()}
+    return complete, sorted(steps)
+
+
+def bursts(reqs: dict[str, dict[str, float]], gap_s: float = 1.0) -> list[list[dict[str, float]]]:
+    """Requests grouped by HTTP start: a new burst begins after a gap of more than gap_s."""
+    out: list[list[dict[str, float]]] = []
+    for r in sorted(reqs.values(), key=lambda r: r["http_start"]):
+        if not out or r["http_start"] - out[-1][-1]["http_start"] > gap_s:
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def burst_stages(burst: list[dict[str, float]]) -> dict[str, list[float]]:
+    """Each stage's figures (s) over the burst's requests (a stage a request did not go through is left out)."""
+    t0 = burst[0]["http_start"]
+    stages: dict[str, list[float]] = {name: [] for name in STAGES}
+    for r in burst:
+        stages["start"].append(r["http_start"] - t0)
+        stages["first token"].append(r["first_token_at"] - t0)
+        for name in ("read+parse", "image+prompt", "encode wait", "router"):
+            if name in r:
+                stages[name].append(r[name])
+    return stages
+
+
+def prompt_step_host_gaps(steps: list[tuple[float, float, int]], since: float, until: float) -> list[float]:
+    """Per prompt step launched in [since, until]: seconds from the previous step's read-back to its launch."""
+    gaps = []
+    for (_, prev_collected, _), (launched, _, tokens) in zip(steps, steps[1:], strict=False):
+        if tokens and since <= launched <= until and launched - prev_collected < 1.0:
+            gaps.append(launched - prev_collected)
+    return gaps
+
+
+def _quantiles(values: list[float]) -> str:
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return f"p50 {statistics.median(v) * 1e3:7.1f}  p10 {pick(0.1) * 1e3:7.1f}  p90 {pick(0.9) * 1e3:7.1f} ms"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("log")
+    ap.add_argument("--min_requests", type=int, default=16)
+    args = ap.parse_args()
+    with open(args.log, errors="replace") as f:
+        reqs, steps = requests_and_steps(f)
+    for burst in bursts(reqs):
+        if len(burst) < args.min_requests:
+            continue
+        t0, t1 = burst[0]["http_start"], max(r["first_token_at"] for r in burst)
+        print(f"burst at {t0:.3f}: {len(burst)} requests")
+        for name, values in burst_stages(burst).items():
+            if values:
+                print(f"  {name:13s} {_quantiles(values)}")
+        gaps = prompt_step_host_gaps(steps, t0, t1)
+        if gaps:
+            print(f"  {'step host':13s} {_quantiles(gaps)}  ({len(gaps)} prompt steps)")
+
+
+if __name__ == "__main__":
+    main()
