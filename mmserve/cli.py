@@ -65,12 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
     )
-    p.add_argument(
-        "--prefill_turn_ms",
-        type=float,
-        default=0.0,
-        help="how long a vision tower batch may wait while the LM runs a step with prompt tokens (0: never)",
-    )
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
     p.add_argument(
         "--max_image_pixels",
@@ -154,7 +148,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
             tower_turn_ms=args.tower_turn_ms,
-            prefill_turn_ms=args.prefill_turn_ms,
             max_image_pixels=args.max_image_pixels,
             max_images_per_request=args.max_images_per_request,
             vision_tower_dir=args.vision_tower_dir,

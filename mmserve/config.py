@@ -70,9 +70,6 @@ class ServerConfig:
     # Per decode-only step, how long the router may hold back while the vision tower runs a batch (its turn on the
     # shared GPU, visual/tower_turn.py); 0: never
     tower_turn_ms: float = 20.0
-    # Per tower batch, how long the visual process may hold back while the router runs a step with prompt tokens
-    # (the router's turn, visual/tower_turn.py); 0: never
-    prefill_turn_ms: float = 0.0
     visual_max_restarts: int = 3  # deaths of the visual process in a row it is restarted after; then the server exits
 
     def __post_init__(self) -> None:

@@ -62,7 +62,6 @@ class Router:
         self._embed_reader = embed_reader
         self._tower_turn = tower_turn if tower_turn_s > 0 else None
         self._tower_turn_s = tower_turn_s
-        self._turns = tower_turn  # our own flag in it, for the visual process: a prompt step runs
         self._awaiting_images: dict[str, TokenizedRequest] = {}
         self._early_ready: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[str] = set()  # rids inside the engine core
@@ -250,8 +249,6 @@ class Router:
             self._give_tower_its_turn(inbox)
             self._plan_after_long_step(inbox)
             batch = self.step(to_detok.send)
-            if self._turns is not None:
-                self._turns.set_prefill(self.core.prompt_tokens_in_flight() > 0)
             if batch is not None:
                 to_detok.send(batch)
             now = time.monotonic()

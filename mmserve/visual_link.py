@@ -63,7 +63,6 @@ def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str
         vision_tower_dir=config.vision_tower_dir,
         log_level=config.log_level,
         load_format=config.load_format,
-        prefill_turn_ms=config.prefill_turn_ms,
     )
     run_visual_process(cfg, ready)
 

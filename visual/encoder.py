@@ -35,17 +35,10 @@ class VisualEncoder:
     starts on an image while the tower runs); `step`, `has_work` and `shutdown` from one thread only."""
 
     def __init__(
-        self,
-        model,
-        pool: PreprocessPool,
-        shm_prefix: str,
-        max_batch: int = 16,
-        turn: TowerTurn | None = None,
-        prefill_turn_s: float = 0.0,
+        self, model, pool: PreprocessPool, shm_prefix: str, max_batch: int = 16, turn: TowerTurn | None = None
     ):
         self.model = model
         self.turn = turn  # raised while a batch runs: the router holds back decode-only steps meanwhile
-        self.prefill_turn_s = prefill_turn_s  # the longest a batch waits while the router's prompt step runs
         self.pool = pool
         self.shm_prefix = shm_prefix
         self.max_batch = max_batch
@@ -83,9 +76,6 @@ class VisualEncoder:
             return []
         if timeout_s > 0 and not any(f.done() for _, _, f in self._preprocessing):
             wait([f for _, _, f in self._preprocessing], timeout=timeout_s, return_when=FIRST_COMPLETED)
-        if self.turn is not None and self.prefill_turn_s > 0 and any(f.done() for _, _, f in self._preprocessing):
-            # The router's prompt step first (visual/tower_turn.py); images preprocessed meanwhile join this batch.
-            self.stats.prefill_wait_s += self.turn.wait_for_prefill(self.prefill_turn_s)
         results: list[VisualResult] = []
         batch: list[tuple[str, float, ImageInput]] = []
         waiting: deque[tuple[str, float, Future[ImageInput]]] = deque()

@@ -32,7 +32,6 @@ class VisionStats:
     latency_s: float = 0.0
     tower_s: float = 0.0
     write_s: float = 0.0
-    prefill_wait_s: float = 0.0  # batches held back while the router's prompt step ran (--prefill_turn_ms)
 
     def copy(self) -> VisionStats:
         return dataclasses.replace(self)
@@ -62,7 +61,6 @@ class VisionStats:
             "latency_ms": f"{(self.latency_s - since.latency_s) / per_image * 1e3:.1f}",
             "tower_ms": f"{tower / per_batch * 1e3:.1f}",
             "write_ms": f"{write / per_batch * 1e3:.1f}",
-            "prefill_wait_ms": f"{(self.prefill_wait_s - since.prefill_wait_s) / per_batch * 1e3:.1f}",
             "busy": f"{(tower + write) / max(elapsed_s, 1e-9):.2f}",
             "failed": self.failed - since.failed,
         }

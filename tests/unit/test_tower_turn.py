@@ -1,11 +1,10 @@
-"""Turns on the shared GPU (visual/tower_turn.py): the flag the visual process raises while a batch runs, as the
-router reads it, and the router holding back decode-only steps while it is up (real engine core on CPU, real zmq
-inbox); the router's own flag, and the visual process waiting on it."""
+"""The vision tower's turn on the shared GPU (visual/tower_turn.py): the flag the visual process raises while a batch
+runs, as the router reads it, and the router holding back decode-only steps while it is up (real engine core on
+CPU, real zmq inbox)."""
 
 from __future__ import annotations
 
 import pickle
-import threading
 import time
 
 import pytest
@@ -124,17 +123,3 @@ def test_without_a_turn_nothing_waits(model_dir, prefix):
         router.step()
     assert not router.core.has_prompt_work()
     assert _held_s(router, None) < 0.01  # never reads the inbox either
-
-
-def test_the_visual_process_waits_while_the_routers_prompt_step_runs(prefix, reopen_at_once):
-    visual = TowerTurn(prefix)
-    visual.create()
-    router = pickle.loads(pickle.dumps(TowerTurn(prefix)))
-    assert visual.wait_for_prefill(1.0) < 0.05  # no prompt step: no wait
-    router.set_prefill(True)
-    assert 0.1 <= visual.wait_for_prefill(0.1) < 0.5  # up: waits, but no longer than its limit
-    timer = threading.Timer(0.05, router.set_prefill, args=(False,))
-    timer.start()
-    assert visual.wait_for_prefill(5.0) < 1.0  # lowered mid-wait: the wait ends
-    timer.join()
-    assert not visual.is_up()  # the router's flag is not the tower's

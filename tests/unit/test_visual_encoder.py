@@ -21,7 +21,6 @@ from visual.models.qwen2_vl import Qwen2VLVisionModel
 from visual.preprocess import PreprocessPool
 from visual.process import VisualProcessConfig
 from visual.stats import VisionStats, parse_stats_line
-from visual.tower_turn import TowerTurn
 
 CPU = torch.device("cpu")
 
@@ -113,13 +112,11 @@ def test_stats_line_round_trip():
     before = stats.copy()
     stats.add_batch(tower_s=0.1, write_s=0.02, decode_s=0.03, preprocess_s=0.05, latency_s=0.8, images=4)
     stats.add_batch(tower_s=0.3, write_s=0.02, decode_s=0.01, preprocess_s=0.03, latency_s=0.4, images=2)
-    stats.prefill_wait_s += 0.05
     line = "2024-01-01 INFO visual: " + stats.summary(before, elapsed_s=2.0)
     fields = parse_stats_line(line)
     assert fields == {
         "images": 6, "batches": 2, "images_per_batch": 3.0, "images_per_s": 3.0, "decode_ms": 6.7,
-        "preprocess_ms": 13.3, "latency_ms": 200.0, "tower_ms": 200.0, "write_ms": 20.0, "prefill_wait_ms": 25.0,
-        "busy": 0.22, "failed": 0,
+        "preprocess_ms": 13.3, "latency_ms": 200.0, "tower_ms": 200.0, "write_ms": 20.0, "busy": 0.22, "failed": 0,
     }  # fmt: skip
     assert parse_stats_line("router: 12 steps") is None
 
@@ -163,19 +160,3 @@ def test_visual_process_over_zmq_and_cleanup_after_kill(model_dir, prefix, tmp_p
         stop_children([child])
         results.close()
         ctx.term()
-
-
-def test_a_batch_waits_its_turn_while_the_router_runs_a_prompt_step(model_dir, prefix):
-    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    turn = TowerTurn(prefix)
-    turn.create()
-    TowerTurn(prefix).set_prefill(True)  # the router's side: a prompt step runs (and it never ends here)
-    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, prefill_turn_s=0.2)
-    for key, seed in (("a", 0), ("b", 1)):
-        encoder.submit(EncodeJob(key, png(40, 40, seed)))
-    results = []
-    while encoder.has_work():
-        results += encoder.step(timeout_s=30)
-    encoder.shutdown()
-    assert sorted(r.key for r in results if isinstance(r, EncodeDone)) == ["a", "b"]  # held back, not starved
-    assert encoder.stats.prefill_wait_s >= 0.2 * encoder.stats.batches
