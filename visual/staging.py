@@ -15,7 +15,7 @@ the GIL, so the threads run side by side.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import torch
@@ -29,7 +29,8 @@ _copier: ThreadPoolExecutor | None = None
 
 
 def in_parallel(fn: Callable[[T], object], items: Iterable[T]) -> None:
-    """fn(item) for every item, on the copy threads (inline for a single item); re-raises the first error."""
+    """fn(item) for every item, on the copy threads (inline for a single item). Returns once every call has ended,
+    so that nothing still writes when a failure is reported; then re-raises the first error, in item order."""
     items = list(items)
     if len(items) < 2:
         for item in items:
@@ -38,8 +39,10 @@ def in_parallel(fn: Callable[[T], object], items: Iterable[T]) -> None:
     global _copier
     if _copier is None:
         _copier = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="visual-copy")
-    for _ in _copier.map(_in_inference_mode, [fn] * len(items), items):  # consumed: an error surfaces here
-        pass
+    futures = [_copier.submit(_in_inference_mode, fn, item) for item in items]
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 def _in_inference_mode(fn: Callable[[T], object], item: T) -> object:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -30,9 +31,14 @@ def test_in_parallel_runs_every_item_and_reraises() -> None:
     assert sorted(seen) == list(range(32))
     assert all(name.startswith("visual-copy") for name in threads)
 
+    ended = []
+
     def fail(i: int) -> None:
-        if i == 5:
+        if i == 1:
             raise OSError("no space left in /dev/shm")
+        time.sleep(0.05)
+        ended.append(i)
 
     with pytest.raises(OSError, match="no space"):
         in_parallel(fail, range(8))
+    assert sorted(ended) == [0, 2, 3, 4, 5, 6, 7]  # every other copy had ended when the error came out
