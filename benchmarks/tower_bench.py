@@ -1,7 +1,7 @@
 """Check and time Qwen2-VL's packed vision attention on a GPU: run from the repo root on a CUDA host,
 
-    python -m visual.bench_tower                    # tiny + 7B-shaped towers, bf16
-    python -m visual.bench_tower --shapes tiny --iters 3
+    python benchmarks/tower_bench.py                    # tiny + 7B-shaped towers, bf16
+    python benchmarks/tower_bench.py --shapes tiny --iters 3
 
 For each tower shape (random weights from mmserve/checkpoints/qwen2_vl.py's specs, built in memory, no files):
 1. the varlen kernel against per-image SDPA on packed random q/k/v (the attention function alone);
@@ -20,22 +20,25 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import Qwen2VLConfig, Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from mmserve.checkpoints.qwen2_vl import CLIP_MEAN, CLIP_STD, qwen2_vl_config, vision_tensor_specs
-from mmserve.checkpoints.writer import make_tensor
-from visual.models.base import ImageInput
-from visual.models.packed_attention import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/tower_bench.py` from anywhere
+
+from mmserve.checkpoints.qwen2_vl import CLIP_MEAN, CLIP_STD, qwen2_vl_config, vision_tensor_specs  # noqa: E402
+from mmserve.checkpoints.writer import make_tensor  # noqa: E402
+from visual.models.base import ImageInput  # noqa: E402
+from visual.models.packed_attention import (  # noqa: E402
     call_varlen,
     can_use_varlen,
     pack_index,
     sdpa_per_segment,
     torch_varlen_attn,
 )
-from visual.models.qwen2_vl import Qwen2VLVisionModel
+from visual.models.qwen2_vl import Qwen2VLVisionModel  # noqa: E402
 
 PATCH, MERGE = 14, 2
 CHECK_SIDES = [(336, 336), (896, 896), (448, 252), (1120, 644)]  # (width, height): mixed grids in one batch
