@@ -17,7 +17,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
-FIELDS = re.compile(r"(\w+)=([-\w.]+)")
+_FIELDS = re.compile(r"(\w+)=([-\w.]+)")
 
 
 @dataclass(frozen=True)
@@ -28,11 +28,18 @@ class Event:
     what: str
 
 
-def parse_line(line: str) -> Event | None:
-    """The event a debug line records, or None for any other line."""
+def debug_fields(line: str) -> dict[str, str] | None:
+    """The `name=value` fields of a DEBUG line's message, or None for any other line."""
     if " DEBUG " not in line:
         return None
-    f = dict(FIELDS.findall(line.split(" DEBUG ", 1)[1]))
+    return dict(_FIELDS.findall(line.split(" DEBUG ", 1)[1]))
+
+
+def parse_line(line: str) -> Event | None:
+    """The event a debug line records, or None for any other line."""
+    f = debug_fields(line)
+    if f is None:
+        return None
     if "step timing:" in line:
         start = float(f["launched"])
         return Event(start, float(f["collected"]), "step", f"prefill={f['prefill_tokens']} decode={f['decode']}")

@@ -30,13 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/ttft_stages.py` from anywhere
 
-from benchmarks.log_timeline import FIELDS  # noqa: E402
+from benchmarks.log_timeline import debug_fields  # noqa: E402
 
 STAGES = ("start", "read+parse", "image+prompt", "encode wait", "router", "first token")
-
-
-def _fields(line: str) -> dict[str, str]:
-    return dict(FIELDS.findall(line.split(" DEBUG ", 1)[1]))
 
 
 def requests_and_steps(lines) -> tuple[dict[str, dict[str, float]], list[tuple[float, float, int]]]:
@@ -44,9 +40,9 @@ def requests_and_steps(lines) -> tuple[dict[str, dict[str, float]], list[tuple[f
     reqs: dict[str, dict[str, float]] = defaultdict(dict)
     steps = []
     for line in lines:
-        if " DEBUG " not in line:
+        f = debug_fields(line)
+        if f is None:
             continue
-        f = _fields(line)
         if "image request timing:" in line:
             r = reqs[f["rid"]]
             r["image+prompt"] = (float(f["load_hash_ms"]) + float(f["prompt_ms"])) / 1e3
