@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
     )
+    p.add_argument("--visual_infer_batch_size", type=int, default=16, help="most images in one vision-tower batch")
+    p.add_argument(
+        "--visual_batch_max_tokens",
+        type=int,
+        default=4096,
+        help="most image embeddings (LM tokens) in one vision-tower batch, so large images go through in small "
+        "batches and reach the LM sooner; a larger image runs alone (0: no limit)",
+    )
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
     p.add_argument(
         "--max_image_pixels",
@@ -148,6 +156,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
             tower_turn_ms=args.tower_turn_ms,
+            visual_infer_batch_size=args.visual_infer_batch_size,
+            visual_batch_max_tokens=args.visual_batch_max_tokens,
             max_image_pixels=args.max_image_pixels,
             max_images_per_request=args.max_images_per_request,
             vision_tower_dir=args.vision_tower_dir,

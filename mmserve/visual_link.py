@@ -63,6 +63,8 @@ def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str
         vision_tower_dir=config.vision_tower_dir,
         log_level=config.log_level,
         load_format=config.load_format,
+        max_batch=config.visual_infer_batch_size,
+        max_batch_tokens=config.visual_batch_max_tokens,
     )
     run_visual_process(cfg, ready)
 

@@ -35,13 +35,22 @@ class VisualEncoder:
     starts on an image while the tower runs); `step`, `has_work` and `shutdown` from one thread only."""
 
     def __init__(
-        self, model, pool: PreprocessPool, shm_prefix: str, max_batch: int = 16, turn: TowerTurn | None = None
+        self,
+        model,
+        pool: PreprocessPool,
+        shm_prefix: str,
+        max_batch: int = 16,
+        turn: TowerTurn | None = None,
+        max_batch_tokens: int = 0,
     ):
+        """max_batch: images per tower batch; max_batch_tokens: their embedding rows (0: no limit), so that large
+        images go through in small batches, each one's embeddings reaching the LM as soon as its batch ends."""
         self.model = model
         self.turn = turn  # raised while a batch runs: the router holds back decode-only steps meanwhile
         self.pool = pool
         self.shm_prefix = shm_prefix
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self._incoming: SimpleQueue[tuple[str, float, Future[ImageInput]]] = SimpleQueue()  # filled by `submit`
         self._preprocessing: deque[tuple[str, float, Future[ImageInput]]] = deque()  # in arrival order
         self._wake = threading.Event()  # set when a job arrives or an image finishes preprocessing
@@ -79,12 +88,14 @@ class VisualEncoder:
         results: list[VisualResult] = []
         batch: list[tuple[str, float, ImageInput]] = []
         waiting: deque[tuple[str, float, Future[ImageInput]]] = deque()
+        tokens = 0
         for key, arrived, fut in self._preprocessing:
-            if not fut.done() or len(batch) >= self.max_batch:
+            if not fut.done() or len(batch) >= self.max_batch or self._over_budget(fut, tokens, len(batch)):
                 waiting.append((key, arrived, fut))
                 continue
             try:
                 batch.append((key, arrived, self.pool.collect(fut)))
+                tokens += batch[-1][2].num_tokens
             except Exception as err:
                 self.stats.failed += 1
                 results.append(EncodeFailed(key, str(err), bad_image=isinstance(err, BadImage)))
@@ -94,6 +105,12 @@ class VisualEncoder:
         if waiting and any(f.done() for _, _, f in waiting):
             self._wake.set()  # more than max_batch were ready: the next step must not wait
         return results
+
+    def _over_budget(self, fut: Future[ImageInput], tokens: int, images: int) -> bool:
+        """A finished image that would take the batch past max_batch_tokens (a batch's first image always fits)."""
+        if not self.max_batch_tokens or images == 0 or fut.exception() is not None:
+            return False
+        return tokens + fut.result().num_tokens > self.max_batch_tokens
 
     def _encode(self, batch: list[tuple[str, float, ImageInput]]) -> list[VisualResult]:
         start = time.perf_counter()

@@ -48,7 +48,8 @@ class VisualProcessConfig:
     vision_tower_dir: str | None = None  # original LLaVA layout: the CLIP folder, instead of mm_vision_tower
     # decode + preprocess runs on CPU: enough workers that it keeps up with the GPU (2 on a 2-core machine)
     num_preprocess_workers: int = max(2, min(8, (os.cpu_count() or 2) // 2))
-    max_batch: int = 16
+    max_batch: int = 16  # images per tower batch
+    max_batch_tokens: int = 0  # their embedding rows (0: no limit)
     log_level: str = "info"
     load_format: str = "auto"  # dummy: the tower's random init, no weights read (families that support it)
 
@@ -95,7 +96,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     if device.type == "cuda":  # the GPU it shares with the router (on CPU each process has its own cores)
         turn = TowerTurn(cfg.shm_prefix)
         turn.create()
-    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn)
+    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_tokens)
     encoder.warm_up(warm)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)
