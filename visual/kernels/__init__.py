@@ -9,6 +9,7 @@ from visual.kernels.qkv_rotary import qkv_rotary as _qkv_rotary_triton
 from visual.kernels.qkv_rotary import qkv_rotary_ref
 from visual.kernels.quick_gelu import quick_gelu as _quick_gelu_triton
 from visual.kernels.quick_gelu import quick_gelu_ref
+from visual.kernels.varlen_attention import varlen_attention, varlen_attention_ref
 
 
 def qkv_rotary(
@@ -23,4 +24,4 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return _quick_gelu_triton(x) if x.is_cuda and x.is_contiguous() else quick_gelu_ref(x)
 
 
-__all__ = ["qkv_rotary", "qkv_rotary_ref", "quick_gelu", "quick_gelu_ref"]
+__all__ = ["qkv_rotary", "qkv_rotary_ref", "quick_gelu", "quick_gelu_ref", "varlen_attention", "varlen_attention_ref"]

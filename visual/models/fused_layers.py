@@ -2,8 +2,10 @@
 parameters and their names:
 
 - `PackedVisionAttention` replaces each block's attention: qkv projection, then one kernel that splits q/k/v and
-  applies the 2-D rotary (`visual.kernels.qkv_rotary`), then every image of the batch in one varlen flash call
-  (`packed_attention`; a dense flash call when they all have one size), then the output projection;
+  applies the 2-D rotary (`visual.kernels.qkv_rotary`), then every image of the batch in one call of our packed
+  attention kernel (`visual.kernels.varlen_attention`: head dim 80 in two exact parts, where FlashAttention-2 pads
+  it to 96), or of torch's flash kernel for head dims ours does not take (`packed_attention`), then the output
+  projection;
 - `QuickGELU` replaces the MLP's QuickGELU (Qwen2-VL) with one kernel;
 - `LinearPatchEmbed` runs the patch embedding's Conv3d, whose kernel equals its stride, as the GEMM it is.
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from transformers.activations import QuickGELUActivation
 
 from visual import kernels
+from visual.kernels.varlen_attention import head_dim_parts
 from visual.models.packed_attention import (
     call_varlen,
     can_use_varlen,
@@ -24,6 +27,8 @@ from visual.models.packed_attention import (
     sdpa_per_segment,
     torch_varlen_attn,
 )
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class PackedVisionAttention(torch.nn.Module):
@@ -47,9 +52,11 @@ class PackedVisionAttention(torch.nn.Module):
         cos, sin = position_embeddings
         q, k, v = kernels.qkv_rotary(self.qkv(hidden_states), cos, sin, self.num_heads)  # each [tokens, H, D]
         kernel = torch_varlen_attn()
-        if can_use_varlen(q, kernel):
-            if max_seqlen is None:  # the towers pass it; computing it here costs a host sync
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if max_seqlen is None and q.is_cuda:  # the towers pass it; computing it here costs a host sync
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if q.is_cuda and q.dtype in _HALF and head_dim_parts(q.shape[-1]) is not None:
+            out = kernels.varlen_attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, self.scaling)
+        elif can_use_varlen(q, kernel):
             segments = cu_seqlens.shape[0] - 1
             if segments * max_seqlen == num_tokens:  # all of one length (a batch of one image size): dense
                 out = dense_attention(q, k, v, segments, self.scaling)
