@@ -14,7 +14,9 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 
 
 @dtype_params
-@pytest.mark.parametrize("lengths, heads, head_dim", [([5, 37, 16], 2, 80), ([33], 3, 64), ([1, 20], 1, 48)])
+@pytest.mark.parametrize(
+    "lengths, heads, head_dim", [([5, 37, 16], 2, 80), ([33], 3, 64), ([1, 20], 1, 48), ([70, 128, 200], 1, 80)]
+)
 def test_matches_per_image_sdpa(dtype, lengths, heads, head_dim):
     gen = torch.Generator().manual_seed(sum(lengths) + head_dim)
     q, k, v = (randn(sum(lengths), heads, head_dim, dtype=dtype, generator=gen) for _ in range(3))
