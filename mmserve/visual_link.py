@@ -53,7 +53,11 @@ def run_visual_process(cfg: VisualProcessConfig, ready: Connection) -> None:
 def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str, ready: Connection) -> None:
     """The visual process's entry (mmserve.children.spawn_visual): its config is built here, in the child, so
     that the server's parent needs none of the visual package's imports to start it."""
-    cfg = VisualProcessConfig(
+    run_visual_process(visual_process_config(config, endpoints, shm_prefix), ready)
+
+
+def visual_process_config(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) -> VisualProcessConfig:
+    return VisualProcessConfig(
         model_dir=config.model_dir,
         jobs_addr=endpoints.visual,
         results_addr=endpoints.visual_results,
@@ -66,7 +70,6 @@ def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str
         max_batch=config.visual_infer_batch_size,
         max_batch_tokens=config.visual_batch_max_tokens,
     )
-    run_visual_process(cfg, ready)
 
 
 def load_prompt_processor(config: ServerConfig, tokenizer):

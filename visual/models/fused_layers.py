@@ -2,10 +2,11 @@
 parameters and their names:
 
 - `PackedVisionAttention` replaces each block's attention: qkv projection, then one kernel that splits q/k/v and
-  applies the 2-D rotary (`visual.kernels.qkv_rotary`), then every image of the batch in one call of our packed
-  attention kernel (`visual.kernels.varlen_attention`: head dim 80 in two exact parts, where FlashAttention-2 pads
-  it to 96), or of torch's flash kernel for head dims ours does not take (`packed_attention`), then the output
-  projection;
+  applies the 2-D rotary (`visual.kernels.qkv_rotary`), then every image of the batch in one attention call: our
+  packed kernel (`visual.kernels.varlen_attention`: head dim 80 in two exact parts, where FlashAttention-2 pads it
+  to 96; 1.4-1.5x its speed on an H100) for batches of one image size that fill whole key tiles
+  (`fills_key_tiles`: the batches it has been checked on a GPU with), torch's flash kernel otherwise
+  (`packed_attention`); then the output projection;
 - `QuickGELU` replaces the MLP's QuickGELU (Qwen2-VL) with one kernel;
 - `LinearPatchEmbed` runs the patch embedding's Conv3d, whose kernel equals its stride, as the GEMM it is.
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from transformers.activations import QuickGELUActivation
 
 from visual import kernels
-from visual.kernels.varlen_attention import head_dim_parts
+from visual.kernels.varlen_attention import fills_key_tiles, head_dim_parts
 from visual.models.packed_attention import (
     call_varlen,
     can_use_varlen,
@@ -54,10 +55,10 @@ class PackedVisionAttention(torch.nn.Module):
         kernel = torch_varlen_attn()
         if max_seqlen is None and q.is_cuda:  # the towers pass it; computing it here costs a host sync
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        if q.is_cuda and q.dtype in _HALF and head_dim_parts(q.shape[-1]) is not None:
+        segments = cu_seqlens.shape[0] - 1
+        if q.is_cuda and q.dtype in _HALF and self._ours(segments, max_seqlen, q):
             out = kernels.varlen_attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, self.scaling)
         elif can_use_varlen(q, kernel):
-            segments = cu_seqlens.shape[0] - 1
             if segments * max_seqlen == num_tokens:  # all of one length (a batch of one image size): dense
                 out = dense_attention(q, k, v, segments, self.scaling)
             else:
@@ -66,6 +67,11 @@ class PackedVisionAttention(torch.nn.Module):
             heads_major = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # each [1, H, tokens, D]
             out = sdpa_per_segment(*heads_major, cu_seqlens, self.scaling)[0]
         return self.proj(out.reshape(num_tokens, -1))
+
+    @staticmethod
+    def _ours(segments: int, max_seqlen: int, q: torch.Tensor) -> bool:
+        """Our kernel where it has been checked on a GPU (`fills_key_tiles`) and the head dim splits."""
+        return head_dim_parts(q.shape[-1]) is not None and fills_key_tiles(segments, max_seqlen, q.shape[0])
 
 
 class QuickGELU(torch.nn.Module):
