@@ -159,7 +159,7 @@ class VisualLink:
         self._image_pool.shutdown(wait=False, cancel_futures=True)
 
     def _send_job(self, job: EncodeJob) -> None:
-        self._jobs.send(pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL), flags=zmq.NOBLOCK)
+        self._jobs.send_multipart(job.frames(), flags=zmq.NOBLOCK, copy=False)
 
     async def _receive_results(self) -> None:
         while True:

@@ -158,17 +158,19 @@ def serve(encoder: VisualEncoder, jobs: zmq.Socket, results: zmq.Socket, alive) 
 
 
 def _receive_jobs(encoder: VisualEncoder, jobs: zmq.Socket, stop: threading.Event) -> None:
-    """The jobs socket's only user: unpickle each EncodeJob and hand it to the pool at once."""
+    """The jobs socket's only user: read each EncodeJob and hand it to the pool at once."""
     while not stop.is_set():
         if not jobs.poll(_RECV_POLL_MS):
             continue
         while True:
             try:
-                job = pickle.loads(jobs.recv(zmq.NOBLOCK))
+                frames = jobs.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if not isinstance(job, EncodeJob):
-                logger.error("visual process got a %s, not an EncodeJob; dropped", type(job).__name__)
+            try:
+                job = EncodeJob.from_frames(frames)
+            except ValueError as e:
+                logger.error("visual process got a message that is not an EncodeJob (%s); dropped", e)
                 continue
             encoder.submit(job)
 

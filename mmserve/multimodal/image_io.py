@@ -13,6 +13,7 @@ import binascii
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+import pybase64
 from PIL import Image
 
 from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
@@ -49,7 +50,10 @@ class LoadedImage:
 
 
 def decode_base64(text: str, max_bytes: int) -> bytes:
-    """Strict base64 (whitespace and a `data:image/...;base64,` prefix are tolerated)."""
+    """Strict base64 (whitespace and a `data:image/...;base64,` prefix are tolerated). First pybase64 (SIMD): the
+    standard library's decoder took ~8 ms of GIL-held time per 896 px PNG, the HTTP process's largest cost per
+    image. What it refuses goes through the standard library's, which accepts what it always did (line breaks once
+    stripped, and excess "=" padding, which pybase64 refuses) and words the errors."""
     if not isinstance(text, str):
         raise BadImage("base64 image data must be a string")
     if text.startswith("data:"):
@@ -59,7 +63,7 @@ def decode_base64(text: str, max_bytes: int) -> bytes:
     if len(text) > (max_bytes + 2) // 3 * 4 + len(text) // 64 + 4:  # room for line breaks, checked again below
         raise BadImage(f"image is larger than {max_bytes} bytes")
     try:
-        data = base64.b64decode(text, validate=True)
+        data = pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         # Line-wrapped base64 (MIME style): strip the whitespace (copying a multi-MB string only in this case).
         try:

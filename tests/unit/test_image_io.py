@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from mmserve.multimodal import url_fetch
-from mmserve.multimodal.image_io import BadImage, ImagePolicy, load_image, load_images
+from mmserve.multimodal.image_io import BadImage, ImagePolicy, decode_base64, load_image, load_images
 from mmserve.multimodal.url_fetch import FetchPolicy
 
 
@@ -46,6 +46,22 @@ def test_base64_png_and_data_url():
     assert loaded.image.getpixel((0, 0)) == (200, 30, 40)
     data_url = {"type": "base64", "data": "data:image/png;base64," + base64.b64encode(data).decode()}
     assert load_image(data_url).data == data
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["QUJD", "QUJ=", "QQ==", "QUJD=", "QUJD==", "QUJD\nRA==", " QUJD ", "QUJD+/==", "QQ=", "=QUJD", "QUJDé", "Q Q=="],
+)
+def test_base64_decodes_as_the_standard_library_does(text):
+    """pybase64 first, the standard library for what it refuses: together they accept and refuse what
+    `base64.b64decode(validate=True)` does (after stripping whitespace), with the same bytes."""
+    try:
+        want = base64.b64decode("".join(text.split()), validate=True)
+    except ValueError:  # binascii.Error is a ValueError
+        with pytest.raises(BadImage, match="malformed base64"):
+            decode_base64(text, 1 << 20)
+    else:
+        assert decode_base64(text, 1 << 20) == want
 
 
 @pytest.mark.parametrize(

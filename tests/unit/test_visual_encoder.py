@@ -123,6 +123,13 @@ def test_batches_keep_to_the_token_budget(prefix, tmp_path, caplog):
         torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data), rtol=1e-5, atol=1e-5)
 
 
+def test_encode_job_frames_round_trip():
+    job = EncodeJob("key:ü", b"\x00\x01 image bytes")
+    assert EncodeJob.from_frames(job.frames()) == job
+    with pytest.raises(ValueError, match="2 frames"):
+        EncodeJob.from_frames([b"only a key"])
+
+
 def test_consecutive_view():
     flat = torch.arange(24.0).view(12, 2)
     parts = list(torch.split(flat, [3, 5, 4]))
@@ -168,8 +175,9 @@ def test_visual_process_over_zmq_and_cleanup_after_kill(model_dir, prefix, tmp_p
         jobs = ctx.socket(zmq.PUSH)
         jobs.connect(cfg.jobs_addr)
         data = png(90, 40, 3)
-        jobs.send(pickle.dumps(EncodeJob("k1", data)))
-        jobs.send(pickle.dumps(EncodeJob("k2", b"\x89PNG\r\n\x1a\n truncated")))
+        jobs.send(b"not a job")  # one frame: dropped with an error in the log, the process goes on
+        jobs.send_multipart(EncodeJob("k1", data).frames())
+        jobs.send_multipart(EncodeJob("k2", b"\x89PNG\r\n\x1a\n truncated").frames())
         got = {}
         while len(got) < 2:
             assert results.poll(60_000), "no answer from the visual process"
