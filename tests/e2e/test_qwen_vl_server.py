@@ -21,10 +21,10 @@ import torch
 from PIL import Image
 
 import visual.models.qwen_vl  # noqa: F401  (registers the architecture)
-from language.llm import LLM
 from language.request import MultimodalItem
 from language.sampling_params import SamplingParams
 from mmserve.checkpoints.qwen_vl import build_qwen_vl
+from mmserve.llm import LLM
 from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.tokenizers import load_tokenizer
 from tests.e2e.images import picture

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from language.llm import LLM
 from language.sampling_params import SamplingParams
 from mmserve.detokenizer import DECODE_KWARGS
+from mmserve.llm import LLM
 from tests.e2e.server_proc import ServerProcess
 
 KV_SLOTS = 512

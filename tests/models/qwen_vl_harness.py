@@ -135,9 +135,9 @@ def check_generation(family: QwenVLFamily, model_dir: str, hf_model, device: str
                      dtype: str = "float32") -> None:  # fmt: skip
     """1 image, 2 images of different sizes and a text-only prompt, batched in our engine on `device` (the tower
     there too, float32; the LLM in `dtype`): each prompt equals HF's processor output and each answer HF generate's."""
-    from language.llm import LLM
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
+    from mmserve.llm import LLM
     from mmserve.multimodal.prompt import prompt_processor_class
     from tests.models.hf_reference import hf_greedy
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from language.llm import LLM
 from language.request import Request
 from language.sampling_params import SamplingParams
+from mmserve.llm import LLM
 from tests.models.hf_reference import hf_greedy
 
 NEW_TOKENS = 32

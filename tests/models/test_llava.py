@@ -157,9 +157,9 @@ def our_generation(
     from transformers import AutoTokenizer
 
     from cache.shm_store import read_embedding, write_embedding
-    from language.llm import LLM
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
+    from mmserve.llm import LLM
     from mmserve.multimodal.prompt import prompt_processor_class
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

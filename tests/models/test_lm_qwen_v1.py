@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from language.llm import LLM
 from language.sampling_params import SamplingParams
+from mmserve.llm import LLM
 from tests.models.hf_reference import hf_greedy
 
 HIDDEN, LAYERS, HEADS, MLP, VOCAB = 64, 2, 4, 96, 300

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from language.llm import LLM
 from language.request import Request, RequestOutput
 from language.sampling_params import SamplingParams
+from mmserve.llm import LLM
 
 NEW_TOKENS = 6
 

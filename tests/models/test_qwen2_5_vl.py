@@ -95,9 +95,9 @@ def test_v5_dialect_generation_matches_hf(published_dir: str, hf_model, tmp_path
     """The transformers-5 dialect (nested text_config with rope_parameters, `model.language_model.*` /
     `model.visual.*`, processor_config.json) loads into the same model: one image, HF's greedy tokens (the same seed
     writes the same weights under either set of names)."""
-    from language.llm import LLM
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
+    from mmserve.llm import LLM
     from mmserve.multimodal.prompt import prompt_processor_class
     from tests.models.hf_reference import hf_greedy
 

@@ -120,9 +120,9 @@ def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_pref
 def test_deepstack_changes_the_answer(published_dir: str, hf_model) -> None:
     """The DeepStack rows matter: zeroing them changes HF's logits, and our engine follows (a test of the add, not
     only of the main embedding's splice)."""
-    from language.llm import LLM
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
+    from mmserve.llm import LLM
     from mmserve.multimodal.prompt import prompt_processor_class
 
     prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, AutoTokenizer.from_pretrained(published_dir))

@@ -150,9 +150,9 @@ def _hf_qwen2_from_v1(model_dir: str):
 def test_engine_with_images_equals_hf_qwen2_on_spliced_embeddings(model_dir: str) -> None:
     """Prompt expansion + our vision embeddings on the <imgpad> rows + our engine (batched with a text-only
     request) give the greedy tokens of HF Qwen2 run on the same spliced input embeddings."""
-    from language.llm import LLM
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
+    from mmserve.llm import LLM
     from mmserve.multimodal.prompt import prompt_processor_class
     from mmserve.tokenizers import load_tokenizer
 

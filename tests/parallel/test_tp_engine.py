@@ -20,9 +20,9 @@ NEW_TOKENS = 12
 
 def _engine_on_rank(rank: int, init_method: str, model_dir: str, prompts: list[list[int]]):
     from language.config import EngineConfig
-    from language.llm import LLM
     from language.parallel.worker import TPWorker
     from language.sampling_params import SamplingParams
+    from mmserve.llm import LLM
 
     kwargs = dict(max_total_token_num=2048, device="cpu", tp=2, dist_init_method=init_method, chunked_prefill_size=64)
     if rank:

@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 
-from language.llm import LLM
 from language.request import Request
 from language.sampling_params import SamplingParams
 from mmserve.checkpoints.llama import build_llama
+from mmserve.llm import LLM
 
 
 @pytest.fixture(scope="module")

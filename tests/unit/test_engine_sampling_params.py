@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from language.llm import LLM
 from language.sampling_params import SamplingParams
 from mmserve.checkpoints.llama import build_llama
+from mmserve.llm import LLM
 
 
 @pytest.fixture(scope="module")

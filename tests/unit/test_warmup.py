@@ -1,7 +1,7 @@
 """The start-up warm-up covers Triton's specialisation classes and leaves the KV cache as it found it."""
 
-from language.llm import LLM
 from language.warmup import _kind, warmup, warmup_shapes
+from mmserve.llm import LLM
 
 
 def test_shapes_cover_each_reachable_class():

@@ -1,4 +1,5 @@
-"""In-process generation: the engine without any server, for tests, examples and offline batch jobs."""
+"""In-process generation: the engine without any server, for tests, examples and offline batch jobs. It lives in
+`mmserve/` because it tokenizes (`mmserve.tokenizers`): imports flow mmserve -> language."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from language.config import EngineConfig
 from language.engine import EngineCore
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
+from mmserve.tokenizers import load_tokenizer  # HF tokenizers, or Qwen-VL's qwen.tiktoken
 
 
 @dataclass
@@ -28,9 +30,7 @@ class LLM:
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from mmserve.tokenizers import load_tokenizer  # HF tokenizers, or Qwen-VL's qwen.tiktoken
-
+        if self._tokenizer is None:  # loaded on first use: token-id prompts need none
             self._tokenizer = load_tokenizer(self.engine.cfg.model_dir, self.engine.cfg.trust_remote_code)
         return self._tokenizer
 
