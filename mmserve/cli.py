@@ -67,10 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--visual_infer_batch_size", type=int, default=16, help="most images in one vision-tower batch")
     p.add_argument(
-        "--visual_batch_max_tokens",
+        "--visual_batch_max_patches",
         type=int,
-        default=4096,
-        help="most image embeddings (LM tokens) in one vision-tower batch, so large images go through in small "
+        default=16384,
+        help="most patches (vision-tower positions) in one vision-tower batch, so large images go through in small "
         "batches and reach the LM sooner; a larger image runs alone (0: no limit)",
     )
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
@@ -157,7 +157,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             image_dir=args.image_dir,
             tower_turn_ms=args.tower_turn_ms,
             visual_infer_batch_size=args.visual_infer_batch_size,
-            visual_batch_max_tokens=args.visual_batch_max_tokens,
+            visual_batch_max_patches=args.visual_batch_max_patches,
             max_image_pixels=args.max_image_pixels,
             max_images_per_request=args.max_images_per_request,
             vision_tower_dir=args.vision_tower_dir,

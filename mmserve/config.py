@@ -71,9 +71,9 @@ class ServerConfig:
     # shared GPU, visual/tower_turn.py); 0: never
     tower_turn_ms: float = 20.0
     visual_infer_batch_size: int = 16  # images per vision-tower batch (LightLLM's name)
-    # Embedding rows per vision-tower batch (0: no limit): a burst of large images goes through in small batches,
-    # each image's embeddings reaching the LM when its own batch ends, not a 16-image batch's
-    visual_batch_max_tokens: int = 4096
+    # Vision-tower positions (patches) per batch (0: no limit): a burst of large images goes through in small
+    # batches, each image's embeddings reaching the LM when its own batch ends, not a 16-image batch's
+    visual_batch_max_patches: int = 16384
     visual_max_restarts: int = 3  # deaths of the visual process in a row it is restarted after; then the server exits
 
     def __post_init__(self) -> None:
@@ -120,8 +120,8 @@ class ServerConfig:
             raise ValueError("--request_read_timeout and --stream_write_timeout must be >= 0")
         if self.visual_infer_batch_size < 1:
             raise ValueError("--visual_infer_batch_size must be >= 1")
-        if self.visual_batch_max_tokens < 0:
-            raise ValueError("--visual_batch_max_tokens must be >= 0")
+        if self.visual_batch_max_patches < 0:
+            raise ValueError("--visual_batch_max_patches must be >= 0")
         if self.visual_max_restarts < 0:
             raise ValueError("--visual_max_restarts must be >= 0")
         if not 0 < self.port < 65536:

@@ -68,7 +68,7 @@ def visual_process_config(config: ServerConfig, endpoints: Endpoints, shm_prefix
         log_level=config.log_level,
         load_format=config.load_format,
         max_batch=config.visual_infer_batch_size,
-        max_batch_tokens=config.visual_batch_max_tokens,
+        max_batch_patches=config.visual_batch_max_patches,
     )
 
 

@@ -41,16 +41,17 @@ class VisualEncoder:
         shm_prefix: str,
         max_batch: int = 16,
         turn: TowerTurn | None = None,
-        max_batch_tokens: int = 0,
+        max_batch_patches: int = 0,
     ):
-        """max_batch: images per tower batch; max_batch_tokens: their embedding rows (0: no limit), so that large
-        images go through in small batches, each one's embeddings reaching the LM as soon as its batch ends."""
+        """max_batch: images per tower batch; max_batch_patches: the positions the tower runs over for them (0: no
+        limit), so that large images go through in small batches, each one's embeddings reaching the LM as soon as
+        its batch ends."""
         self.model = model
         self.turn = turn  # raised while a batch runs: the router holds back decode-only steps meanwhile
         self.pool = pool
         self.shm_prefix = shm_prefix
         self.max_batch = max_batch
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_patches = max_batch_patches
         self._incoming: SimpleQueue[tuple[str, float, Future[ImageInput]]] = SimpleQueue()  # filled by `submit`
         self._preprocessing: deque[tuple[str, float, Future[ImageInput]]] = deque()  # in arrival order
         self._wake = threading.Event()  # set when a job arrives or an image finishes preprocessing
@@ -88,14 +89,14 @@ class VisualEncoder:
         results: list[VisualResult] = []
         batch: list[tuple[str, float, ImageInput]] = []
         waiting: deque[tuple[str, float, Future[ImageInput]]] = deque()
-        tokens = 0
+        patches = 0
         for key, arrived, fut in self._preprocessing:
-            if not fut.done() or len(batch) >= self.max_batch or self._over_budget(fut, tokens, len(batch)):
+            if not fut.done() or len(batch) >= self.max_batch or self._over_budget(fut, patches, len(batch)):
                 waiting.append((key, arrived, fut))
                 continue
             try:
                 batch.append((key, arrived, self.pool.collect(fut)))
-                tokens += batch[-1][2].num_tokens
+                patches += batch[-1][2].tower_rows
             except Exception as err:
                 self.stats.failed += 1
                 results.append(EncodeFailed(key, str(err), bad_image=isinstance(err, BadImage)))
@@ -106,11 +107,11 @@ class VisualEncoder:
             self._wake.set()  # more than max_batch were ready: the next step must not wait
         return results
 
-    def _over_budget(self, fut: Future[ImageInput], tokens: int, images: int) -> bool:
-        """A finished image that would take the batch past max_batch_tokens (a batch's first image always fits)."""
-        if not self.max_batch_tokens or images == 0 or fut.exception() is not None:
+    def _over_budget(self, fut: Future[ImageInput], patches: int, images: int) -> bool:
+        """A finished image that would take the batch past max_batch_patches (a batch's first image always fits)."""
+        if not self.max_batch_patches or images == 0 or fut.exception() is not None:
             return False
-        return tokens + fut.result().num_tokens > self.max_batch_tokens
+        return patches + fut.result().tower_rows > self.max_batch_patches
 
     def _encode(self, batch: list[tuple[str, float, ImageInput]]) -> list[VisualResult]:
         start = time.perf_counter()
@@ -133,8 +134,10 @@ class VisualEncoder:
         done = time.perf_counter()
         if logger.isEnabledFor(logging.DEBUG):  # a timeline of the batches, beside the router's `step timing`
             tokens = sum(image.num_tokens for _, _, image in batch)
-            logger.debug("tower batch: start=%.4f encoded=%.4f done=%.4f images=%d tokens=%d first_arrived=%.4f",
-                         start, encoded, done, len(batch), tokens, min(arrived))  # fmt: skip
+            patches = sum(image.tower_rows for _, _, image in batch)
+            logger.debug("tower batch: start=%.4f encoded=%.4f done=%.4f images=%d tokens=%d patches=%d "
+                         "first_arrived=%.4f", start, encoded, done, len(batch), tokens, patches,
+                         min(arrived))  # fmt: skip
         self.images_encoded += len(batch)
         self.stats.add_batch(
             tower_s=encoded - start,

@@ -49,7 +49,7 @@ class VisualProcessConfig:
     # decode + preprocess runs on CPU: enough workers that it keeps up with the GPU (2 on a 2-core machine)
     num_preprocess_workers: int = max(2, min(8, (os.cpu_count() or 2) // 2))
     max_batch: int = 16  # images per tower batch
-    max_batch_tokens: int = 0  # their embedding rows (0: no limit)
+    max_batch_patches: int = 0  # the positions the tower runs over for them (0: no limit)
     log_level: str = "info"
     load_format: str = "auto"  # dummy: the tower's random init, no weights read (families that support it)
 
@@ -96,7 +96,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     if device.type == "cuda":  # the GPU it shares with the router (on CPU each process has its own cores)
         turn = TowerTurn(cfg.shm_prefix)
         turn.create()
-    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_tokens)
+    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_patches)
     encoder.warm_up(warm)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)

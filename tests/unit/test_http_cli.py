@@ -53,7 +53,7 @@ def test_engine_config_from_server_config():
         "--chat_template /nope",
         "--graceful_timeout -1",
         "--visual_infer_batch_size 0",
-        "--visual_batch_max_tokens -1",
+        "--visual_batch_max_patches -1",
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, capsys):
@@ -76,13 +76,13 @@ def test_lightllm_multi_host_line():
 
 
 def test_visual_batch_flags_reach_the_visual_process(tmp_path):
-    """--visual_infer_batch_size (LightLLM's) and --visual_batch_max_tokens bound the vision tower's batches."""
+    """--visual_infer_batch_size (LightLLM's) and --visual_batch_max_patches bound the vision tower's batches."""
     from mmserve.endpoints import Endpoints
     from mmserve.visual_link import visual_process_config
 
     endpoints = Endpoints(str(tmp_path), *(f"ipc://{tmp_path}/{n}" for n in ("r", "d", "h", "v", "vr")))
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")
-    assert (default.max_batch, default.max_batch_tokens) == (16, 4096)
-    flags = " --visual_infer_batch_size 4 --visual_batch_max_tokens 0"
+    assert (default.max_batch, default.max_batch_patches) == (16, 16384)
+    flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0"
     cfg = visual_process_config(parse_config(shlex.split(LLAMA_LINE + flags)), endpoints, "p_")
-    assert (cfg.max_batch, cfg.max_batch_tokens, cfg.jobs_addr) == (4, 0, endpoints.visual)
+    assert (cfg.max_batch, cfg.max_batch_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)

@@ -96,15 +96,15 @@ def test_qwen2_vl_batches_of_different_grids(prefix, tmp_path):
         torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data), rtol=1e-5, atol=1e-5)
 
 
-def test_batches_keep_to_the_token_budget(prefix, tmp_path, caplog):
-    """--visual_batch_max_tokens: no tower batch holds more embedding rows than the budget (an image larger than
-    it runs alone), and every image still lands in its segment, equal to encoding it alone."""
+def test_batches_keep_to_the_patch_budget(prefix, tmp_path, caplog):
+    """--visual_batch_max_patches: no tower batch runs over more patches than the budget (an image larger than it
+    runs alone), and every image still lands in its segment, equal to encoding it alone."""
     model = Qwen2VLVisionModel.from_pretrained(build_qwen2_vl(str(tmp_path)), CPU, torch.float32)
     sizes = {"big": (336, 336), "a": (150, 100), "b": (112, 112), "c": (60, 200), "d": (56, 56), "e": (140, 84)}
-    tokens = {key: model.num_tokens(w, h) for key, (w, h) in sizes.items()}
-    budget = 40  # "big" (64) is larger: it runs alone; the other five (69) need two batches at least
-    assert tokens["big"] > budget and sum(tokens.values()) - tokens["big"] > budget
-    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=16, max_batch_tokens=budget)
+    patches = {key: model.num_tokens(w, h) * model.merge_size**2 for key, (w, h) in sizes.items()}
+    budget = 160  # "big" (256 patches) runs alone; the other five (276) need two batches at least
+    assert patches["big"] > budget and sum(patches.values()) - patches["big"] > budget
+    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=16, max_batch_patches=budget)
     images = {key: png(w, h, i) for i, (key, (w, h)) in enumerate(sizes.items())}
     for key, data in images.items():
         encoder.submit(EncodeJob(key, data))
@@ -113,11 +113,11 @@ def test_batches_keep_to_the_token_budget(prefix, tmp_path, caplog):
         while encoder.has_work():
             results += encoder.step(timeout_s=30)
     encoder.shutdown()
-    lines = [re.search(r"images=(\d+) tokens=(\d+)", r.getMessage()) for r in caplog.records]
-    batches = [(int(m[1]), int(m[2])) for m in lines if m]  # (images, tokens) of each tower batch
+    lines = [re.search(r"images=(\d+) tokens=\d+ patches=(\d+)", r.getMessage()) for r in caplog.records]
+    batches = [(int(m[1]), int(m[2])) for m in lines if m]  # (images, patches) of each tower batch
     assert sum(n for n, _ in batches) == len(images) and len(batches) >= 3
-    assert all(t <= budget or n == 1 for n, t in batches), batches
-    assert (1, tokens["big"]) in batches
+    assert all(p <= budget or n == 1 for n, p in batches), batches
+    assert (1, patches["big"]) in batches
     assert sorted(r.key for r in results if isinstance(r, EncodeDone)) == sorted(images)
     for key, data in images.items():
         torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data), rtol=1e-5, atol=1e-5)

@@ -15,10 +15,15 @@ class ImageInput:
 
     pixel_values: torch.Tensor  # family-specific layout, e.g. [3, 336, 336] or [num_patches, C*T*P*P]
     num_tokens: int  # embeddings this image becomes in the LLM prompt
+    patches: int = 0  # positions the vision tower runs over, what its batches are budgeted in (0: num_tokens)
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: patch grid (t, h, w) before the 2x2 merge
     decode_s: float = 0.0  # the worker's time to decode the file (for the visual process's timing log)
     preprocess_s: float = 0.0  # the worker's time in the family's preprocessor
     extra: dict = field(default_factory=dict)
+
+    @property
+    def tower_rows(self) -> int:
+        return self.patches or self.num_tokens
 
 
 class VisionModel(Protocol):

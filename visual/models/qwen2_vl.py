@@ -35,6 +35,7 @@ class Qwen2VLPreprocessor:
         return ImageInput(
             pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
             num_tokens=grid[0] * grid[1] * grid[2] // self.merge_size**2,
+            patches=grid[0] * grid[1] * grid[2],
             grid_thw=grid,
         )
 

@@ -125,7 +125,8 @@ def timm_state_dict(published: dict[str, torch.Tensor], cfg: dict) -> dict[str, 
 class QwenVLPreprocessor:
     """Picklable image -> ImageInput: the published transform (bicubic resize to a square, no crop, CLIP mean/std)."""
 
-    def __init__(self, image_size: int) -> None:
+    def __init__(self, image_size: int, patch_size: int) -> None:
+        self.patches = (image_size // patch_size) ** 2
         self.transform = transforms.Compose(
             [
                 transforms.Resize((image_size, image_size), interpolation=transforms.InterpolationMode.BICUBIC),
@@ -135,7 +136,8 @@ class QwenVLPreprocessor:
         )
 
     def __call__(self, image: Image.Image) -> ImageInput:
-        return ImageInput(pixel_values=self.transform(image.convert("RGB")), num_tokens=NUM_QUERIES)  # [3, S, S]
+        pixels = self.transform(image.convert("RGB"))  # [3, S, S]
+        return ImageInput(pixel_values=pixels, num_tokens=NUM_QUERIES, patches=self.patches)
 
 
 @register_vision_model("QWenLMHeadModel")
@@ -144,12 +146,13 @@ class QwenVLVisionModel:
         self.tower = tower.eval()
         self.cache_salt = cache_salt
         self.hidden_size: int = cfg["output_dim"]
-        self._preprocessor = QwenVLPreprocessor(cfg["image_size"])
+        self._preprocessor = QwenVLPreprocessor(cfg["image_size"], cfg["patch_size"])
 
     @classmethod
     def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> QwenVLPreprocessor:
         """The preprocessor from the config file alone (the pool starts it while the tower loads)."""
-        return QwenVLPreprocessor(read_json(os.path.join(model_dir, "config.json"))["visual"]["image_size"])
+        visual = read_json(os.path.join(model_dir, "config.json"))["visual"]
+        return QwenVLPreprocessor(visual["image_size"], visual["patch_size"])
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> QwenVLVisionModel:
