@@ -160,7 +160,8 @@ def _interpreting() -> bool:
 # tiles were slower everywhere. The interpreter takes small tiles, so the tests cross several key tiles and a
 # partial one per image.
 KEY_TILE = 64
-_CONFIG = (128, KEY_TILE, 8, 3)
+QUERY_TILE = 128
+_CONFIG = (QUERY_TILE, KEY_TILE, 8, 3)
 _INTERPRET_CONFIG = (16, 16, 4, 1)
 
 

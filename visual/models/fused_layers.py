@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers.activations import QuickGELUActivation
 
 from visual import kernels
-from visual.kernels.varlen_attention import fills_key_tiles, head_dim_parts
+from visual.kernels.varlen_attention import QUERY_TILE, fills_key_tiles, head_dim_parts
 from visual.models.packed_attention import (
     call_varlen,
     can_use_varlen,
@@ -70,8 +70,14 @@ class PackedVisionAttention(torch.nn.Module):
 
     @staticmethod
     def _ours(segments: int, max_seqlen: int, q: torch.Tensor) -> bool:
-        """Our kernel where it has been checked on a GPU (`fills_key_tiles`) and the head dim splits."""
-        return head_dim_parts(q.shape[-1]) is not None and fills_key_tiles(segments, max_seqlen, q.shape[0])
+        """Our kernel where it has been checked on a GPU (`fills_key_tiles`) and the head dim splits. Segments
+        shorter than a query tile (Qwen2.5-VL's 64-patch windows) would leave half of each tile idle: not timed
+        against flash yet, so they stay on flash."""
+        return (
+            head_dim_parts(q.shape[-1]) is not None
+            and max_seqlen >= QUERY_TILE
+            and fills_key_tiles(segments, max_seqlen, q.shape[0])
+        )
 
 
 class QuickGELU(torch.nn.Module):
