@@ -3,7 +3,7 @@
 # stopped, the arms alternating for --rounds rounds, so that the machine's own speed (10-15 % between machines of
 # one kind) cancels out. One Triton cache is shared: only the first server compiles.
 #
-# On the GPU host, with the wheels header of benchmarks/gpu_compare.sh run first (PYTHONPATH=/tmp/site), from the
+# On the GPU host, with .whl as benchmarks/gpu_compare.sh says and its wheels header run first (PYTHONPATH=/tmp/site), from the
 # repo root, with each arm's tree exported beside it (e.g. `git archive A | tar -x -C .arm_a`):
 #   bash benchmarks/ab_compare.sh [--rounds 2] [--loads img336_x64,img896_x64,img336_x256,one_336] [--ckpt DIR] \
 #     new=.arm_a old=.arm_b "tt50=.arm_a:--tower_turn_ms 50"

@@ -3,7 +3,8 @@
 # one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl; an 8B-shaped
 # Qwen3-VL with --family qwen3_vl), with the same client (benchmarks/serve_bench.py) and loads.
 #
-# Before: ../shared/gpu/wheels.sh (-> .whl) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both.
+# Before: ../shared/gpu/wheels.sh pybase64 openai jiter distro sniffio (-> .whl: the image lacks our pybase64, and
+# openai for tests/e2e/test_openai*) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both.
 # On the GPU host, from the repo root, begin the command with the wheels header:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || exit 1; bash benchmarks/gpu_compare.sh [flags]
