@@ -152,6 +152,18 @@ def test_varlen_only_where_flash_runs() -> None:
         assert not can_use_varlen(torch.zeros(4, 2, 12, device="cuda", dtype=torch.half), varlen_torch_later)
 
 
+def test_our_attention_only_where_checked() -> None:
+    """The towers send our packed attention batches of one size that fill whole key tiles, at least a query tile
+    long, with a head dim that splits; everything else goes to flash."""
+    ours = PackedVisionAttention._ours
+    q = torch.empty(4 * 4096, 16, 80, device="meta")
+    assert ours(4, 4096, q) and ours(16, 576, torch.empty(16 * 576, 16, 80, device="meta"))  # 896 px, 336 px
+    assert not ours(2, 4096, q[: 4096 + 576])  # two sizes
+    assert not ours(64, 64, torch.empty(64 * 64, 16, 80, device="meta"))  # Qwen2.5-VL's windows: half a query tile
+    assert not ours(3, 200, torch.empty(600, 16, 80, device="meta"))  # each image ends inside a key tile
+    assert not ours(4, 4096, torch.empty(4 * 4096, 16, 72, device="meta"))  # Qwen3-VL's head dim does not split
+
+
 def test_host_staging_reuses_its_buffer() -> None:
     staging = HostStaging()
     a = staging.take((4, 3), torch.float32, CPU)
@@ -169,10 +181,14 @@ def test_host_staging_reuses_its_buffer() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and flash attention need a GPU")
-@pytest.mark.parametrize("sizes", [SIZES, [(112, 84)] * 3], ids=["mixed_sizes_varlen", "one_size_dense"])
+@pytest.mark.parametrize(
+    "sizes",
+    [SIZES, [(112, 84)] * 3, [(224, 224)] * 3],  # 48 patches each: flash; 256 each (whole tiles): our kernel
+    ids=["mixed_sizes_varlen", "one_size_dense", "one_size_ours"],
+)
 def test_fused_tower_on_gpu_is_close_to_hf(model_dir: str, sizes: list[tuple[int, int]]) -> None:
-    """bf16 on CUDA: our kernels (qkv + rotary, QuickGELU, the patch GEMM) and the varlen / dense flash attention
-    against transformers' own tower with sdpa attention, within bf16 tolerance."""
+    """bf16 on CUDA: our kernels (qkv + rotary, QuickGELU, the patch GEMM) and the varlen / dense flash attention or
+    our packed attention against transformers' own tower with sdpa attention, within bf16 tolerance."""
     cuda = torch.device("cuda")
     vision = Qwen2VLVisionModel.from_pretrained(model_dir, cuda, torch.bfloat16)
     images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(sizes)]
