@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from visual.models.packed_attention import sdpa_per_segment
+
 LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernel can use exp2
 
 
@@ -217,10 +219,7 @@ def varlen_attention(
 def varlen_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
 ) -> torch.Tensor:  # [T, H, D]
-    """Each image through SDPA in turn (fp32 math), the reference the kernel is tested against."""
-    bounds = cu_seqlens.tolist()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-        qi, ki, vi = (t[s:e].transpose(0, 1).float() for t in (q, k, v))  # each [H, len, D]
-        out[s:e] = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scale).transpose(0, 1)
-    return out
+    """The towers' own per-image SDPA path (`sdpa_per_segment`, what they run on CPU), in fp32: the reference the
+    kernel is tested against."""
+    heads_major = [t.transpose(0, 1).unsqueeze(0).float() for t in (q, k, v)]  # each [1, H, T, D]
+    return sdpa_per_segment(*heads_major, cu_seqlens, scale)[0].to(q.dtype)
