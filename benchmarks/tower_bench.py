@@ -5,11 +5,11 @@
 
 For each tower shape (random weights from mmserve/checkpoints/qwen2_vl.py's specs, built in memory, no files):
 1. torch's varlen flash kernel and ours (`visual/kernels/varlen_attention.py`, on CUDA) against per-image SDPA on
-   packed random q/k/v of mixed sizes (the attention function alone; ours crosses partial key tiles here, which the
-   towers do not send it yet: see `fills_key_tiles`), then both timed on batches of one size (TFLOP/s);
+   packed random q/k/v of mixed sizes (the attention function alone; ours crosses partial key tiles here), then both
+   timed on batches of one size (TFLOP/s);
 2. our tower (`Qwen2VLVisionModel.encode`: our fused layers, packed attention, host-built index, pinned upload)
-   against HF's tower with `sdpa` attention (one SDPA call per image per block) on a batch of mixed sizes (torch's
-   flash inside) and on one of a single size (ours inside), within bf16 tolerance;
+   against HF's tower with `sdpa` attention (one SDPA call per image per block) on a batch of mixed sizes and on one
+   of a single size (ours inside both), within bf16 tolerance;
 3. throughput, images/s, of both paths for 64 images at 336 px and 16 at 896 px (host pixels -> device embeddings).
 Prints one JSON line per measurement; exits non-zero if a check fails.
 """

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST, DTYPE_NAMES, ServerConfig
+from visual.attention_backend import VIT_ATT_BACKENDS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=16384,
         help="most patches (vision-tower positions) in one vision-tower batch, so large images go through in small "
         "batches and reach the LM sooner; a larger image runs alone (0: no limit)",
+    )
+    p.add_argument(
+        "--vit_att_backend",
+        nargs="+",
+        choices=list(VIT_ATT_BACKENDS),
+        default=["auto"],
+        help="vision-tower attention (LightLLM's flag): auto and triton: ours (visual/kernels/varlen_attention.py) "
+        "where it applies, torch's flash elsewhere; sdpa: torch's flash/SDPA only; fa3 and xformers (not bundled) "
+        "mean auto. One value per visual data-parallel tower: only one tower here",
     )
     p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
     p.add_argument(
@@ -158,6 +168,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             tower_turn_ms=args.tower_turn_ms,
             visual_infer_batch_size=args.visual_infer_batch_size,
             visual_batch_max_patches=args.visual_batch_max_patches,
+            vit_att_backend=args.vit_att_backend[0],
             max_image_pixels=args.max_image_pixels,
             max_images_per_request=args.max_images_per_request,
             vision_tower_dir=args.vision_tower_dir,

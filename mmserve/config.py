@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from visual.attention_backend import VIT_ATT_BACKENDS
+
 # LightLLM's --data_type spellings -> torch dtype names; "auto" keeps the checkpoint's own dtype.
 DTYPE_NAMES = {
     "fp16": "float16",
@@ -74,6 +76,7 @@ class ServerConfig:
     # Vision-tower positions (patches) per batch (0: no limit): a burst of large images goes through in small
     # batches, each image's embeddings reaching the LM when its own batch ends, not a 16-image batch's
     visual_batch_max_patches: int = 16384
+    vit_att_backend: str = "auto"  # the vision towers' attention kernel (LightLLM's flag): auto/triton, sdpa, ...
     visual_max_restarts: int = 3  # deaths of the visual process in a row it is restarted after; then the server exits
 
     def __post_init__(self) -> None:
@@ -122,6 +125,8 @@ class ServerConfig:
             raise ValueError("--visual_infer_batch_size must be >= 1")
         if self.visual_batch_max_patches < 0:
             raise ValueError("--visual_batch_max_patches must be >= 0")
+        if self.vit_att_backend not in VIT_ATT_BACKENDS:
+            raise ValueError(f"--vit_att_backend must be one of {', '.join(VIT_ATT_BACKENDS)}")
         if self.visual_max_restarts < 0:
             raise ValueError("--visual_max_restarts must be >= 0")
         if not 0 < self.port < 65536:

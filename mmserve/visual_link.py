@@ -69,6 +69,7 @@ def visual_process_config(config: ServerConfig, endpoints: Endpoints, shm_prefix
         load_format=config.load_format,
         max_batch=config.visual_infer_batch_size,
         max_batch_patches=config.visual_batch_max_patches,
+        vit_att_backend=config.vit_att_backend,
     )
 
 

@@ -23,6 +23,7 @@ import torch
 import zmq
 from PIL import Image
 
+from visual.attention_backend import set_vit_att_backend
 from visual.encoder import VisualEncoder
 from visual.messages import EncodeJob, VisualReady
 from visual.models.base import vision_model_class
@@ -50,6 +51,7 @@ class VisualProcessConfig:
     num_preprocess_workers: int = max(2, min(8, (os.cpu_count() or 2) // 2))
     max_batch: int = 16  # images per tower batch
     max_batch_patches: int = 0  # the positions the tower runs over for them (0: no limit)
+    vit_att_backend: str = "auto"  # the towers' attention kernel (visual/attention_backend.py)
     log_level: str = "info"
     load_format: str = "auto"  # dummy: the tower's random init, no weights read (families that support it)
 
@@ -72,6 +74,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     device, dtype = resolve_device_dtype(cfg)
     extra = {"vision_tower_dir": cfg.vision_tower_dir} if cfg.vision_tower_dir else {}
     cls = vision_model_class(architecture)
+    set_vit_att_backend(cfg.vit_att_backend)  # before the tower is built: its attention layers read it
     if cfg.load_format == "dummy":
         if not getattr(cls, "supports_dummy_weights", False):
             raise ValueError(f"--load_format dummy: {architecture}'s vision tower needs its weights (only the "

@@ -7,8 +7,6 @@ import torch
 from kernel_cases import ATTENTION_TOL, DEVICE, assert_written_and_close, dtype_params, randn, strided_view
 
 from visual.kernels.varlen_attention import (
-    KEY_TILE,
-    fills_key_tiles,
     head_dim_parts,
     varlen_attention,
     varlen_attention_ref,
@@ -62,9 +60,3 @@ def test_checks_its_operands():
 def test_head_dim_parts():
     assert head_dim_parts(80) == (64, 16) and head_dim_parts(64) == (64, 0) and head_dim_parts(96) == (64, 32)
     assert head_dim_parts(48) == (32, 16) and head_dim_parts(72) is None and head_dim_parts(8) is None
-
-
-def test_fills_key_tiles():
-    assert fills_key_tiles(4, 4096, 4 * 4096) and fills_key_tiles(16, 576, 16 * 576)  # 896 px, 336 px
-    assert not fills_key_tiles(2, 576, 576 + 144)  # two sizes
-    assert not fills_key_tiles(3, KEY_TILE + 4, 3 * (KEY_TILE + 4))  # each image ends inside a key tile

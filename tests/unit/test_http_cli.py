@@ -23,6 +23,8 @@ def test_lightllm_launch_lines():
     assert cfg.trust_remote_code and cfg.enable_multimodal and cfg.model_dir == "/path/of/Qwen-VL-Chat"
     cfg = parse_config(shlex.split(LLAMA_LINE))
     assert cfg.max_total_token_num is None and cfg.mem_fraction == 0.9
+    # LightLLM's vision-attention flag, as ../shared/lightllm/serve.sh passes it (one value per visual dp tower)
+    assert parse_config(shlex.split(QWEN_VL_LINE + " --vit_att_backend sdpa")).vit_att_backend == "sdpa"
     assert cfg.graceful_timeout == 30.0 and parse_config(["--graceful_timeout", "2.5"]).graceful_timeout == 2.5
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.port = 1
@@ -54,6 +56,7 @@ def test_engine_config_from_server_config():
         "--graceful_timeout -1",
         "--visual_infer_batch_size 0",
         "--visual_batch_max_patches -1",
+        "--vit_att_backend flash",
     ],
 )
 def test_bad_flags_exit_with_a_message(flags, capsys):
@@ -75,14 +78,16 @@ def test_lightllm_multi_host_line():
     assert eng.load_format == "dummy"
 
 
-def test_visual_batch_flags_reach_the_visual_process(tmp_path):
-    """--visual_infer_batch_size (LightLLM's) and --visual_batch_max_patches bound the vision tower's batches."""
+def test_visual_flags_reach_the_visual_process(tmp_path):
+    """--visual_infer_batch_size (LightLLM's) and --visual_batch_max_patches bound the vision tower's batches;
+    --vit_att_backend (LightLLM's) picks its attention kernel."""
     from mmserve.endpoints import Endpoints
     from mmserve.visual_link import visual_process_config
 
     endpoints = Endpoints(str(tmp_path), *(f"ipc://{tmp_path}/{n}" for n in ("r", "d", "h", "v", "vr")))
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")
-    assert (default.max_batch, default.max_batch_patches) == (16, 16384)
-    flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0"
+    assert (default.max_batch, default.max_batch_patches, default.vit_att_backend) == (16, 16384, "auto")
+    flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa"
     cfg = visual_process_config(parse_config(shlex.split(LLAMA_LINE + flags)), endpoints, "p_")
     assert (cfg.max_batch, cfg.max_batch_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)
+    assert cfg.vit_att_backend == "sdpa"

@@ -16,6 +16,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
 from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from visual.attention_backend import set_vit_att_backend, vit_att_backend
 from visual.models.fused_layers import LinearPatchEmbed, PackedVisionAttention, QuickGELU
 from visual.models.packed_attention import call_varlen, can_use_varlen, dense_attention, pack_index, sdpa_per_segment
 from visual.models.qwen2_vl import Qwen2VLVisionModel
@@ -152,16 +153,25 @@ def test_varlen_only_where_flash_runs() -> None:
         assert not can_use_varlen(torch.zeros(4, 2, 12, device="cuda", dtype=torch.half), varlen_torch_later)
 
 
-def test_our_attention_only_where_checked() -> None:
-    """The towers send our packed attention batches of one size that fill whole key tiles, at least a query tile
-    long, with a head dim that splits; everything else goes to flash."""
+def test_our_attention_where_it_applies() -> None:
+    """The towers send our packed attention every batch at least a query tile long whose head dim splits, of one
+    image size or ragged; Qwen2.5-VL's windows, Qwen3-VL's head dim and `--vit_att_backend sdpa` go to flash."""
     ours = PackedVisionAttention._ours
     q = torch.empty(4 * 4096, 16, 80, device="meta")
-    assert ours(4, 4096, q) and ours(16, 576, torch.empty(16 * 576, 16, 80, device="meta"))  # 896 px, 336 px
-    assert not ours(2, 4096, q[: 4096 + 576])  # two sizes
-    assert not ours(64, 64, torch.empty(64 * 64, 16, 80, device="meta"))  # Qwen2.5-VL's windows: half a query tile
-    assert not ours(3, 200, torch.empty(600, 16, 80, device="meta"))  # each image ends inside a key tile
-    assert not ours(4, 4096, torch.empty(4 * 4096, 16, 72, device="meta"))  # Qwen3-VL's head dim does not split
+    assert ours(4096, q) and ours(576, torch.empty(16 * 576, 16, 80, device="meta"))  # 896 px, 336 px
+    assert ours(4096, q[: 4096 + 576])  # two sizes
+    assert ours(200, torch.empty(600, 16, 80, device="meta"))  # each image ends inside a key tile
+    assert not ours(64, torch.empty(64 * 64, 16, 80, device="meta"))  # Qwen2.5-VL's windows: half a query tile
+    assert not ours(4096, torch.empty(4 * 4096, 16, 72, device="meta"))  # Qwen3-VL's head dim does not split
+    try:
+        set_vit_att_backend("sdpa")
+        assert not ours(4096, q)
+        set_vit_att_backend("fa3")  # not bundled: auto
+        assert vit_att_backend() == "auto" and ours(4096, q)
+    finally:
+        set_vit_att_backend("auto")
+    with pytest.raises(ValueError, match="vit_att_backend"):
+        set_vit_att_backend("flash")
 
 
 def test_host_staging_reuses_its_buffer() -> None:
@@ -183,8 +193,8 @@ def test_host_staging_reuses_its_buffer() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and flash attention need a GPU")
 @pytest.mark.parametrize(
     "sizes",
-    [SIZES, [(112, 84)] * 3, [(224, 224)] * 3],  # 48 patches each: flash; 256 each (whole tiles): our kernel
-    ids=["mixed_sizes_varlen", "one_size_dense", "one_size_ours"],
+    [SIZES, [(112, 84)] * 3, [(224, 224)] * 3],  # mixed: ours, ragged; 48 patches each: flash; 256 each: ours
+    ids=["mixed_sizes_ours", "one_size_dense", "one_size_ours"],
 )
 def test_fused_tower_on_gpu_is_close_to_hf(model_dir: str, sizes: list[tuple[int, int]]) -> None:
     """bf16 on CUDA: our kernels (qkv + rotary, QuickGELU, the patch GEMM) and the varlen / dense flash attention or

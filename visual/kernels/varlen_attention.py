@@ -167,14 +167,6 @@ _CONFIG = (QUERY_TILE, KEY_TILE, 8, 3)
 _INTERPRET_CONFIG = (16, 16, 4, 1)
 
 
-def fills_key_tiles(segments: int, max_seqlen: int, num_tokens: int) -> bool:
-    """Every image of the batch has one length, a multiple of KEY_TILE: no image ends inside a key tile. The only
-    batches the compiled kernel has been checked on so far (on an H100, against torch's flash: 4 x 4096 and 16 x 576
-    rows); the partial-tile path passes its tests under TRITON_INTERPRET=1 only (a first version of it, with masked
-    loads, read out of bounds when compiled), so ragged batches stay on torch's flash until it is checked on a GPU."""
-    return segments * max_seqlen == num_tokens and max_seqlen % KEY_TILE == 0
-
-
 def varlen_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, H, D]

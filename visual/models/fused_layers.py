@@ -4,9 +4,8 @@ parameters and their names:
 - `PackedVisionAttention` replaces each block's attention: qkv projection, then one kernel that splits q/k/v and
   applies the 2-D rotary (`visual.kernels.qkv_rotary`), then every image of the batch in one attention call: our
   packed kernel (`visual.kernels.varlen_attention`: head dim 80 in two exact parts, where FlashAttention-2 pads it
-  to 96; 1.4-1.5x its speed on an H100) for batches of one image size that fill whole key tiles
-  (`fills_key_tiles`: the batches it has been checked on a GPU with), torch's flash kernel otherwise
-  (`packed_attention`); then the output projection;
+  to 96; 1.3-1.5x its speed on an H100) for head dims that split so, unless `--vit_att_backend sdpa` asks for
+  torch's flash kernel (`packed_attention`), which also takes the rest; then the output projection;
 - `QuickGELU` replaces the MLP's QuickGELU (Qwen2-VL) with one kernel;
 - `LinearPatchEmbed` runs the patch embedding's Conv3d, whose kernel equals its stride, as the GEMM it is.
 
@@ -20,7 +19,8 @@ import torch.nn.functional as F
 from transformers.activations import QuickGELUActivation
 
 from visual import kernels
-from visual.kernels.varlen_attention import QUERY_TILE, fills_key_tiles, head_dim_parts
+from visual.attention_backend import our_kernel_allowed
+from visual.kernels.varlen_attention import QUERY_TILE, head_dim_parts
 from visual.models.packed_attention import (
     call_varlen,
     can_use_varlen,
@@ -56,7 +56,7 @@ class PackedVisionAttention(torch.nn.Module):
         if max_seqlen is None and q.is_cuda:  # the towers pass it; computing it here costs a host sync
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         segments = cu_seqlens.shape[0] - 1
-        if q.is_cuda and q.dtype in _HALF and self._ours(segments, max_seqlen, q):
+        if q.is_cuda and q.dtype in _HALF and self._ours(max_seqlen, q):
             out = kernels.varlen_attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, self.scaling)
         elif can_use_varlen(q, kernel):
             if segments * max_seqlen == num_tokens:  # all of one length (a batch of one image size): dense
@@ -69,15 +69,12 @@ class PackedVisionAttention(torch.nn.Module):
         return self.proj(out.reshape(num_tokens, -1))
 
     @staticmethod
-    def _ours(segments: int, max_seqlen: int, q: torch.Tensor) -> bool:
-        """Our kernel where it has been checked on a GPU (`fills_key_tiles`) and the head dim splits. Segments
-        shorter than a query tile (Qwen2.5-VL's 64-patch windows) would leave half of each tile idle: not timed
-        against flash yet, so they stay on flash."""
-        return (
-            head_dim_parts(q.shape[-1]) is not None
-            and max_seqlen >= QUERY_TILE
-            and fills_key_tiles(segments, max_seqlen, q.shape[0])
-        )
+    def _ours(max_seqlen: int, q: torch.Tensor) -> bool:
+        """Our kernel where the backend allows it and the head dim splits, for batches of one image size and
+        ragged ones alike (both checked on an H100 against per-image SDPA: tests/kernels/test_vision_attention.py,
+        benchmarks/tower_bench.py). Segments all shorter than a query tile (Qwen2.5-VL's 64-patch windows) would
+        leave half of each tile idle: not timed against flash, so they stay on flash."""
+        return our_kernel_allowed() and head_dim_parts(q.shape[-1]) is not None and max_seqlen >= QUERY_TILE
 
 
 class QuickGELU(torch.nn.Module):
