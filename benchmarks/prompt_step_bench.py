@@ -106,7 +106,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--device", default="auto", help="cuda (auto) or cpu (a check of this script on a tiny model)")
     args = ap.parse_args()
-    cfg = EngineConfig(model_dir=args.model_dir, max_total_token_num=200_000, load_format="dummy", device=args.device)
+    cfg = EngineConfig(
+        model_dir=args.model_dir, max_total_token_num=200_000, load_format="dummy", device=args.device,
+        prefix_cache=False,  # every prompt prefilled in full (the prompts here repeat)
+    )  # fmt: skip
     core = EngineCore(cfg)
     _running(core, args.decode, 1000)
     chunks = [int(c) for c in args.chunks.split(",")]
