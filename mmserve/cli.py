@@ -66,13 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
     )
-    p.add_argument(
-        "--tower_yield_ms",
-        type=float,
-        default=0.0,
-        help="how long a vision-tower batch may pause between its blocks while the router prefills prompts on the "
-        "shared GPU, so that requests whose images are done reach their first token first (0: never)",
-    )
     p.add_argument("--visual_infer_batch_size", type=int, default=16, help="most images in one vision-tower batch")
     p.add_argument(
         "--visual_batch_max_patches",
@@ -173,7 +166,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
             tower_turn_ms=args.tower_turn_ms,
-            tower_yield_ms=args.tower_yield_ms,
             visual_infer_batch_size=args.visual_infer_batch_size,
             visual_batch_max_patches=args.visual_batch_max_patches,
             vit_att_backend=args.vit_att_backend[0],

@@ -72,9 +72,6 @@ class ServerConfig:
     # Per decode-only step, how long the router may hold back while the vision tower runs a batch (its turn on the
     # shared GPU, visual/tower_turn.py); 0: never
     tower_turn_ms: float = 20.0
-    # Per tower batch, how long the vision tower may hand the GPU to the router's prompt steps between its blocks
-    # (visual/prefill_yield.py); 0: never
-    tower_yield_ms: float = 0.0
     visual_infer_batch_size: int = 16  # images per vision-tower batch (LightLLM's name)
     # Vision-tower positions (patches) per batch (0: no limit): a burst of large images goes through in small
     # batches, each image's embeddings reaching the LM when its own batch ends, not a 16-image batch's
@@ -126,8 +123,6 @@ class ServerConfig:
             raise ValueError("--request_read_timeout and --stream_write_timeout must be >= 0")
         if self.visual_infer_batch_size < 1:
             raise ValueError("--visual_infer_batch_size must be >= 1")
-        if self.tower_yield_ms < 0:
-            raise ValueError("--tower_yield_ms must be >= 0")
         if self.visual_batch_max_patches < 0:
             raise ValueError("--visual_batch_max_patches must be >= 0")
         if self.vit_att_backend not in VIT_ATT_BACKENDS:

@@ -62,7 +62,6 @@ class Router:
         self._embed_reader = embed_reader
         self._tower_turn = tower_turn if tower_turn_s > 0 else None
         self._tower_turn_s = tower_turn_s
-        self._turns = tower_turn  # holds our own flag too: a step with prompt tokens runs
         self._awaiting_images: dict[str, TokenizedRequest] = {}
         self._early_ready: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[str] = set()  # rids inside the engine core
@@ -174,8 +173,6 @@ class Router:
                 send(batch)
 
         late = self.core.step(emit if send is not None else None)
-        if self._turns is not None:  # the visual process pauses its tower while it is up (--tower_yield_ms)
-            self._turns.set_prefill(self.core.prompt_tokens_in_flight() > 0)
         return self._batch(own + [self._from_engine(out) for out in late])
 
     def _batch(self, outputs: list[TokenOutput]) -> RouterBatch | None:

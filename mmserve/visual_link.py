@@ -70,7 +70,6 @@ def visual_process_config(config: ServerConfig, endpoints: Endpoints, shm_prefix
         max_batch=config.visual_infer_batch_size,
         max_batch_patches=config.visual_batch_max_patches,
         vit_att_backend=config.vit_att_backend,
-        tower_yield_s=config.tower_yield_ms / 1e3,
     )
 
 

@@ -21,7 +21,6 @@ import torch
 from visual.image_decode import BadImage
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualResult
 from visual.models.base import ImageInput
-from visual.prefill_yield import PrefillYield
 from visual.preprocess import PreprocessPool
 from visual.shm_segments import write_embedding
 from visual.staging import HostStaging, in_parallel
@@ -43,14 +42,12 @@ class VisualEncoder:
         max_batch: int = 16,
         turn: TowerTurn | None = None,
         max_batch_patches: int = 0,
-        yielder: PrefillYield | None = None,
     ):
         """max_batch: images per tower batch; max_batch_patches: the positions the tower runs over for them (0: no
         limit), so that large images go through in small batches, each one's embeddings reaching the LM as soon as
-        its batch ends; yielder: pauses a batch between its blocks while the router prefills prompts."""
+        its batch ends."""
         self.model = model
         self.turn = turn  # raised while a batch runs: the router holds back decode-only steps meanwhile
-        self.yielder = yielder
         self.pool = pool
         self.shm_prefix = shm_prefix
         self.max_batch = max_batch
@@ -119,8 +116,6 @@ class VisualEncoder:
     def _encode(self, batch: list[tuple[str, float, ImageInput]]) -> list[VisualResult]:
         start = time.perf_counter()
         arrived = [t for _, t, _ in batch]
-        if self.yielder is not None:
-            self.yielder.start_batch()
         try:
             with self.turn.batch_running() if self.turn is not None else contextlib.nullcontext():
                 embeds = self.model.encode([image for _, _, image in batch])  # each [num_tokens, hidden] on device
@@ -151,7 +146,6 @@ class VisualEncoder:
             preprocess_s=sum(im.preprocess_s for _, _, im in batch),
             latency_s=sum(done - t for t in arrived),
             images=len(batch),
-            yield_s=self.yielder.waited_s if self.yielder is not None else 0.0,
         )
         return [EncodeDone(key, image.num_tokens) for key, _, image in batch]
 

@@ -28,7 +28,6 @@ from visual.encoder import VisualEncoder
 from visual.messages import EncodeJob, VisualReady
 from visual.models.base import vision_model_class
 from visual.models.weights import read_json
-from visual.prefill_yield import PrefillYield
 from visual.preprocess import PreprocessPool, start_fork_server
 from visual.tower_turn import TowerTurn
 
@@ -53,7 +52,6 @@ class VisualProcessConfig:
     max_batch: int = 16  # images per tower batch
     max_batch_patches: int = 0  # the positions the tower runs over for them (0: no limit)
     vit_att_backend: str = "auto"  # the towers' attention kernel (visual/attention_backend.py)
-    tower_yield_s: float = 0.0  # per batch, the most the tower pauses for the router's prompt steps (0: never)
     log_level: str = "info"
     load_format: str = "auto"  # dummy: the tower's random init, no weights read (families that support it)
 
@@ -97,12 +95,11 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     pool.wait_started()  # ready means the first image is served at full speed
     phases.done(f"{cfg.num_preprocess_workers} preprocessing workers")
     logger.info("start-up: %s", phases)
-    turn, yielder = None, None
+    turn = None
     if device.type == "cuda":  # the GPU it shares with the router (on CPU each process has its own cores)
         turn = TowerTurn(cfg.shm_prefix)
         turn.create()
-        yielder = PrefillYield.for_model(model, turn, cfg.tower_yield_s) if cfg.tower_yield_s > 0 else None
-    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_patches, yielder)
+    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_patches)
     encoder.warm_up(warm)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)

@@ -2,13 +2,12 @@
 benchmark can read the phases of a run back from the server log (`parse_stats_line`).
 
     vision stats: images=190 batches=12 images_per_batch=15.8 images_per_s=38.0 decode_ms=17.8 preprocess_ms=14.7
-    latency_ms=210.4 tower_ms=120.3 write_ms=8.1 yield_ms=0.0 busy=0.61 failed=0
+    latency_ms=210.4 tower_ms=120.3 write_ms=8.1 busy=0.61 failed=0
 
 Per image (means over the interval): `decode_ms` and `preprocess_ms` are a pool worker's time to decode the file and
 to run the processor; `latency_ms` runs from the job's arrival in the visual process to its embeddings being in
 shared memory. Per batch: `tower_ms` is upload + vision tower + projector + the copy back to host memory, `write_ms`
-the copies into the shared-memory segments, `yield_ms` the part of `tower_ms` the tower paused for the router's
-prompt steps (`--tower_yield_ms`). `busy` is the fraction of the interval spent in `tower_ms` and `write_ms`.
+the copies into the shared-memory segments. `busy` is the fraction of the interval spent in those two.
 """
 
 from __future__ import annotations
@@ -33,15 +32,13 @@ class VisionStats:
     latency_s: float = 0.0
     tower_s: float = 0.0
     write_s: float = 0.0
-    yield_s: float = 0.0  # paused for the router's prompt steps (--tower_yield_ms), part of tower_s
 
     def copy(self) -> VisionStats:
         return dataclasses.replace(self)
 
     def add_batch(self, tower_s: float, write_s: float, decode_s: float, preprocess_s: float, latency_s: float,
-                  images: int, yield_s: float = 0.0) -> None:  # fmt: skip
+                  images: int) -> None:  # fmt: skip
         self.batches += 1
-        self.yield_s += yield_s
         self.images += images
         self.tower_s += tower_s
         self.write_s += write_s
@@ -64,7 +61,6 @@ class VisionStats:
             "latency_ms": f"{(self.latency_s - since.latency_s) / per_image * 1e3:.1f}",
             "tower_ms": f"{tower / per_batch * 1e3:.1f}",
             "write_ms": f"{write / per_batch * 1e3:.1f}",
-            "yield_ms": f"{(self.yield_s - since.yield_s) / per_batch * 1e3:.1f}",
             "busy": f"{(tower + write) / max(elapsed_s, 1e-9):.2f}",
             "failed": self.failed - since.failed,
         }

@@ -56,7 +56,6 @@ def test_engine_config_from_server_config():
         "--graceful_timeout -1",
         "--visual_infer_batch_size 0",
         "--visual_batch_max_patches -1",
-        "--tower_yield_ms -1",
         "--vit_att_backend flash",
     ],
 )
@@ -81,15 +80,14 @@ def test_lightllm_multi_host_line():
 
 def test_visual_flags_reach_the_visual_process(tmp_path):
     """--visual_infer_batch_size (LightLLM's) and --visual_batch_max_patches bound the vision tower's batches;
-    --vit_att_backend (LightLLM's) picks its attention kernel; --tower_yield_ms lets the tower pause for prompts."""
+    --vit_att_backend (LightLLM's) picks its attention kernel."""
     from mmserve.endpoints import Endpoints
     from mmserve.visual_link import visual_process_config
 
     endpoints = Endpoints(str(tmp_path), *(f"ipc://{tmp_path}/{n}" for n in ("r", "d", "h", "v", "vr")))
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")
     assert (default.max_batch, default.max_batch_patches, default.vit_att_backend) == (16, 16384, "auto")
-    assert default.tower_yield_s == 0.0
-    flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa --tower_yield_ms 250"
+    flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa"
     cfg = visual_process_config(parse_config(shlex.split(LLAMA_LINE + flags)), endpoints, "p_")
     assert (cfg.max_batch, cfg.max_batch_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)
-    assert (cfg.vit_att_backend, cfg.tower_yield_s) == ("sdpa", 0.25)
+    assert cfg.vit_att_backend == "sdpa"

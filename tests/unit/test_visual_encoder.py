@@ -146,13 +146,12 @@ def test_stats_line_round_trip():
     stats = VisionStats()
     before = stats.copy()
     stats.add_batch(tower_s=0.1, write_s=0.02, decode_s=0.03, preprocess_s=0.05, latency_s=0.8, images=4)
-    stats.add_batch(tower_s=0.3, write_s=0.02, decode_s=0.01, preprocess_s=0.03, latency_s=0.4, images=2, yield_s=0.1)
+    stats.add_batch(tower_s=0.3, write_s=0.02, decode_s=0.01, preprocess_s=0.03, latency_s=0.4, images=2)
     line = "2024-01-01 INFO visual: " + stats.summary(before, elapsed_s=2.0)
     fields = parse_stats_line(line)
     assert fields == {
         "images": 6, "batches": 2, "images_per_batch": 3.0, "images_per_s": 3.0, "decode_ms": 6.7,
-        "preprocess_ms": 13.3, "latency_ms": 200.0, "tower_ms": 200.0, "write_ms": 20.0, "yield_ms": 50.0,
-        "busy": 0.22, "failed": 0,
+        "preprocess_ms": 13.3, "latency_ms": 200.0, "tower_ms": 200.0, "write_ms": 20.0, "busy": 0.22, "failed": 0,
     }  # fmt: skip
     assert parse_stats_line("router: 12 steps") is None
 
