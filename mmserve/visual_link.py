@@ -70,6 +70,7 @@ def visual_process_config(config: ServerConfig, endpoints: Endpoints, shm_prefix
         max_batch=config.visual_infer_batch_size,
         max_batch_patches=config.visual_batch_max_patches,
         vit_att_backend=config.vit_att_backend,
+        batch_wait_s=config.visual_batch_wait_ms / 1e3,
     )
 
 

@@ -51,6 +51,7 @@ class VisualProcessConfig:
     num_preprocess_workers: int = max(2, min(8, (os.cpu_count() or 2) // 2))
     max_batch: int = 16  # images per tower batch
     max_batch_patches: int = 0  # the positions the tower runs over for them (0: no limit)
+    batch_wait_s: float = 0.0  # how long a batch that is not full waits for images still being preprocessed
     vit_att_backend: str = "auto"  # the towers' attention kernel (visual/attention_backend.py)
     log_level: str = "info"
     load_format: str = "auto"  # dummy: the tower's random init, no weights read (families that support it)
@@ -99,7 +100,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     if device.type == "cuda":  # the GPU it shares with the router (on CPU each process has its own cores)
         turn = TowerTurn(cfg.shm_prefix)
         turn.create()
-    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_patches)
+    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_patches, cfg.batch_wait_s)
     encoder.warm_up(warm)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)

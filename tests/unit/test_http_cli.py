@@ -56,6 +56,8 @@ def test_engine_config_from_server_config():
         "--graceful_timeout -1",
         "--visual_infer_batch_size 0",
         "--visual_batch_max_patches -1",
+        "--visual_batch_wait_ms -1",
+        "--prefill_wave_ms -1",
         "--vit_att_backend flash",
     ],
 )
@@ -80,14 +82,17 @@ def test_lightllm_multi_host_line():
 
 def test_visual_flags_reach_the_visual_process(tmp_path):
     """--visual_infer_batch_size (LightLLM's) and --visual_batch_max_patches bound the vision tower's batches;
-    --vit_att_backend (LightLLM's) picks its attention kernel."""
+    --vit_att_backend (LightLLM's) picks its attention kernel; --visual_batch_wait_ms lets a batch wait for images
+    still being preprocessed."""
     from mmserve.endpoints import Endpoints
     from mmserve.visual_link import visual_process_config
 
     endpoints = Endpoints(str(tmp_path), *(f"ipc://{tmp_path}/{n}" for n in ("r", "d", "h", "v", "vr")))
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")
     assert (default.max_batch, default.max_batch_patches, default.vit_att_backend) == (16, 16384, "auto")
-    flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa"
+    assert default.batch_wait_s == 0.0
+    flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa --visual_batch_wait_ms 15"
     cfg = visual_process_config(parse_config(shlex.split(LLAMA_LINE + flags)), endpoints, "p_")
     assert (cfg.max_batch, cfg.max_batch_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)
-    assert cfg.vit_att_backend == "sdpa"
+    assert (cfg.vit_att_backend, cfg.batch_wait_s) == ("sdpa", 0.015)
+    assert parse_config(shlex.split(LLAMA_LINE + " --prefill_wave_ms 5")).prefill_wave_ms == 5.0  # the router's

@@ -123,6 +123,33 @@ def test_batches_keep_to_the_patch_budget(prefix, tmp_path, caplog):
         torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data), rtol=1e-5, atol=1e-5)
 
 
+def _batch_sizes(caplog) -> list[int]:
+    lines = [re.search(r"tower batch: .* images=(\d+)", r.getMessage()) for r in caplog.records]
+    return [int(m[1]) for m in lines if m]
+
+
+@pytest.mark.parametrize("wait_s, max_batch, batches", [(30.0, 4, [2]), (30.0, 1, [1, 1]), (0.0, 4, [1, 1])])
+def test_a_batch_that_is_not_full_waits_for_images_still_preprocessing(model_dir, prefix, caplog, wait_s, max_batch,
+                                                                        batches):  # fmt: skip
+    """--visual_batch_wait_ms: a small image is ready long before a large one (one preprocessing thread, the large
+    one's decode taking ~0.1-1 s): with a wait the two go through as one batch; a full batch, or no wait, goes at
+    once."""
+    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=max_batch, batch_wait_s=wait_s)
+    images = {"small": png(40, 40, 0), "large": png(2400, 2400, 1)}
+    for key, data in images.items():
+        encoder.submit(EncodeJob(key, data))
+    results = []
+    with caplog.at_level("DEBUG", logger="visual.encoder"):
+        while encoder.has_work():
+            results += encoder.step(timeout_s=30)
+    encoder.shutdown()
+    assert _batch_sizes(caplog) == batches
+    assert sorted(r.key for r in results if isinstance(r, EncodeDone)) == sorted(images)
+    for key, data in images.items():
+        torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data))
+
+
 def test_encode_job_frames_round_trip():
     job = EncodeJob("key:ü", b"\x00\x01 image bytes")
     assert EncodeJob.from_frames(job.frames()) == job
