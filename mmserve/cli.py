@@ -66,13 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
     )
-    p.add_argument(
-        "--prefill_wave_ms",
-        type=float,
-        default=0.0,
-        help="how long the router may keep reading newly arrived requests (until its inbox is quiet) before it "
-        "plans a prompt step with them, so that a wave of arrivals is prefilled in one step (0: never)",
-    )
     p.add_argument("--visual_infer_batch_size", type=int, default=16, help="most images in one vision-tower batch")
     p.add_argument(
         "--visual_batch_max_patches",
@@ -84,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--visual_batch_wait_ms",
         type=float,
-        default=0.0,
+        default=10.0,
         help="how long a vision-tower batch that is not full waits for images still being preprocessed, so that a "
         "burst's first images go through in one batch, not one by one (0: never)",
     )
@@ -180,7 +173,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             allow_private_urls=args.allow_private_urls,
             image_dir=args.image_dir,
             tower_turn_ms=args.tower_turn_ms,
-            prefill_wave_ms=args.prefill_wave_ms,
             visual_infer_batch_size=args.visual_infer_batch_size,
             visual_batch_max_patches=args.visual_batch_max_patches,
             visual_batch_wait_ms=args.visual_batch_wait_ms,

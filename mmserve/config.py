@@ -72,15 +72,13 @@ class ServerConfig:
     # Per decode-only step, how long the router may hold back while the vision tower runs a batch (its turn on the
     # shared GPU, visual/tower_turn.py); 0: never
     tower_turn_ms: float = 20.0
-    # How long the router may keep reading newly arrived requests before it plans a step with them, so that a wave
-    # of arrivals is prefilled in one step (mmserve/router.py, _gather_wave); 0: never
-    prefill_wave_ms: float = 0.0
     visual_infer_batch_size: int = 16  # images per vision-tower batch (LightLLM's name)
     # Vision-tower positions (patches) per batch (0: no limit): a burst of large images goes through in small
     # batches, each image's embeddings reaching the LM when its own batch ends, not a 16-image batch's
     visual_batch_max_patches: int = 16384
-    # How long a vision-tower batch that is not full waits for images still being preprocessed (0: never)
-    visual_batch_wait_ms: float = 0.0
+    # How long a vision-tower batch that is not full waits for images still being preprocessed (0: never): a burst's
+    # first images then go through in one batch, not one by one (visual/encoder.py, _wait_for_stragglers)
+    visual_batch_wait_ms: float = 10.0
     vit_att_backend: str = "auto"  # the vision towers' attention kernel (LightLLM's flag): auto/triton, sdpa, ...
     visual_max_restarts: int = 3  # deaths of the visual process in a row it is restarted after; then the server exits
 
@@ -128,8 +126,6 @@ class ServerConfig:
             raise ValueError("--request_read_timeout and --stream_write_timeout must be >= 0")
         if self.visual_infer_batch_size < 1:
             raise ValueError("--visual_infer_batch_size must be >= 1")
-        if self.prefill_wave_ms < 0:
-            raise ValueError("--prefill_wave_ms must be >= 0")
         if self.visual_batch_wait_ms < 0:
             raise ValueError("--visual_batch_wait_ms must be >= 0")
         if self.visual_batch_max_patches < 0:

@@ -45,7 +45,6 @@ _MAX_EARLY_READY = 10_000  # ImagesReady seen before (or without) their request:
 # A step prefilling at least this many prompt tokens runs for tens of ms (~25 ms per 1k tokens for a 7B on an H100):
 # the next step is planned only once it is done, so that prompts arriving meanwhile join that next step.
 _PLAN_AFTER_PROMPT_TOKENS = 1024
-_WAVE_QUIET_MS = 2  # gathering a wave of arrivals: it has ended once the inbox stays empty this long
 
 # Reads one image's embeddings from the shared-memory cache: [num_tokens, hidden].
 EmbedReader = Callable[[ImageRef], torch.Tensor]
@@ -58,14 +57,11 @@ class Router:
         embed_reader: EmbedReader | None = None,
         tower_turn: TowerTurn | None = None,
         tower_turn_s: float = 0.0,
-        wave_s: float = 0.0,
     ):
         self.core = core
         self._embed_reader = embed_reader
         self._tower_turn = tower_turn if tower_turn_s > 0 else None
         self._tower_turn_s = tower_turn_s
-        self._wave_s = wave_s  # the most a prompt step waits for the rest of a wave of arrivals (_gather_wave)
-        self._admitted = 0  # requests admitted into the core since the last step
         self._awaiting_images: dict[str, TokenizedRequest] = {}
         self._early_ready: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[str] = set()  # rids inside the engine core
@@ -136,7 +132,6 @@ class Router:
             self._reject(msg.rid, len(msg.prompt_ids), str(e))
             return
         self._live.add(msg.rid)
-        self._admitted += 1
 
     def _engine_request(self, msg: TokenizedRequest, all_embedded: bool = False) -> Request:
         items = []
@@ -166,7 +161,6 @@ class Router:
         send: where a batch goes before a prompt step is launched (the previous step's tokens, then, go out before
         the host spends tens of ms launching it); the rest is returned."""
         own, self._own_outputs = self._own_outputs, []
-        self._admitted = 0
         if not (self.core.has_unfinished() or self._abort_issued):
             return self._batch(own)
         self._abort_issued = False
@@ -212,22 +206,6 @@ class Router:
             for msg in inbox.drain(_TOWER_POLL_MS):
                 self.handle(msg)
 
-    def _gather_wave(self, inbox: PullQueue) -> None:
-        """Requests come in waves: a tower batch's, which the HTTP server sends one by one, reach the router over a
-        few ms. An eager prompt step costs ~40 ms of host time whatever its size (`benchmarks/prompt_step_bench.py`),
-        and a step launched for the wave's first request held the rest back by that much (64 x 336 px bursts on an
-        H100: one or two requests prefilled alone while the next 31 waited). So once new requests are in, read the
-        inbox until it stays empty for _WAVE_QUIET_MS (at most wave_s) before the step is planned."""
-        if not self._admitted or self._wave_s <= 0:
-            return
-        deadline = time.perf_counter() + self._wave_s
-        while (left_ms := (deadline - time.perf_counter()) * 1e3) > 0:
-            msgs = inbox.drain(max(1, min(_WAVE_QUIET_MS, round(left_ms))))
-            if not msgs:
-                return
-            for msg in msgs:
-                self.handle(msg)
-
     def _plan_after_long_step(self, inbox: PullQueue) -> None:
         """The overlapped loop plans step N+1 while step N runs, so a prompt that arrives during N waits for N+1
         and joins N+2: two steps, ~200 ms behind two 4096-token chunks. While a long prompt step runs, wait for it
@@ -268,7 +246,6 @@ class Router:
         while parent_alive(parent_pid):
             for msg in inbox.drain(0 if self.has_work() else _IDLE_POLL_MS):
                 self.handle(msg)
-            self._gather_wave(inbox)
             self._give_tower_its_turn(inbox)
             self._plan_after_long_step(inbox)
             batch = self.step(to_detok.send)
@@ -317,7 +294,7 @@ def run_router_process(
             # Host work per step is many tiny tensor ops: a thread pool per op only adds wake-up latency and fights
             # the other processes for cores (4-5x slower steps measured on a 16-core GPU host).
             torch.set_num_threads(1)
-        router = Router(core, embed_reader, tower_turn, config.tower_turn_ms / 1e3, config.prefill_wave_ms / 1e3)
+        router = Router(core, embed_reader, tower_turn, config.tower_turn_ms / 1e3)
         ctx = zmq.Context()
         inbox = PullQueue(ctx, endpoints.router)
         to_detok = PushQueue(ctx, endpoints.detokenizer)

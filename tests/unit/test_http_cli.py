@@ -57,7 +57,6 @@ def test_engine_config_from_server_config():
         "--visual_infer_batch_size 0",
         "--visual_batch_max_patches -1",
         "--visual_batch_wait_ms -1",
-        "--prefill_wave_ms -1",
         "--vit_att_backend flash",
     ],
 )
@@ -90,9 +89,8 @@ def test_visual_flags_reach_the_visual_process(tmp_path):
     endpoints = Endpoints(str(tmp_path), *(f"ipc://{tmp_path}/{n}" for n in ("r", "d", "h", "v", "vr")))
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")
     assert (default.max_batch, default.max_batch_patches, default.vit_att_backend) == (16, 16384, "auto")
-    assert default.batch_wait_s == 0.0
+    assert default.batch_wait_s == 0.01
     flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa --visual_batch_wait_ms 15"
     cfg = visual_process_config(parse_config(shlex.split(LLAMA_LINE + flags)), endpoints, "p_")
     assert (cfg.max_batch, cfg.max_batch_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)
     assert (cfg.vit_att_backend, cfg.batch_wait_s) == ("sdpa", 0.015)
-    assert parse_config(shlex.split(LLAMA_LINE + " --prefill_wave_ms 5")).prefill_wave_ms == 5.0  # the router's

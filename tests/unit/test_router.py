@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
-import time
 
 import pytest
 import zmq
@@ -196,53 +194,3 @@ def test_tokens_go_out_before_a_prompt_step_is_launched(router):
     assert sorted(o.rid for o in decode_only.outputs) == ["a", "b"]
     batches = run_until_idle(router)
     assert outputs_of(batches, "a")[-1].output_tokens == 4
-
-
-def _send_spaced(sender: PushQueue, msgs: list, gap_s: float) -> threading.Thread:
-    def send() -> None:
-        for msg in msgs:
-            time.sleep(gap_s)
-            sender.send(msg)
-
-    thread = threading.Thread(target=send)
-    thread.start()
-    return thread
-
-
-@pytest.mark.parametrize("wave_s", [1.0, 0.0])
-def test_a_wave_of_arrivals_is_prefilled_in_one_step(model_dir, tmp_path, wave_s):
-    """--prefill_wave_ms: requests that arrive half a ms apart (a tower batch's, as the HTTP server sends them) join
-    one prompt step; without it the first step leaves some behind. A quiet inbox ends the wait long before its
-    limit."""
-    router = Router(
-        EngineCore(EngineConfig(model_dir=model_dir, max_total_token_num=KV_SLOTS, device="cpu")), wave_s=wave_s
-    )
-    ctx = zmq.Context()
-    addr = f"ipc://{tmp_path}/inbox"
-    inbox, sender = PullQueue(ctx, addr), PushQueue(ctx, addr)
-    try:
-        wave = [dataclasses.replace(request(f"r{i}"), prompt_ids=list(range(10 * i + 3, 10 * i + 8))) for i in range(4)]
-        sender.send(wave[0])
-        rest = _send_spaced(sender, wave[1:], gap_s=0.0005)
-        for msg in inbox.drain(1000):
-            router.handle(msg)
-        t0 = time.perf_counter()
-        router._gather_wave(inbox)
-        waited = time.perf_counter() - t0
-        rest.join()
-        router.step()
-        prompts = router.core._inflight.num_prefill_tokens // 5
-        assert prompts == 4 if wave_s else prompts < 4
-        assert waited < 0.5  # ended by the quiet inbox, not by the 1 s limit
-        for msg in inbox.drain(100):
-            router.handle(msg)
-        router.step()
-        t0 = time.perf_counter()
-        router._gather_wave(inbox)  # nothing new since the step: no wait at all
-        assert time.perf_counter() - t0 < 0.001
-        batches = run_until_idle(router)
-        assert all(outputs_of(batches, r.rid)[-1].finished for r in wave)
-    finally:
-        inbox.close()
-        sender.close()
-        ctx.term()
