@@ -3,8 +3,9 @@
 # stopped, the arms alternating for --rounds rounds, so that the machine's own speed (10-15 % between machines of
 # one kind) cancels out. One Triton cache is shared: only the first server compiles.
 #
-# On the GPU host, with .whl as benchmarks/gpu_compare.sh says and its wheels header run first (PYTHONPATH=/tmp/site), from the
-# repo root, with each arm's tree exported beside it (e.g. `git archive A | tar -x -C .arm_a`):
+# On the GPU host, with .whl as benchmarks/gpu_compare.sh says (uvloop and httptools included) and its wheels header
+# run first (PYTHONPATH=/tmp/site), from the repo root, with each arm's tree exported beside it (e.g.
+# `git archive A | tar -x -C .arm_a`):
 #   bash benchmarks/ab_compare.sh [--rounds 2] [--loads img336_x64,img896_x64,img336_x256,one_336] [--ckpt DIR] \
 #     new=.arm_a old=.arm_b "tt50=.arm_a:--tower_turn_ms 50"
 # An arm is LABEL=DIR, optionally with server flags after a colon. The checkpoint is gpu_compare's Qwen2-VL-7B-shaped

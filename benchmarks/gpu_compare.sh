@@ -3,8 +3,11 @@
 # one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl; an 8B-shaped
 # Qwen3-VL with --family qwen3_vl), with the same client (benchmarks/serve_bench.py) and loads.
 #
-# Before: ../shared/gpu/wheels.sh pybase64 openai jiter distro sniffio (-> .whl: the image lacks our pybase64, and
-# openai for tests/e2e/test_openai*) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both.
+# Before: ../shared/gpu/wheels.sh pybase64 openai jiter distro sniffio uvloop httptools (-> .whl: the image lacks our
+# pybase64, uvloop and httptools, which pyproject installs and uvicorn then runs on, and openai for
+# tests/e2e/test_openai*) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both. Without uvloop and
+# httptools the HTTP process runs on asyncio and h11, as a user's install never does: 4-5 % less throughput on the
+# 64 x 896 px load (A/B in docs/performance.md), so the script warns.
 # On the GPU host, from the repo root, begin the command with the wheels header:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || exit 1; bash benchmarks/gpu_compare.sh [flags]
@@ -27,6 +30,8 @@
 # run --lightllm --no_mmserve as a second call if all three together run past it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+python3 -c "import uvloop, httptools" 2>/dev/null \
+  || echo "warning: uvloop or httptools missing: the server runs on asyncio/h11, slower than an installed mmserve" >&2
 
 lightllm=0; hf=0; mmserve=1; loads=all; hf_loads=img336_x64,img896_x64; family=qwen2_vl; ckpt=""; bench_args=""
 client_procs=4
