@@ -12,10 +12,12 @@ from transformers import AutoProcessor, AutoTokenizer
 
 from cache.coordinator import CacheCoordinator
 from cache.shm_store import list_segments, new_prefix, read_embedding, unlink_all
+from language.sampling_params import SamplingParams
 from mmserve.checkpoints.llava import build_llava_hf
 from mmserve.multimodal.llava import LlavaPromptProcessor
 from mmserve.multimodal.preparer import MultimodalPreparer
-from mmserve.protocol import BadRequest
+from mmserve.protocol import BadRequest, GenerateInput
+from mmserve.tokenization import Limits, RequestPreparer
 from visual.encoder import VisualEncoder
 from visual.models.llava import LlavaVisionModel
 from visual.preprocess import PreprocessPool
@@ -98,6 +100,34 @@ def test_prepare_two_images(model_dir, vision):
         assert all(e.refs == 0 for e in h.coordinator.index._entries.values())
         text_only = await h.preparer.prepare("r2", "USER: hi ASSISTANT:", {}, run_sync)
         assert text_only.images == () and text_only.prompt_ids[0] == 1
+
+    run(model_dir, vision, 4, body)
+
+
+def test_stop_ids_are_looked_up_before_the_images(model_dir, vision):
+    """A stop sequence that is one special token becomes a stop id, looked up in the tokenizer pool before the
+    request's images are prepared (after them, a whole tower batch's requests queued for the two-thread pool at
+    once: ~18 ms for sixteen on the H100 host); a request without stop sequences skips the lookup."""
+    calls: list[str] = []
+
+    async def recording(fn, *args):
+        calls.append(getattr(fn, "__name__", type(fn).__name__))
+        return await run_sync(fn, *args)
+
+    async def body(h):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        preparer = RequestPreparer(tokenizer, Limits(4096), h.preparer)
+        images = {"images": [image_item(48, 40, 7)]}
+        stops = SamplingParams(max_new_tokens=2, stop_sequences=("</s>", "hello"))
+        out = await preparer.prepare("s1", GenerateInput("USER: <image>\nhi", stops, images), recording)
+        assert out.params.stop_token_ids == (tokenizer.convert_tokens_to_ids("</s>"),)  # "hello" stays text
+        assert calls[0] == "_with_stop_token_ids" and len(calls) > 1, calls  # then the image side's own work
+        preparer.release("s1")
+        calls.clear()
+        plain = SamplingParams(max_new_tokens=2)
+        out = await preparer.prepare("s2", GenerateInput("USER: <image>\nhi", plain, images), recording)
+        assert out.params.stop_token_ids == () and "_with_stop_token_ids" not in calls and calls, calls
+        preparer.release("s2")
 
     run(model_dir, vision, 4, body)
 
