@@ -21,7 +21,8 @@ def test_check_shape_matches_sizes_with_none_as_any():
 
 
 def test_check_device_returns_the_shared_device():
-    a, b = torch.empty(2), torch.empty(3)
-    assert check_device(a=a, b=b) == torch.device("cpu")  # CPU: the tests run under TRITON_INTERPRET=1
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only under TRITON_INTERPRET=1 (conftest)
+    a, b = torch.empty(2, device=device), torch.empty(3, device=device)
+    assert check_device(a=a, b=b) == a.device
     with pytest.raises(AssertionError, match="tensors on different devices: {'a': device"):
         check_device(a=a, b=torch.empty(2, device="meta"))
