@@ -3,6 +3,7 @@ time goes, with the GPU to itself and time-sliced with another process (as the v
 
     python benchmarks/prompt_step_bench.py --model_dir /tmp/q2vl7b            # any family's LM, random weights
     python benchmarks/prompt_step_bench.py --model_dir /tmp/q2vl7b --chunks 4096 --profile --top 25
+    python benchmarks/prompt_step_bench.py --model_dir /tmp/q2vl7b --piecewise_cuda_graph_max_tokens 0  # all eager
 
 Each step is a prompt chunk of N tokens beside `--decode` running requests' decode rows (a mixed step, as under
 load), launched with the device idle: `launch ms` is EngineCore.step() from its call to its return (schedule,
@@ -105,10 +106,17 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="then each chunk's kernels (device time)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--device", default="auto", help="cuda (auto) or cpu (a check of this script on a tiny model)")
+    ap.add_argument(
+        "--piecewise_cuda_graph_max_tokens",
+        type=int,
+        default=EngineConfig.piecewise_graph_max_tokens,
+        help="steps of up to this many tokens replay piecewise graphs (the server's flag); 0: eager",
+    )
     args = ap.parse_args()
     cfg = EngineConfig(
         model_dir=args.model_dir, max_total_token_num=200_000, load_format="dummy", device=args.device,
         prefix_cache=False,  # every prompt prefilled in full (the prompts here repeat)
+        piecewise_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
     )  # fmt: skip
     core = EngineCore(cfg)
     _running(core, args.decode, 1000)

@@ -27,6 +27,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     cuda_graph: bool = True  # capture decode steps on GPU
     cuda_graph_max_batch: int = 256  # LightLLM's --graph_max_batch_size
+    # Prompt and mixed steps of up to this many tokens replay piecewise graphs (attention eager); 0: all eager.
+    piecewise_graph_max_tokens: int = 1024
     seed: int = 0
     # Tensor parallelism: ranks over which the decoder is split, and where they meet (torch.distributed's
     # init_method, LightLLM's tcp://nccl_host:nccl_port); rank 0 is the engine's own process.
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError("chunked_prefill_size must be >= 1")
         if self.cuda_graph_max_batch < 1:
             raise ValueError("graph_max_batch_size must be >= 1")
+        if self.piecewise_graph_max_tokens < 0:
+            raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0")
 
 
 @dataclass(frozen=True)

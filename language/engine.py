@@ -172,7 +172,10 @@ class EngineCore:
         self.prefix = PrefixCache(self.kv.slots) if cfg.prefix_cache else None
         self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill, self.prefix)
         channel = StepChannel(self.tp) if self.tp.enabled else None
-        self.runner = ModelRunner(self.model, self.kv, device, cfg.cuda_graph, cfg.cuda_graph_max_batch, channel)
+        self.runner = ModelRunner(
+            self.model, self.kv, device, cfg.cuda_graph, cfg.cuda_graph_max_batch, channel,
+            piecewise_max_tokens=cfg.piecewise_graph_max_tokens,
+        )  # fmt: skip
         self.model_info = ModelInfo(
             architecture=lm.architecture,
             eos_token_ids=tuple(cfg.eos_id) if cfg.eos_id is not None else lm.eos_token_ids,

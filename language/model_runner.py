@@ -4,7 +4,7 @@ A step's integer inputs go to the device in one copy from a pinned buffer; the i
 device (the previous step scattered its samples into `last_token`, indexed by table row); image embeddings are
 uploaded on a side stream (`EmbedUpload`); sampled ids and log-probs come back through a non-blocking copy into
 pinned memory that `InflightStep.wait` reads once the step's CUDA event has fired. Pure decode steps replay a
-captured CUDA graph.
+captured CUDA graph; prompt and mixed steps up to a size replay piecewise graphs (`PiecewiseGraphs`).
 
 Log-probabilities beyond the chosen token's cost nothing unless asked: top-k alternatives are computed for a step
 only when one of its rows asks (top_logprobs), and the head runs over prompt positions only for the chunks of
@@ -24,6 +24,7 @@ from language.forward_batch import ForwardBatch
 from language.kv_cache import KVCache
 from language.parallel import step_sync
 from language.parallel.step_sync import StepChannel, StepMessage
+from language.piecewise_graphs import PiecewiseGraphs
 from language.pinned_staging import PinnedStaging
 from language.request import Request, TopLogprobs
 from language.sampler import Samples, SamplingBatch, sample, sample_greedy, token_logprobs
@@ -134,8 +135,11 @@ class ModelRunner:
         use_cuda_graph: bool,
         max_graph_batch: int,
         channel: StepChannel | None = None,
+        piecewise_max_tokens: int = 0,
     ):
-        """channel: under tensor parallelism, where rank 0 sends each step and the other ranks receive it."""
+        """channel: under tensor parallelism, where rank 0 sends each step and the other ranks receive it.
+        piecewise_max_tokens: eager steps of up to this many tokens replay piecewise graphs (on GPU, with CUDA
+        graphs on and without tensor parallelism); 0: none."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -149,6 +153,9 @@ class ModelRunner:
         on_gpu = device.type == "cuda"
         self.embeds = EmbedUpload(device)
         self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and on_gpu else None
+        self.pieces = None
+        if use_cuda_graph and on_gpu and channel is None and piecewise_max_tokens > 0:
+            self.pieces = PiecewiseGraphs(model, kv, device, piecewise_max_tokens)
 
     @torch.inference_mode()
     def launch(self, staged: StagedStep) -> InflightStep:
@@ -176,7 +183,7 @@ class ModelRunner:
                 if self.channel is not None:
                     self.channel.share(embeds)
             batch, targets = self._batch(packed, layout, embeds)
-            logits, req_idx, ids = self.model(batch), batch.req_idx, None  # [b + S, vocab]
+            logits, req_idx, ids = self._forward(batch, layout.num_tokens), batch.req_idx, None  # [b + S, vocab]
         if ids is None or not all_greedy:
             if all_greedy:
                 samples = sample_greedy(logits[:b], k)
@@ -204,6 +211,11 @@ class ModelRunner:
         sampled = [(r, row) for row, (r, kept) in enumerate(zip(reqs, keep, strict=True)) if kept]
         widths = (b, k, len(staged.prefill.score_rows), kp)
         return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths)
+
+    def _forward(self, batch: ForwardBatch, num_tokens: int) -> torch.Tensor:
+        if self.pieces is not None and self.pieces.can_run(num_tokens, batch):
+            return self.pieces.forward(batch)
+        return self.model(batch)
 
     @torch.inference_mode()
     def follow(self, msg: StepMessage) -> None:

@@ -48,7 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn off the prefix cache (reuse of the KV of earlier prompts, images and answers)",
     )
     p.add_argument("--graph_max_batch_size", type=int, default=256, help="largest decode batch run as a CUDA graph")
-    p.add_argument("--disable_cudagraph", action="store_true", help="run decode steps eagerly")
+    p.add_argument("--disable_cudagraph", action="store_true", help="run every step eagerly")
+    p.add_argument(
+        "--piecewise_cuda_graph_max_tokens",
+        type=int,
+        default=1024,
+        help="prompt and mixed steps of up to this many tokens replay CUDA graphs of their dense parts, attention "
+        "eager (SGLang's piecewise graphs); 0: eager",
+    )
     p.add_argument("--eos_id", type=int, nargs="+", default=None, help="end-of-sequence ids (overrides the model's)")
     p.add_argument("--trust_remote_code", action="store_true")
     p.add_argument("--enable_multimodal", action="store_true", help="accept images (visual process + cache)")
@@ -165,6 +172,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
             prefix_cache=not args.disable_dynamic_prompt_cache,
             graph_max_batch_size=args.graph_max_batch_size,
             cuda_graph=not args.disable_cudagraph,
+            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
             trust_remote_code=args.trust_remote_code,
             enable_multimodal=args.enable_multimodal,
             cache_capacity=args.cache_capacity,

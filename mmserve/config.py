@@ -50,6 +50,7 @@ class ServerConfig:
     prefix_cache: bool = True  # --disable_dynamic_prompt_cache: no reuse of earlier prompts' KV
     graph_max_batch_size: int = 256  # largest decode batch captured as a CUDA graph
     cuda_graph: bool = True  # --disable_cudagraph: eager decode
+    piecewise_cuda_graph_max_tokens: int = 1024  # prompt/mixed steps up to this size replay piecewise graphs
     trust_remote_code: bool = False
     enable_multimodal: bool = False
     cache_capacity: int = 200  # images held in the embedding cache
@@ -112,6 +113,8 @@ class ServerConfig:
             raise ValueError("--chunked_prefill_size must be >= 1")
         if self.graph_max_batch_size < 1:
             raise ValueError("--graph_max_batch_size must be >= 1")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError("--piecewise_cuda_graph_max_tokens must be >= 0")
         if self.cache_capacity < 1:
             raise ValueError("--cache_capacity must be >= 1")
         if self.max_image_pixels < 1:
@@ -167,6 +170,7 @@ class ServerConfig:
             prefix_cache=self.prefix_cache,
             cuda_graph=self.cuda_graph,
             cuda_graph_max_batch=self.graph_max_batch_size,
+            piecewise_graph_max_tokens=self.piecewise_cuda_graph_max_tokens,
             tp=self.tp,
             dist_init_method=f"tcp://{self.nccl_host}:{self.nccl_port}",
             ranks_per_node=self.ranks_per_node,

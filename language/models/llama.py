@@ -11,6 +11,7 @@ from torch import nn
 from language import kernels
 from language.config import LMConfig
 from language.forward_batch import ForwardBatch
+from language.kv_cache import KVCache
 from language.models.hf_config import lm_config_from_hf
 from language.models.registry import register_model
 from language.parallel.group import TPGroup
@@ -45,7 +46,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor, kv: KVCache
+    ) -> torch.Tensor:
+        """x [n, hidden] -> q [n, Hq, D], rotated; the rotated k and v are stored at out_slots [n]. Everything
+        here is dense over the rows: piecewise graphs capture it (language/piecewise_graphs.py)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         # q and k sit side by side in each row: one rotary launch covers both.
@@ -55,25 +60,30 @@ class Attention(nn.Module):
         qk = kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        kv = batch.kv
-        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
-        kernels.store_kv(k_cache, v_cache, k, v, batch.out_slots)
-        return self.o_proj(self._attend(q, k_cache, v_cache, batch).view(n, self.q_size))
+        kernels.store_kv(kv.k[self.layer_id], kv.v[self.layer_id], k, v, out_slots)
+        return q
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch):
-        """q: [n, Hq, D] -> [n, Hq, D]: the decode kernel for decode rows, the prefill kernel for the chunks."""
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [n, Hq, D] -> [n, hidden] (summed over ranks)."""
+        return self.o_proj(attn.reshape(attn.shape[0], self.q_size))
+
+    def attend(self, q: torch.Tensor, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [n, Hq, D] -> [n, Hq, D] (into `out` where given): the decode kernel for decode rows, the prefill
+        kernel for the chunks. This part depends on the step's sequences, so piecewise graphs leave it eager."""
         kv, nd, n = batch.kv, batch.num_decode, q.shape[0]
+        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
         if nd == n:
             return kernels.decode_attention(
                 q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.decode_seq_lens, self.scale,
-                max_seq_len=batch.max_decode_len,
+                max_seq_len=batch.max_decode_len, out=out,
             )  # fmt: skip
-        out = q.new_empty(q.shape) if nd else None  # [n, Hq, D] contiguous
+        if out is None and nd:
+            out = q.new_empty(q.shape)  # [n, Hq, D] contiguous
         prefill_out = kernels.prefill_attention(
             q[nd:], k_cache, v_cache, kv.req_to_token, batch.prefill_req_idx, batch.q_starts, batch.q_lens,
             batch.prefill_seq_lens, self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
         )  # fmt: skip
-        if out is None:
+        if nd == 0:
             return prefill_out
         kernels.decode_attention(
             q[:nd], k_cache, v_cache, kv.req_to_token, batch.req_idx[:nd], batch.decode_seq_lens, self.scale,
@@ -106,13 +116,29 @@ class DecoderLayer(nn.Module):
         """x: the previous sublayer's output, residual: the stream before it (None for the first layer, whose x is
         the embeddings) -> (this layer's MLP output, the stream before it). Each residual add is fused into the
         next norm: HF's `residual + x`, then RMSNorm, in one launch."""
+        q, residual = self.before_attention(x, residual, cos, sin, batch.out_slots, batch.kv)
+        return self.after_attention(self.self_attn.attend(q, batch), residual)
+
+    def before_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        kv: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [n, Hq, D], the residual stream [n, hidden]); k and v stored."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = kernels.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = self.self_attn(h, cos, sin, batch)
+        return self.self_attn.project(h, cos, sin, out_slots, kv), residual
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [n, Hq, D], residual [n, hidden] -> (this layer's MLP output, the stream before it)."""
         norm = self.post_attention_layernorm
-        h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        h, residual = kernels.add_rms_norm(self.self_attn.output(attn), residual, norm.weight, norm.eps)
         return self.mlp(h), residual
 
 
@@ -172,11 +198,21 @@ class LlamaForCausalLM(nn.Module):
             return kernels.rotary_cos_sin(positions, self.inv_freq)
         return kernels.mrope_cos_sin(positions, self.inv_freq, list(self.cfg.mrope_section), self.cfg.mrope_interleaved)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (the token embeddings with the images' spliced in [num_tokens, hidden], cos, sin [num_tokens, D/2])."""
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        if batch.mm_embeds is not None:
-            kernels.splice_embeddings(x, batch.mm_embeds, batch.mm_positions)
+        if batch.mm_embeds is not None:  # the first `hidden` columns: the rest are DeepStack's (Qwen3-VL)
+            kernels.splice_embeddings(x, batch.mm_embeds[:, : self.cfg.hidden_size], batch.mm_positions)
         cos, sin = self.rotary(batch.positions)  # [num_tokens, D/2] each
+        return x, cos, sin
+
+    def layers_only(self, batch: ForwardBatch) -> bool:
+        """True where a step's forward is `embed`, the layers one after another, then `logits`, with nothing in
+        between: what piecewise graphs replay. A family that adds work between layers says when it does."""
+        return True
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x, cos, sin = self.embed(batch)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch)

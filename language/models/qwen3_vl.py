@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from language import kernels
 from language.config import LMConfig
 from language.forward_batch import ForwardBatch
 from language.models.hf_config import lm_config_from_hf
@@ -43,14 +42,15 @@ class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
     def mm_embed_width(self) -> int:
         return (1 + self.num_deepstack) * self.cfg.hidden_size
 
+    def layers_only(self, batch: ForwardBatch) -> bool:
+        return batch.mm_embeds is None or self.num_deepstack == 0  # DeepStack adds features between layers
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        x, cos, sin = self.embed(batch)  # [num_tokens, hidden], the main embeddings spliced in
         hidden = self.cfg.hidden_size
         deepstack: list[torch.Tensor] = []
         if batch.mm_embeds is not None:  # [M, (1 + k) * hidden]
-            kernels.splice_embeddings(x, batch.mm_embeds[:, :hidden], batch.mm_positions)
             deepstack = [batch.mm_embeds[:, (j + 1) * hidden : (j + 2) * hidden] for j in range(self.num_deepstack)]
-        cos, sin = self.rotary(batch.positions)  # [num_tokens, D/2] each
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, batch)

@@ -132,9 +132,10 @@ def check_video_placeholder_refused(family: QwenVLFamily, published_dir: str) ->
 
 
 def check_generation(family: QwenVLFamily, model_dir: str, hf_model, device: str, chunked_prefill_size: int,
-                     dtype: str = "float32") -> None:  # fmt: skip
+                     dtype: str = "float32", piecewise_max_tokens: int = 0) -> None:  # fmt: skip
     """1 image, 2 images of different sizes and a text-only prompt, batched in our engine on `device` (the tower
-    there too, float32; the LLM in `dtype`): each prompt equals HF's processor output and each answer HF generate's."""
+    there too, float32; the LLM in `dtype`): each prompt equals HF's processor output and each answer HF generate's.
+    piecewise_max_tokens: steps of up to that many tokens run through piecewise graphs (on CPU uncaptured)."""
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
     from mmserve.llm import LLM
@@ -159,7 +160,12 @@ def check_generation(family: QwenVLFamily, model_dir: str, hf_model, device: str
         placed = zip(mm.offsets, embeds, mm.grid_thw, strict=True)
         items.append([MultimodalItem(offset=o, embeds=e.cpu(), grid_thw=g) for o, e, g in placed])
     llm = LLM(model_dir, max_total_token_num=4096, device=device, dtype=dtype,
-              chunked_prefill_size=chunked_prefill_size)  # fmt: skip
+              chunked_prefill_size=chunked_prefill_size, piecewise_graph_max_tokens=piecewise_max_tokens)  # fmt: skip
+    if piecewise_max_tokens and llm.engine.runner.pieces is None:  # CPU: the pieces run uncaptured
+        from language.piecewise_graphs import PiecewiseGraphs
+
+        runner = llm.engine.runner
+        runner.pieces = PiecewiseGraphs(runner.model, runner.kv, runner.device, piecewise_max_tokens)
     ours = llm.generate(prompts, SamplingParams(max_new_tokens=24, ignore_eos=True), mm_items=items)
     for (text, images), prompt, gen in zip(cases, prompts, ours, strict=True):
         inputs = processor(text=[text], images=images or None, return_tensors="pt")

@@ -117,6 +117,11 @@ def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_pref
     vl.check_generation(FAMILY, published_dir, hf_model, "cpu", chunked_prefill_size)
 
 
+def test_greedy_generation_through_piecewise_graphs_matches_hf(published_dir: str, hf_model) -> None:
+    """Steps that splice images (DeepStack adds to them between layers) run eagerly, the rest piece by piece."""
+    vl.check_generation(FAMILY, published_dir, hf_model, "cpu", 6, piecewise_max_tokens=32)
+
+
 def test_deepstack_changes_the_answer(published_dir: str, hf_model) -> None:
     """The DeepStack rows matter: zeroing them changes HF's logits, and our engine follows (a test of the add, not
     only of the main embedding's splice)."""
