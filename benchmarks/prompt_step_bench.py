@@ -3,7 +3,7 @@ time goes, with the GPU to itself and time-sliced with another process (as the v
 
     python benchmarks/prompt_step_bench.py --model_dir /tmp/q2vl7b            # any family's LM, random weights
     python benchmarks/prompt_step_bench.py --model_dir /tmp/q2vl7b --chunks 4096 --profile --top 25
-    python benchmarks/prompt_step_bench.py --model_dir /tmp/q2vl7b --piecewise_cuda_graph_max_tokens 0  # all eager
+    python benchmarks/prompt_step_bench.py --model_dir /tmp/q2vl7b --compare_eager  # piecewise graphs or not
 
 Each step is a prompt chunk of N tokens beside `--decode` running requests' decode rows (a mixed step, as under
 load), launched with the device idle: `launch ms` is EngineCore.step() from its call to its return (schedule,
@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32, help="running requests decoding beside each chunk")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no_hog", action="store_true", help="skip the time-sliced half")
+    ap.add_argument("--compare_eager", action="store_true", help="each arm also with the piecewise graphs set aside")
     ap.add_argument("--profile", action="store_true", help="then each chunk's kernels (device time)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--device", default="auto", help="cuda (auto) or cpu (a check of this script on a tiny model)")
@@ -122,9 +123,15 @@ def main() -> None:
     _running(core, args.decode, 1000)
     chunks = [int(c) for c in args.chunks.split(",")]
     arms = [("alone", False)] + ([] if args.no_hog else [("time-sliced", True)])
+    pieces = core.runner.pieces
+    if args.compare_eager and pieces is not None:  # the same process with its pieces put aside: eager steps
+        arms = [(f"{name}, {mode}", hog, on) for name, hog in arms for mode, on in (("pieces", True), ("eager", False))]
+    else:
+        arms = [(name, hog, True) for name, hog in arms]
     print(f"| GPU | prompt tokens (+{args.decode} decode rows) | launch ms p50 (min-max) | step ms p50 (min-max) |")
     print("|---|---|---|---|")
-    for name, hog in arms:
+    for name, hog, use_pieces in arms:
+        core.runner.pieces = pieces if use_pieces else None
         stop, ready, proc = None, None, None
         if hog:
             ctx = mp.get_context("spawn")

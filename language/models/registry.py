@@ -20,6 +20,11 @@ class CausalLM(Protocol):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
+    # What piecewise CUDA graphs replay (language/piecewise_graphs.py): `embed(batch)` -> (x, cos, sin), then per
+    # layer `before_attention` (captured), `self_attn.attend` (eager), `after_attention` (captured), then
+    # `logits(x, residual, batch)`; `layers_only(batch)` is False for a step whose forward adds work between layers.
+    def layers_only(self, batch: ForwardBatch) -> bool: ...
+
     def prepare_request(self, req) -> None: ...
 
     def checkpoint_name(self, name: str) -> str | None:
