@@ -139,7 +139,7 @@ class ModelRunner:
     ):
         """channel: under tensor parallelism, where rank 0 sends each step and the other ranks receive it.
         piecewise_max_tokens: eager steps of up to this many tokens replay piecewise graphs (on GPU, with CUDA
-        graphs on and without tensor parallelism); 0: none."""
+        graphs on; every rank decides alike from the step's size and images); 0: none."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -154,7 +154,7 @@ class ModelRunner:
         self.embeds = EmbedUpload(device)
         self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and on_gpu else None
         self.pieces = None
-        if use_cuda_graph and on_gpu and channel is None and piecewise_max_tokens > 0:
+        if use_cuda_graph and on_gpu and piecewise_max_tokens > 0:  # every rank captures, in the same order
             self.pieces = PiecewiseGraphs(model, kv, device, piecewise_max_tokens)
 
     @torch.inference_mode()
@@ -234,7 +234,7 @@ class ModelRunner:
                 shape = (layout.num_mm, self.model.cfg.hidden_size)
                 embeds = self.channel.share(torch.empty(shape, dtype=dtype, device=self.device))
             batch, _ = self._batch(msg.payload, layout, embeds)
-            logits, req_idx, ids = self.model(batch), batch.req_idx, None
+            logits, req_idx, ids = self._forward(batch, layout.num_tokens), batch.req_idx, None
             if all_greedy:
                 ids = sample_greedy(logits[:num_seqs], 0).ids
         if not all_greedy:
