@@ -139,7 +139,7 @@ class ModelRunner:
     ):
         """channel: under tensor parallelism, where rank 0 sends each step and the other ranks receive it.
         piecewise_max_tokens: eager steps of up to this many tokens replay piecewise graphs (on GPU, with CUDA
-        graphs on; every rank decides alike from the step's size and images); 0: none."""
+        graphs on, without tensor parallelism); 0: none."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -154,7 +154,8 @@ class ModelRunner:
         self.embeds = EmbedUpload(device)
         self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and on_gpu else None
         self.pieces = None
-        if use_cuda_graph and on_gpu and piecewise_max_tokens > 0:  # every rank captures, in the same order
+        # Not under tensor parallelism yet: captured all-reduces in the pieces have not run on a multi-GPU host.
+        if use_cuda_graph and on_gpu and channel is None and piecewise_max_tokens > 0:
             self.pieces = PiecewiseGraphs(model, kv, device, piecewise_max_tokens)
 
     @torch.inference_mode()
