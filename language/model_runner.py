@@ -184,7 +184,7 @@ class ModelRunner:
                 if self.channel is not None:
                     self.channel.share(embeds)
             batch, targets = self._batch(packed, layout, embeds)
-            logits, req_idx, ids = self._forward(batch, layout.num_tokens), batch.req_idx, None  # [b + S, vocab]
+            logits, req_idx, ids = self._forward(batch), batch.req_idx, None  # [b + S, vocab]
         if ids is None or not all_greedy:
             if all_greedy:
                 samples = sample_greedy(logits[:b], k)
@@ -213,8 +213,8 @@ class ModelRunner:
         widths = (b, k, len(staged.prefill.score_rows), kp)
         return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths)
 
-    def _forward(self, batch: ForwardBatch, num_tokens: int) -> torch.Tensor:
-        if self.pieces is not None and self.pieces.can_run(num_tokens, batch):
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.pieces is not None and self.pieces.can_run(batch):
             return self.pieces.forward(batch)
         return self.model(batch)
 
@@ -235,7 +235,7 @@ class ModelRunner:
                 shape = (layout.num_mm, self.model.cfg.hidden_size)
                 embeds = self.channel.share(torch.empty(shape, dtype=dtype, device=self.device))
             batch, _ = self._batch(msg.payload, layout, embeds)
-            logits, req_idx, ids = self._forward(batch, layout.num_tokens), batch.req_idx, None
+            logits, req_idx, ids = self._forward(batch), batch.req_idx, None
             if all_greedy:
                 ids = sample_greedy(logits[:num_seqs], 0).ids
         if not all_greedy:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from language.request import Request
 from language.sampling_params import SamplingParams
 from mmserve.llm import LLM
-from tests.models.hf_reference import hf_greedy
+from tests.models.staggered import assert_greedy_equals_hf, run_staggered
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,14 +32,6 @@ def test_staggered_requests_equal_hf_on_gpu(tiny_llama_dir, hf_model, chunk):
     vocab = hf_model.config.vocab_size
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(n)] for n in (3, 40, 9, 120, 1, 77)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    engine, reqs = llm.engine, []
-    for step in range(400):
-        if step % 4 == 0 and len(reqs) < len(prompts):  # join while others decode: mixed steps
-            reqs.append(Request(f"g{chunk}-{len(reqs)}", prompts[len(reqs)], params))
-            engine.add_request(reqs[-1])
-        engine.step()
-        if len(reqs) == len(prompts) and not engine.has_unfinished():
-            break
-    for r in reqs:
-        assert r.output_ids == hf_greedy(hf_model, r.prompt_ids, NEW_TOKENS), r.rid
-    assert engine.stats().kv_used == 0
+    reqs = [Request(f"g{chunk}-{i}", p, params) for i, p in enumerate(prompts)]
+    run_staggered(llm.engine, reqs, join_every=4)  # join while others decode: mixed steps
+    assert_greedy_equals_hf(llm.engine, reqs, hf_model, NEW_TOKENS)

@@ -15,7 +15,7 @@ from language.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from language.request import Request
 from language.sampling_params import SamplingParams
 from mmserve.llm import LLM
-from tests.models.hf_reference import hf_greedy
+from tests.models.staggered import assert_greedy_equals_hf, run_staggered
 
 NEW_TOKENS = 12
 MAX_TOKENS = 32
@@ -56,21 +56,11 @@ def test_staggered_requests_through_pieces_equal_hf(tiny_llama_dir, hf_model, de
     vocab = hf_model.config.vocab_size
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(n)] for n in (30, 3, 40, 9, 70, 1, 17)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    engine, reqs = llm.engine, []
-    burst = [Request(f"pw-{device}-burst-{i}", p, params) for i, p in enumerate(prompts[:3])]
-    for r in burst:  # 76 prompt tokens at once: a 40-token step, then 36 beside no decode row
-        engine.add_request(r)
-    reqs += burst
-    for step in range(400):
-        if step % 3 == 0 and len(reqs) < len(prompts):
-            reqs.append(Request(f"pw-{device}-{len(reqs)}", prompts[len(reqs)], params))
-            engine.add_request(reqs[-1])
-        engine.step()
-        if len(reqs) == len(prompts) and not engine.has_unfinished():
-            break
-    for r in reqs:
-        assert r.output_ids == hf_greedy(hf_model, r.prompt_ids, NEW_TOKENS), r.rid
-    assert engine.stats().kv_used == 0
+    reqs = [Request(f"pw-{device}-{i}", p, params) for i, p in enumerate(prompts)]
+    # The first three together (76 prompt tokens: a 40-token step, then 36 beside no decode row), then the rest
+    # one every three steps.
+    run_staggered(llm.engine, reqs, join_every=3, at_once=3)
+    assert_greedy_equals_hf(llm.engine, reqs, hf_model, NEW_TOKENS)
     assert any(n <= 16 for n in through_pieces) and any(16 < n <= 32 for n in through_pieces)
     assert all(n <= MAX_TOKENS for n in through_pieces)
     if device == "cpu":  # on a GPU decode-only steps replay the decode graphs instead
