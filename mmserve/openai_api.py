@@ -28,6 +28,7 @@ from mmserve.openai_protocol import (
     find_chat_template,
     include_usage,
     logprobs_request,
+    openai_param,
 )
 from mmserve.protocol import BadRequest, GenerateInput, parse_json
 from mmserve.slow_clients import ClosingStreamingResponse
@@ -43,18 +44,8 @@ def openai_error(message: str, status: int = 400, param: str | None = None, kind
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def _bad_request(e: BadRequest, prompt_field: str) -> JSONResponse:
-    """The shared pipeline's field names (/generate's) -> the OpenAI request's."""
-    param = e.field
-    if param == "inputs" or param.startswith("multimodal_params"):
-        param = prompt_field
-    elif param == "parameters.max_new_tokens":
-        param = "max_tokens"
-    elif param.startswith("parameters."):
-        param = param.removeprefix("parameters.")
-    message = f"{param}: {e.message}"
-    if e.field.startswith("multimodal_params"):
-        message = f"{e.field.replace('multimodal_params.images', 'image')}: {e.message}"
+def _bad_request(e: BadRequest, body: dict | None, prompt_field: str) -> JSONResponse:
+    param, message = openai_param(e, body, prompt_field)
     return openai_error(message, e.status, param)
 
 
@@ -62,7 +53,8 @@ class OpenAIServing:
     def __init__(self, client: EngineClient, options: OpenAIOptions):
         self.client = client
         self.tokenizer = client.preparer.tokenizer
-        self.model_dir = getattr(self.tokenizer, "name_or_path", None) or ""
+        # The server's --model_dir: not every tokenizer knows where it was loaded from (Qwen-VL's tiktoken one).
+        self.model_dir = options.model_dir or getattr(self.tokenizer, "name_or_path", None) or ""
         folder_name = os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "mmserve"
         self.model_name = options.served_model_name or folder_name
         if options.chat_template is not None:  # --chat_template overrides the checkpoint's own
@@ -75,6 +67,7 @@ class OpenAIServing:
             )
         self.created = int(time.time())
         self.image_dir = options.image_dir
+        self.multimodal = client.preparer.images is not None  # --enable_multimodal
 
     @property
     def max_len(self) -> int:
@@ -89,6 +82,7 @@ class OpenAIServing:
         """-> (body, one RequestStream per choice) or an error response. A chat with no max_tokens may fill the
         context, as vLLM's (`fill_context`: the preparer sizes it once the prompt is tokenized). n > 1 fans out
         as /generate's n does (one tokenization and image encoding shared, sequence i seeded with seed + i)."""
+        body = None
         try:
             body = parse_json(await _read_body(request))
             include_usage(body)  # checked before anything is submitted
@@ -98,12 +92,12 @@ class OpenAIServing:
             req = await self.client.run_sync(parse, body, self.max_len)
             return body, await self.client.submit_group(req, req.params.num_sequences)
         except BadRequest as e:
-            return _bad_request(e, prompt_field)
+            return _bad_request(e, body, prompt_field)
         except ServerFailure as e:
             return openai_error(f"server failure: {e}", 503)
 
     def _parse_chat(self, body: dict, default_max: int) -> GenerateInput:
-        return chat_input(body, self.tokenizer, self.template, self.image_dir, default_max)
+        return chat_input(body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal)
 
     async def respond(self, request: Request, kind: str) -> Response:
         chat = kind == "chat"

@@ -35,10 +35,7 @@ def check_names(body: dict, allowed: frozenset) -> None:
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     """OpenAI's sampling fields -> SamplingParams (validated); n > 1 fans out as /generate's n does."""
     n = body.get("n")
-    max_tokens = body.get("max_completion_tokens")
-    max_name = "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_name = body.get("max_tokens"), "max_tokens"
+    max_tokens = body.get(max_tokens_field(body))
     temperature = body.get("temperature")
     temperature = 1.0 if temperature is None else temperature
     stop = body.get("stop")
@@ -61,9 +58,36 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
             kwargs[name] = body[name]
     try:
         return SamplingParams(**kwargs).validate()
-    except InvalidParams as e:
-        name = max_name if e.field == "max_new_tokens" else e.field
-        raise BadRequest(name, str(e).split(": ", 1)[-1]) from None
+    except InvalidParams as e:  # named as the pipeline names it: openai_param maps it to the client's field
+        raise BadRequest(e.field, str(e).split(": ", 1)[-1]) from None
+
+
+def max_tokens_field(body: dict) -> str:
+    """The field that sets the completion's length: max_completion_tokens (OpenAI's newer name) wins over
+    max_tokens when both are given."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+# The shared pipeline's names (/generate's `parameters` and SamplingParams' fields) that an OpenAI request sets under
+# another name. Every error on the OpenAI routes goes through openai_param, so the client hears the name it sent.
+_OPENAI_NAMES = {"stop_sequences": "stop", "prompt_logprobs": "logprobs", "do_sample": "temperature"}
+_PIPELINE_NAME = re.compile(r"\b(" + "|".join(["max_new_tokens", *_OPENAI_NAMES]) + r")\b")
+
+
+def openai_param(e: BadRequest, body: dict | None, prompt_field: str) -> tuple[str, str]:
+    """A pipeline error (named as /generate names it) -> (param, message) named by the OpenAI request's fields: the
+    prompt (`inputs`) and its images are `prompt_field` (messages or prompt), max_new_tokens is the max_tokens or
+    max_completion_tokens the client sent, and the message says so too."""
+    names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_field(body or {})}
+    field = e.field.removeprefix("parameters.")
+    if e.field == "inputs" or e.field.startswith("multimodal_params"):
+        param = prompt_field
+    else:
+        param = names.get(field, field)
+    message = _PIPELINE_NAME.sub(lambda m: names[m.group(1)], e.message)
+    if e.field.startswith("multimodal_params"):  # which image: image[i], in prompt order
+        return param, f"{e.field.replace('multimodal_params.images', 'image')}: {message}"
+    return param, f"{param}: {message}"
 
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
@@ -130,9 +154,10 @@ def image_item(url: object, param: str, image_dir: str | None) -> dict:
     return {"type": "base64", "data": base64.b64encode(data).decode()}
 
 
-def chat_messages(raw: object, image_dir: str | None) -> tuple[list[dict], list[dict]]:
+def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -> tuple[list[dict], list[dict]]:
     """OpenAI messages -> (messages for apply_chat_template, image entries in prompt order). Image parts become
-    {"type": "image"} parts, which every published VLM template turns into its family's placeholder."""
+    {"type": "image"} parts, which every published VLM template turns into its family's placeholder. A server
+    without --enable_multimodal refuses an image part before anything is read or rendered, as /generate does."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages", "must be a non-empty list")
     messages, images = [], []
@@ -159,6 +184,8 @@ def chat_messages(raw: object, image_dir: str | None) -> tuple[list[dict], list[
                     raise BadRequest(f"{at}.text", "must be a string")
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url":
+                if not multimodal:
+                    raise BadRequest(f"{at}.image_url", "this server was started without --enable_multimodal")
                 image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, dict) else image_url
                 images.append(image_item(url, f"{at}.image_url.url", image_dir))
@@ -176,6 +203,7 @@ class OpenAIOptions:
     image_dir: str | None = None  # the only folder local image paths may be read from
     served_model_name: str | None = None  # the model id; None: the model folder's name
     chat_template: str | None = None  # a Jinja template file that overrides the checkpoint's
+    model_dir: str | None = None  # the served checkpoint (its folder names the model; its config, the family)
 
 
 def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
@@ -229,12 +257,14 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], body: dic
         raise BadRequest("messages", f"the chat template could not render these messages: {e}") from None
 
 
-def chat_input(body: dict, tokenizer, template: str | None, image_dir: str | None, default_max: int) -> GenerateInput:
+def chat_input(
+    body: dict, tokenizer, template: str | None, image_dir: str | None, default_max: int, multimodal: bool = True
+) -> GenerateInput:
     """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering and file reads are slow)."""
     check_names(body, CHAT_NAMES)
     params = sampling_params(body, default_max)
     params = replace(params, top_logprobs=logprobs_request(body, chat=True) or 0)
-    messages, images = chat_messages(body.get("messages"), image_dir)
+    messages, images = chat_messages(body.get("messages"), image_dir, multimodal)
     prompt = render_chat(tokenizer, template, messages, body)
     unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)

@@ -277,6 +277,39 @@ def test_errors_in_openai_shape_and_the_server_keeps_serving(client, server):
     assert chat(client, ONE_IMAGE).usage.completion_tokens == NEW_TOKENS
 
 
+@pytest.mark.parametrize(
+    "route,fields,param",
+    [
+        ("chat", {"max_tokens": 10**6}, "max_tokens"),
+        ("chat", {"max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ("chat", {"max_tokens": 8, "max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+        ("completions", {"max_tokens": 10**6}, "max_tokens"),
+        ("completions", {"prompt": "x " * 5000, "max_tokens": 1}, "prompt"),
+        ("chat", {"stop": 7}, "stop"),
+        ("chat", {"seed": -1}, "seed"),
+        ("chat", {"n": 17}, "n"),
+        ("chat", {"top_p": 0}, "top_p"),
+        ("chat", {"frequency_penalty": 3}, "frequency_penalty"),
+        ("completions", {"echo": True, "logprobs": 6}, "logprobs"),
+    ],
+)
+def test_errors_name_the_openai_field_the_client_sent(server, route, fields, param):
+    """The shared pipeline checks /generate's parameters (max_new_tokens, stop_sequences, inputs); an OpenAI client
+    hears about the field it sent, in `param` and in the message."""
+    body = {"model": MODEL, **fields}
+    if route == "chat":
+        body.setdefault("messages", [{"role": "user", "content": "Hi"}])
+    else:
+        body.setdefault("prompt", "Hi")
+    r = httpx.post(f"{server.url}/v1/{route.replace('chat', 'chat/completions')}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param + ": "), error
+    pipeline_names = ("max_new_tokens", "stop_sequences", "inputs", "parameters.", "prompt_logprobs")
+    assert not any(name in error["message"] for name in pipeline_names), error
+
+
 def test_generate_prompt_logprobs_with_an_image_equal_hf_forward_logits(server, hf_model, processor):
     """prompt_logprobs on Qwen2-VL (M-RoPE positions) with an image, the prompt split over prefill chunks of 32
     tokens: each prompt token's log-probability, the image's placeholder positions included, equals HF's."""
