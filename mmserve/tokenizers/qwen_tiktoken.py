@@ -1,13 +1,15 @@
 """Qwen-VL (v1)'s tokenizer, loaded offline: tiktoken BPE over `qwen.tiktoken` plus Qwen's special tokens, numbered
 right after the mergeable ranks as the published `tokenization_qwen.py` numbers them (151643 `<|endoftext|>` on).
 
-It offers the part of the HF tokenizer interface the server uses (encode / decode / special ids / len). Special
-tokens written in the text are always recognised (Qwen's default: `allowed_special="all"`).
+It offers the part of the HF tokenizer interface the server uses (encode / decode / special ids / len, and
+apply_chat_template through transformers' own Jinja renderer). Special tokens written in the text are always
+recognised (Qwen's default: `allowed_special="all"`).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import unicodedata
 from collections.abc import Iterable
@@ -59,9 +61,32 @@ class QwenTiktokenTokenizer:
         self.img_start_id, self.img_end_id = self.special_tokens[IMG_START], self.special_tokens[IMG_END]
         self.img_pad_id = self.special_tokens[IMG_PAD]
 
+    chat_template: str | None = None  # tokenizer_config.json's, as HF tokenizers load it (the published one has none)
+
     @classmethod
     def from_pretrained(cls, model_dir: str, **_: object) -> QwenTiktokenTokenizer:
-        return cls(os.path.join(model_dir, VOCAB_FILE))
+        tokenizer = cls(os.path.join(model_dir, VOCAB_FILE))
+        tokenizer.chat_template = _config_chat_template(model_dir)
+        return tokenizer
+
+    def apply_chat_template(
+        self, conversation: list[dict], chat_template: str | None = None, tokenize: bool = False,
+        add_generation_prompt: bool = False, **kwargs: object,
+    ) -> str | list[int]:  # fmt: skip
+        """transformers' apply_chat_template for this non-HF tokenizer: the same renderer (render_jinja_template,
+        sandboxed Jinja with raise_exception and tojson), the special tokens visible to the template as HF passes
+        them, kwargs overriding them."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError("no chat template: pass chat_template")
+        specials = {"eos_token": self.eos_token, "pad_token": self.pad_token}
+        rendered, _ = render_jinja_template(
+            conversations=[conversation], chat_template=template, add_generation_prompt=add_generation_prompt,
+            **{**specials, **kwargs},
+        )  # fmt: skip
+        return self.encode(rendered[0]) if tokenize else rendered[0]
 
     # --- the HF-like surface -------------------------------------------------------------------------------------
     eos_token = ENDOFTEXT
@@ -124,3 +149,12 @@ class QwenTiktokenTokenizer:
     def convert_tokens_to_string(self, tokens: Iterable[bytes | str]) -> str:
         raw = b"".join(t if isinstance(t, bytes) else t.encode("utf8") for t in tokens)
         return raw.decode("utf8", errors=self.errors)
+
+
+def _config_chat_template(model_dir: str) -> str | None:
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return template if isinstance(template, str) and template else None

@@ -27,7 +27,7 @@ from mmserve.checkpoints.qwen_vl import build_qwen_vl
 from mmserve.llm import LLM
 from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.tokenizers import load_tokenizer
-from tests.e2e.images import picture
+from tests.e2e.images import picture, png_b64
 from tests.e2e.server_proc import ServerProcess, serving
 from visual.models.base import vision_model_class
 
@@ -128,3 +128,41 @@ def test_example_client_runs_against_the_server(server, tmp_path):
     assert run.returncode == 0, run.stderr
     answer = json.loads(run.stdout)
     assert isinstance(answer["generated_text"][0], str) and 1 <= answer["count_output_tokens"] <= 4
+
+
+# What Qwen-VL-Chat's own `make_context` (qwen_generation_utils.py) builds for this conversation, the images written
+# by its `from_list_format` ("Picture N: <img>...</img>\n"), here with empty tags that take the sent images in order.
+QWEN_CHAT_PROMPT = (
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "<|im_start|>user\nPicture 1: <img></img>\nPicture 2: <img></img>\n"
+    "Which two cities are shown in these pictures? Compare them.<|im_end|>\n"
+    "<|im_start|>assistant\nThe pictures show Chongqing and Beijing.<|im_end|>\n"
+    "<|im_start|>user\nWhere are these two cities?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+def test_openai_chat_uses_the_builtin_template_and_the_folder_name(server, model_dir):
+    """The tiktoken tokenizer carries no template and no name_or_path: /v1/models names the model folder, and a chat
+    is rendered by the family's built-in ChatML template, as Qwen-VL-Chat's make_context renders it."""
+    folder = os.path.basename(model_dir)
+    models = httpx.get(server.url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [folder]
+
+    images = CASES[0][1]
+    urls = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + png_b64(im)}} for im in images]
+    messages = [
+        {"role": "user", "content": [*urls, {"type": "text", "text": "Which two cities are shown in these pictures? "
+                                                                      "Compare them."}]},
+        {"role": "assistant", "content": "The pictures show Chongqing and Beijing."},
+        {"role": "user", "content": "Where are these two cities?"},
+    ]  # fmt: skip
+    body = {"model": folder, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+
+    expected = post(server, QWEN_CHAT_PROMPT, images)
+    assert expected.status_code == 200, expected.text
+    assert reply["usage"]["prompt_tokens"] == expected.json()["prompt_tokens"]
+    assert reply["choices"][0]["message"]["content"] == expected.json()["generated_text"][0]

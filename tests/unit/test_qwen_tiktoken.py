@@ -4,6 +4,7 @@ round trips, the HF-like surface the server uses, and load_tokenizer's choice of
 from __future__ import annotations
 
 import base64
+import json
 import os
 
 import pytest
@@ -76,3 +77,20 @@ def test_load_tokenizer_uses_auto_tokenizer_otherwise(tmp_path) -> None:
     tok = load_tokenizer(str(tmp_path))
     assert not isinstance(tok, QwenTiktokenTokenizer)
     assert tok.convert_tokens_to_ids("<|image_pad|>") == 524 and tok.eos_token == "<|im_end|>"
+
+
+def test_chat_template_from_tokenizer_config_and_rendered_by_transformers(tiny_dir: str, tmp_path) -> None:
+    """As an HF tokenizer: tokenizer_config.json's chat_template is the tokenizer's own, and apply_chat_template
+    renders it (or the one passed) with transformers' renderer, raise_exception included."""
+    assert load_tokenizer(tiny_dir).chat_template is None  # the published Qwen-VL-Chat carries none
+    for name in os.listdir(tiny_dir):
+        os.symlink(os.path.join(tiny_dir, name), tmp_path / name)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{{ eos_token }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.chat_template == template
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages) == "<user>Hi<|endoftext|>"
+    assert tok.apply_chat_template(messages, tokenize=True) == tok.encode("<user>Hi<|endoftext|>")
+    with pytest.raises(Exception, match="no user"):
+        tok.apply_chat_template(messages, chat_template="{{ raise_exception('no user') }}")
