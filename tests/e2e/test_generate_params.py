@@ -202,3 +202,19 @@ def test_n_with_an_image_shares_it_and_lets_go(mm_server):
     assert len(sampled["generated_text"]) == 3 and sampled["prompt_tokens"] == one["prompt_tokens"]  # no BOS here
     assert mm_server.metrics()["mmserve_images_encoded_total"] == 1  # one image, encoded once for all sequences
     settled(mm_server)
+
+
+def test_an_image_in_a_chat_to_a_text_only_server_names_the_flag(server):
+    """The same refusal as /generate's for images sent to a server started without --enable_multimodal (this
+    checkpoint has no chat template either: the image is what the client must hear about)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[1].image_url", error
+    assert "started without --enable_multimodal" in error["message"], error
+    settled(server)
