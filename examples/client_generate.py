@@ -1,6 +1,6 @@
 """Send one text request to a running server's /generate (LightLLM's request shape) and print the JSON answer.
 
-python -m mmserve.api_server &            # or: mmserve --model_dir /path/to/llama
+python -m mmserve.api_server --port 8080 &      # or: mmserve --model_dir /path/to/llama --port 8080
 python examples/client_generate.py --prompt "What is AI?" --max_new_tokens 17
 """
 
@@ -13,8 +13,8 @@ import httpx
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default: %(default)s)")
     ap.add_argument("--prompt", default="What is AI?")
     ap.add_argument("--max_new_tokens", type=int, default=17)
     ap.add_argument("--frequency_penalty", type=float, default=1.0)

@@ -31,8 +31,8 @@ def drawn_png() -> bytes:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default: %(default)s)")
     ap.add_argument("--image", default=None, help="an image file; omitted: a small picture drawn here")
     ap.add_argument("--question", default="Describe this picture.")
     ap.add_argument("--max_new_tokens", type=int, default=32)

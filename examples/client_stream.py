@@ -3,6 +3,7 @@
 Each server-sent event is a line `data:{json}`; `data["token"]["text"]` is the new piece of text (as in LightLLM's
 stream client) and the last event has `finished`, `finish_reason` and the whole `generated_text`.
 
+    python -m mmserve.api_server --port 8080 &
     python examples/client_stream.py --prompt "What is AI?" --max_new_tokens 64
 """
 
@@ -16,8 +17,8 @@ import httpx
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default: %(default)s)")
     ap.add_argument("--prompt", default="What is AI?")
     ap.add_argument("--max_new_tokens", type=int, default=64)
     ap.add_argument("--stop", action="append", default=None, help="a stop sequence (repeatable)")

@@ -46,8 +46,10 @@ def image_url(source: str) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base_url", default="http://127.0.0.1:8000/v1")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--base_url", default="http://127.0.0.1:8080/v1", help="the server's OpenAI API (default: %(default)s)"
+    )
     ap.add_argument("--images", nargs=2, default=None, metavar="PATH_OR_URL", help="omitted: two drawn pictures")
     ap.add_argument("--turns", type=int, default=len(QUESTIONS), choices=range(1, len(QUESTIONS) + 1))
     ap.add_argument("--max_tokens", type=int, default=64)

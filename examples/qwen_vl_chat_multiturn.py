@@ -35,9 +35,9 @@ def build_prompt(num_images: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8080)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1", help="the server's address (default: %(default)s)")
+    ap.add_argument("--port", type=int, default=8080, help="the server's port (default: %(default)s)")
     ap.add_argument("--images", nargs=2, required=True, metavar="PATH_OR_URL", help="the two pictures, in order")
     ap.add_argument("--max_new_tokens", type=int, default=200)
     args = ap.parse_args()
