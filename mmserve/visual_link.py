@@ -159,6 +159,7 @@ class VisualLink:
             self._results.close()
             self._ctx.term()
         self._image_pool.shutdown(wait=False, cancel_futures=True)
+        await self.preparer.aclose()
 
     def _send_job(self, job: EncodeJob) -> None:
         self._jobs.send_multipart(job.frames(), flags=zmq.NOBLOCK, copy=False)

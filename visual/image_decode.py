@@ -37,6 +37,18 @@ def _over_cap(width: int, height: int, max_pixels: int, limit_name: str) -> BadI
     )
 
 
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def _reason(e: Exception) -> str:
+    """PIL's reason, for the client: without the repr of our buffer it names ("cannot identify image file
+    <_io.BytesIO object at 0x...>"), and nothing when that was all it said."""
+    if isinstance(e, Image.UnidentifiedImageError):
+        return ""
+    text = _OBJECT_REPR.sub("", str(e)).strip()
+    return f": {text}" if text else ""
+
+
 def open_header(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> Image.Image:
     """Open `data` and check what its header declares (format, size against max_pixels) without decoding a pixel.
     The HTTP side needs no more (the size sets the prompt's token count); the visual process decodes it fully with
@@ -51,7 +63,7 @@ def open_header(data: bytes, max_pixels: int, limit_name: str = PIXELS_FLAG) -> 
         size = f"{declared.group(1)} pixels" if declared else "more pixels than PIL decodes"
         raise BadImage(f"image declares {size}, more than the limit of {max_pixels} ({limit_name})") from None
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, struct.error, ...)
-        raise BadImage(f"data is not a readable image (accepted formats: {', '.join(FORMATS)}): {e}") from None
+        raise BadImage(f"data is not a readable image (accepted formats: {', '.join(FORMATS)}){_reason(e)}") from None
     if image.format not in FORMATS:  # a plugin answering for another format's bytes
         raise BadImage(f"unsupported image format {image.format}; accepted: {', '.join(FORMATS)}")
     width, height = image.size

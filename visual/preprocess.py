@@ -6,12 +6,17 @@ runs in worker processes; otherwise `model.preprocess` runs in threads of the vi
 their pixels back through shared memory (`visual.shared_pixels`), not through the result pipe. They are forked from
 a fork server that imported everything they need once (`start_fork_server`, `visual.fork_server_preload`), and the
 pool counts as started only when every one of them has warmed up.
+
+A worker that dies (killed by the OOM killer or an operator) breaks a `ProcessPoolExecutor` for good: the images it
+and the others held fail (`BrokenProcessPool`: the server answers 503, not the image's fault), and the next submit
+starts a new pool from the same fork server, so the visual process goes on serving.
 """
 
 from __future__ import annotations
 
 import gc
 import io
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -22,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import forkserver
 
 import torch
@@ -32,6 +38,9 @@ from visual.image_decode import BadImage, open_image
 from visual.models.base import ImageInput
 from visual.pids import pid_alive
 from visual.shared_pixels import SharedPixels, discard, share_tensor, take_tensor
+from visual.shm_segments import list_segments, unlink_segment
+
+logger = logging.getLogger(__name__)
 
 Preprocessor = Callable[[Image.Image], ImageInput]
 
@@ -186,15 +195,10 @@ class PreprocessPool:
         self._preprocessor: Preprocessor | None = None
         # The server's prefix, so that its stop removes any pixel segment left behind.
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
-        ctx = _fork_server_context()
-        self._handoff = _Handoff(ctx.Barrier(num_workers))
-        self._executor: Executor = ProcessPoolExecutor(
-            num_workers,
-            mp_context=ctx,
-            initializer=_init_worker,
-            # the preprocessor is unpickled after the worker set up its imports
-            initargs=(pickle.dumps(preprocessor), self._handoff),
-        )
+        self._pickled = pickle.dumps(preprocessor)  # the preprocessor is unpickled after the worker's imports
+        self._num_workers = num_workers
+        self._handoff = _Handoff(_fork_server_context().Barrier(num_workers))
+        self._executor: Executor = self._process_pool()
         # The pool starts workers on demand: start them all now, in the background (each warms up on a tiny image),
         # so the first images do not wait for workers to start and the image processor to load. From a thread: the
         # first start waits until the fork server has imported its modules (seconds), which the caller spends on
@@ -208,6 +212,14 @@ class PreprocessPool:
             daemon=True,
         )
         self._submitter.start()
+
+    def _process_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            self._num_workers,
+            mp_context=_fork_server_context(),
+            initializer=_init_worker,
+            initargs=(self._pickled, self._handoff),
+        )
 
     def _start_threads(self, preprocess: Preprocessor, num_workers: int, shm_prefix: str | None) -> None:
         self._preprocessor = preprocess
@@ -237,7 +249,23 @@ class PreprocessPool:
         """Decode + preprocess in the pool; pass the finished future to `collect` (once)."""
         if self._preprocessor is not None:
             return self._executor.submit(decode_and_preprocess, data, self._preprocessor)
-        return self._executor.submit(_worker_task, data, self._shm_prefix)
+        try:
+            return self._executor.submit(_worker_task, data, self._shm_prefix)
+        except BrokenProcessPool:  # a worker died: what the pool held has failed; a new pool takes this image
+            self._replace_broken_pool()
+            return self._executor.submit(_worker_task, data, self._shm_prefix)
+
+    def _replace_broken_pool(self) -> None:
+        """The broken executor has already stopped its other workers and failed their futures; its workers here
+        start on demand (each warms up in its start, as at first: about a second from the fork server)."""
+        logger.warning("a preprocessing worker died: its images failed; starting a new pool of %d workers",
+                       self._num_workers)  # fmt: skip
+        broken, self._executor = self._executor, self._process_pool()
+        broken.shutdown(wait=True)  # joins its stopped workers and drops its queues (their semaphores)
+        # Pixels its workers had written for images that failed with it: nobody will take them.
+        for name in list_segments(self._shm_prefix + "px"):
+            if not pid_alive(int(name.removeprefix(self._shm_prefix + "px").split("_")[0])):
+                unlink_segment(name)
 
     @staticmethod
     def collect(future: Future[ImageInput]) -> ImageInput:

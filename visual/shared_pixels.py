@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from visual.shm_segments import create_mapped
+
 _counter = itertools.count()
 
 
@@ -38,15 +40,7 @@ def share_tensor(tensor: torch.Tensor, prefix: str) -> SharedPixels:
     """Copy `tensor` (CPU) into a new segment (worker side)."""
     src = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()  # raw bytes: numpy has no bfloat16
     name = f"{prefix}px{os.getpid()}_{next(_counter)}"
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-    try:
-        os.ftruncate(fd, max(src.nbytes, 1))
-        mapping = mmap.mmap(fd, max(src.nbytes, 1))
-    except BaseException:
-        os.close(fd)
-        _posixshmem.shm_unlink("/" + name)
-        raise
-    os.close(fd)
+    mapping = create_mapped(name, max(src.nbytes, 1))  # OSError(ENOSPC) on a full /dev/shm, not SIGBUS below
     try:
         np.frombuffer(mapping, dtype=np.uint8, count=src.size)[...] = src
     finally:

@@ -1,16 +1,21 @@
 """Embeddings in POSIX shared memory, one segment per cache entry, named `<prefix><key>`.
 
 A segment is a 64-byte header (magic, dtype, shape) followed by the raw [num_tokens, hidden] tensor, so a reader
-needs only the key. The visual process writes segments (multiprocessing.shared_memory), the router maps them as
+needs only the key. The visual process writes segments (`create_mapped`), the router maps them as
 tensor views (no copy), the index owner unlinks evicted ones, and the server's parent unlinks every segment with its
 prefix at stop (the names are all it needs, so this works after a child crashed). Reading and unlinking go through
 `_posixshmem`, the module SharedMemory itself is built on, because a SharedMemory object insists on closing its
 mapping itself, while here a tensor outlives it.
+
+A new segment's pages are allocated when it is created (`reserve`), not when first written: on a full /dev/shm
+(a container's 64 MB default) ftruncate succeeds anyway, and the first write to a page the tmpfs cannot supply kills
+the writer with SIGBUS. Allocated up front, a full /dev/shm is an OSError(ENOSPC) the caller reports.
 """
 
 from __future__ import annotations
 
 import _posixshmem
+import errno
 import mmap
 import os
 import secrets
@@ -54,6 +59,30 @@ def open_segment(name: str, create: bool = False, size: int = 0) -> SharedMemory
     return shm
 
 
+def reserve(fd: int, size: int) -> None:
+    """Size a new segment and allocate all its pages now; OSError(ENOSPC), naming /dev/shm, if there is no room."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        message = f"no room in {_SHM_DIR} for a {size}-byte shared-memory segment (it is full)"
+        raise OSError(errno.ENOSPC, message) from None
+
+
+def create_mapped(name: str, size: int) -> mmap.mmap:
+    """A new segment of `size` bytes (allocated: see `reserve`), mapped; the name is removed again on any error."""
+    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    try:
+        reserve(fd, size)
+        return mmap.mmap(fd, size)
+    except BaseException:
+        unlink_segment(name)
+        raise
+    finally:
+        os.close(fd)
+
+
 def unlink_segment(name: str) -> bool:
     """Remove a segment's name (mappings that exist stay valid until closed). False if it did not exist."""
     try:
@@ -82,17 +111,19 @@ def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
     name = segment_name(prefix, key)
     nbytes = embeds.numel() * embeds.element_size()
     try:
-        shm = open_segment(name, create=True, size=_DATA_OFFSET + nbytes)
+        mapping = create_mapped(name, _DATA_OFFSET + nbytes)
     except FileExistsError:  # a stale segment of an entry that failed or was dropped mid-write: replace it
         unlink_segment(name)
-        shm = open_segment(name, create=True, size=_DATA_OFFSET + nbytes)
+        mapping = create_mapped(name, _DATA_OFFSET + nbytes)
+    buf = memoryview(mapping)
     try:
-        shm.buf[: _HEADER.size] = _HEADER.pack(_MAGIC, code, embeds.shape[0], embeds.shape[1])
-        dst = torch.frombuffer(shm.buf, dtype=embeds.dtype, count=embeds.numel(), offset=_DATA_OFFSET)
+        buf[: _HEADER.size] = _HEADER.pack(_MAGIC, code, embeds.shape[0], embeds.shape[1])
+        dst = torch.frombuffer(buf, dtype=embeds.dtype, count=embeds.numel(), offset=_DATA_OFFSET)
         dst.view(embeds.shape).copy_(embeds)  # one copy, device -> shared memory
         del dst
     finally:
-        shm.close()
+        buf.release()
+        mapping.close()
 
 
 def read_embedding(prefix: str, key: str) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Request images -> validated image bytes and decoded PIL images.
 
-Plain synchronous functions: the HTTP server runs them in a thread pool (`load_images` does that for a request), so
-decoding, resizing checks and URL downloads never block its event loop. Every way an input can be wrong raises
-`BadImage`, whose message is safe to show the client (the server answers 400).
+URL entries are downloaded on the event loop first (`fetch_item`: a fetch that waits holds a socket, not a thread);
+decoding and checking are plain synchronous functions the HTTP server runs in a thread pool (`load_images` does both
+for a request), so neither blocks its event loop. Every way an input can be wrong raises `BadImage`, whose message
+is safe to show the client (the server answers 400).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pybase64
 from PIL import Image
 
 from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
-from mmserve.multimodal.url_fetch import FetchPolicy, fetch_url
+from mmserve.multimodal.url_fetch import FetchPolicy, UrlFetcher, UrlRefused
 from visual.image_decode import BadImage, open_header, open_image
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "ImagePolicy",
     "LoadedImage",
     "decode_base64",
+    "fetch_item",
+    "is_url",
     "load_image",
     "load_image_bytes",
     "load_images",
@@ -77,15 +80,35 @@ def decode_base64(text: str, max_bytes: int) -> bytes:
     return data
 
 
+def is_url(item: object) -> bool:
+    return isinstance(item, dict) and item.get("type") == "url"
+
+
+async def fetch_item(item: object, fetcher: UrlFetcher, max_bytes: int) -> object:
+    """A URL entry -> the bytes downloaded (what load_image_bytes then takes as the image file); any other entry as
+    it is."""
+    if not is_url(item):
+        return item
+    url = item.get("data")
+    if not isinstance(url, str) or not url:
+        raise BadImage('image "data" must be a non-empty string')
+    try:
+        return await fetcher.fetch(url, max_bytes)
+    except UrlRefused as e:
+        raise BadImage(str(e)) from None
+
+
 def load_image(item: object, policy: ImagePolicy = ImagePolicy()) -> LoadedImage:
-    """One `multimodal_params.images` entry: {"type": "base64" | "url", "data": str}."""
+    """One `multimodal_params.images` entry, {"type": "base64", "data": str}, or a URL entry's downloaded bytes."""
     data = load_image_bytes(item, policy)
     image = open_image(data, policy.max_pixels)
     return LoadedImage(data, image, image.width, image.height)
 
 
 def load_image_bytes(item: object, policy: ImagePolicy = ImagePolicy()) -> bytes:
-    """The image file of one entry, not decoded yet."""
+    """The image file of one entry (bytes: a URL entry's, as fetch_item downloaded them), not decoded yet."""
+    if isinstance(item, bytes):
+        return item
     if not isinstance(item, dict):
         raise BadImage('each image must be an object {"type": "base64" | "url", "data": ...}')
     kind, payload = item.get("type"), item.get("data")
@@ -94,10 +117,7 @@ def load_image_bytes(item: object, policy: ImagePolicy = ImagePolicy()) -> bytes
     if kind == "base64":
         data = decode_base64(payload, policy.max_bytes)
     elif kind == "url":
-        try:
-            data = fetch_url(payload, policy.fetch, policy.max_bytes)
-        except ValueError as e:  # UrlRefused and fetch failures
-            raise BadImage(str(e)) from None
+        raise TypeError("a URL entry is downloaded by fetch_item first")
     else:
         raise BadImage(f'unknown image type {kind!r}; expected "base64" or "url"')
     return data
@@ -106,12 +126,21 @@ def load_image_bytes(item: object, policy: ImagePolicy = ImagePolicy()) -> bytes
 async def load_images(
     items: list, policy: ImagePolicy = ImagePolicy(), executor: Executor | None = None
 ) -> list[LoadedImage]:
-    """A request's images, loaded concurrently off the event loop; the first BadImage (in order) is raised."""
+    """A request's images, loaded concurrently (URLs on the loop, decoding in `executor`); the first BadImage (in
+    order) is raised."""
     if not isinstance(items, list):
         raise BadImage("multimodal_params.images must be a list")
+    fetcher = UrlFetcher(policy.fetch)
     loop = asyncio.get_running_loop()
-    futures = [loop.run_in_executor(executor, load_image, item, policy) for item in items]
-    results = await asyncio.gather(*futures, return_exceptions=True)
+
+    async def one(item: object) -> LoadedImage:
+        item = await fetch_item(item, fetcher, policy.max_bytes)
+        return await loop.run_in_executor(executor, load_image, item, policy)
+
+    try:
+        results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+    finally:
+        await fetcher.aclose()
     for index, result in enumerate(results):
         if isinstance(result, BadImage):
             raise BadImage(f"image {index}: {result}")

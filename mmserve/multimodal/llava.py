@@ -6,6 +6,12 @@ embedding positions.
 - original layout: the tokenizer has no `<image>`; as LLaVA's `tokenizer_image_token` does, the text is split at
   `<image>`, each piece tokenized on its own (BOS kept only on the first), and the image positions inserted between.
   Their ids are a placeholder the LM embeds and then overwrites with the image embeddings.
+
+Every image becomes the same token count, but not at the same cost: the CLIP processor scales the short side to the
+tower's size before it crops, so a 1x4000 image is resized to 336x1344000 pixels first (4 GB and ~10 s of a
+preprocessing worker), and the original layout first pads the image to a square of its long side. `check_image_size`
+bounds both from the header: the aspect ratio to Qwen2-VL's 200:1, and the padded square to what the visual process
+decodes at most.
 """
 
 from __future__ import annotations
@@ -14,9 +20,17 @@ import os
 
 from transformers import PreTrainedTokenizerBase
 
-from mmserve.multimodal.prompt import MultimodalPrompt, check_image_count, register_prompt_processor
+from mmserve.multimodal.image_io import BadImage
+from mmserve.multimodal.prompt import (
+    MAX_ASPECT_RATIO,
+    MultimodalPrompt,
+    check_aspect_ratio,
+    check_image_count,
+    register_prompt_processor,
+)
 from visual.models.llava import LlavaVisionSpec
 from visual.models.weights import read_json
+from visual.preprocess import MAX_PIXELS as MAX_DECODED_PIXELS
 
 IMAGE_TEXT = "<image>"
 
@@ -24,8 +38,9 @@ IMAGE_TEXT = "<image>"
 @register_prompt_processor("LlavaForConditionalGeneration", "LlavaLlamaForCausalLM")
 class LlavaPromptProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, num_tokens: int, image_token_id: int | None,
-                 placeholder_id: int):  # fmt: skip
+                 placeholder_id: int, pad_to_square: bool = False):  # fmt: skip
         self.tokenizer = tokenizer
+        self.pad_to_square = pad_to_square  # the original layout's image_aspect_ratio "pad"
         self.num_tokens_per_image = num_tokens
         self.image_token_id = image_token_id  # llava-hf: the tokenizer's <image>; None: original layout
         self.placeholder_id = placeholder_id  # the id written at image positions
@@ -38,7 +53,7 @@ class LlavaPromptProcessor:
         if raw["architectures"][0] == "LlavaLlamaForCausalLM":
             # Any id inside the vocabulary works (its embedding row is overwritten); <unk> never comes out of text.
             placeholder = tokenizer.unk_token_id if tokenizer.unk_token_id is not None else 0
-            return cls(tokenizer, spec.num_tokens, None, placeholder)
+            return cls(tokenizer, spec.num_tokens, None, placeholder, spec.pad_to_square)
         image_id = spec.config.image_token_id
         if tokenizer.convert_tokens_to_ids(IMAGE_TEXT) != image_id:
             raise ValueError(f"the tokenizer's {IMAGE_TEXT} is not image_token_index {image_id} of config.json")
@@ -46,6 +61,15 @@ class LlavaPromptProcessor:
 
     def count_images(self, prompt: str) -> int:
         return prompt.count(IMAGE_TEXT)
+
+    def check_image_size(self, width: int, height: int) -> None:
+        check_aspect_ratio(width, height, MAX_ASPECT_RATIO, "the most this server resizes for LLaVA")
+        side = max(width, height)
+        if self.pad_to_square and side * side > MAX_DECODED_PIXELS:
+            raise BadImage(
+                f"image is {width}x{height}: padded to a square, as this model's processor does, it would "
+                f"be {side}x{side} = {side * side} pixels, more than the limit of {MAX_DECODED_PIXELS}"
+            )
 
     def encode(self, prompt: str, image_sizes: list[tuple[int, int]]) -> MultimodalPrompt:
         check_image_count(self.count_images(prompt), len(image_sizes), IMAGE_TEXT)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import xxhash
@@ -31,13 +32,22 @@ from cache.coordinator import CacheCoordinator, EncoderUnavailable, ImageEncodeE
 from cache.index import CacheCapacityError, CacheEntry
 from cache.key import cache_key
 from mmserve.messages import ImageRef
-from mmserve.multimodal.image_io import BadImage, ImagePolicy, LoadedImage, load_image_bytes, open_header
+from mmserve.multimodal.image_io import (
+    BadImage,
+    ImagePolicy,
+    LoadedImage,
+    fetch_item,
+    load_image_bytes,
+    open_header,
+)
 from mmserve.multimodal.prompt import MultimodalPrompt, PromptImageMismatch, PromptProcessor
+from mmserve.multimodal.url_fetch import UrlFetcher
 from mmserve.protocol import BadRequest, ServerFailure
 from mmserve.tokenization import PreparedPrompt, RunSync
 
 FIELD = "multimodal_params.images"
 logger = logging.getLogger(__name__)
+SizeCheck = Callable[[int, int], None]  # (width, height) -> None, or BadImage: a size the family cannot take
 
 
 class SeenImages:
@@ -68,9 +78,12 @@ def _fingerprint(item: object) -> str | None:
     return None
 
 
-def load_and_key(item: object, policy: ImagePolicy, salt: str, seen: SeenImages | None = None):
-    """One image entry -> (the checked image, its cache key), in one thread-pool hop. An image seen before comes
-    back without its bytes (data None): the cache is expected to hold it (see MultimodalPreparer._acquire)."""
+def load_and_key(
+    item: object, policy: ImagePolicy, salt: str, seen: SeenImages | None = None, check_size: SizeCheck | None = None
+):
+    """One image entry (a URL entry already downloaded: its bytes) -> (the checked image, its cache key), in one
+    thread-pool hop. An image seen before comes back without its bytes (data None): the cache is expected to hold it
+    (see MultimodalPreparer._acquire)."""
     fingerprint = _fingerprint(item) if seen is not None else None
     hit = seen.get(fingerprint) if fingerprint is not None else None
     if hit is not None:
@@ -86,6 +99,8 @@ def load_and_key(item: object, policy: ImagePolicy, salt: str, seen: SeenImages 
         # as a 400 all the same). Decoding here too cost ~15 ms of GIL-bound work per 896 px PNG, which bounded
         # how fast a burst of new images reached the vision tower.
         width, height = open_header(data, policy.max_pixels).size
+        if check_size is not None:
+            check_size(width, height)
     if seen is not None:
         seen.add([key] + ([fingerprint] if fingerprint else []), (key, width, height))
     return LoadedImage(data, None, width, height), key
@@ -99,6 +114,9 @@ class MultimodalPreparer:
         self.coordinator = coordinator
         self.cache_salt = cache_salt
         self.policy = policy or ImagePolicy()
+        self.fetcher = UrlFetcher(self.policy.fetch)
+        # e.g. Qwen2-VL's aspect ratio bound, checked from the header before anything is sent or tokenized
+        self._check_size: SizeCheck | None = getattr(prompt_processor, "check_image_size", None)
         if hasattr(prompt_processor, "max_image_bytes"):  # Qwen-VL reads allowed paths itself: same size limit
             prompt_processor.max_image_bytes = self.policy.max_bytes
         self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
@@ -193,11 +211,19 @@ class MultimodalPreparer:
         except (BadImage, PromptImageMismatch) as e:
             raise BadRequest(FIELD, str(e)) from None
 
+    async def aclose(self) -> None:
+        await self.fetcher.aclose()
+
+    async def _load_one(self, item: object, seen: SeenImages | None) -> tuple[LoadedImage, str]:
+        """A URL is downloaded on the event loop (waiting on a host holds no thread), then the bytes are decoded,
+        checked and hashed on image_executor."""
+        item = await fetch_item(item, self.fetcher, self.policy.max_bytes)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.image_executor, load_and_key, item, self.policy, self.cache_salt, seen, self._check_size
+        )
+
     async def _load(self, items: list) -> list[tuple[LoadedImage, str]]:
-        loop = asyncio.get_running_loop()
-        results = await asyncio.gather(
-            *(loop.run_in_executor(self.image_executor, load_and_key, item, self.policy, self.cache_salt, self._seen)
-              for item in items), return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(*(self._load_one(item, self._seen) for item in items), return_exceptions=True)
         for index, result in enumerate(results):
             if isinstance(result, BadImage):
                 raise BadRequest(f"{FIELD}[{index}]", str(result))
@@ -206,12 +232,10 @@ class MultimodalPreparer:
         return results
 
     async def _fill_bytes(self, items: list, keys: list[str], data: list, wanted: set[str]) -> list[bytes | None]:
-        loop = asyncio.get_running_loop()
         data = list(data)
         for i, key in enumerate(keys):
             if data[i] is None and key in wanted:
-                loaded, _ = await loop.run_in_executor(self.image_executor, load_and_key, items[i], self.policy,
-                                                       self.cache_salt)  # fmt: skip
+                loaded, _ = await self._load_one(items[i], None)
                 data[i] = loaded.data
         return data
 
@@ -257,4 +281,5 @@ class MultimodalPreparer:
         except ImageEncodeError as e:
             if e.bad_image:
                 raise BadRequest(FIELD, str(e)) from None
-            raise
+            # Not the image's fault (a preprocessing worker killed, shared memory full, ...): a 503, to retry.
+            raise ServerFailure(f"the visual process failed to encode an image ({e.error}); retry shortly") from None

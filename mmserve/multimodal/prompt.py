@@ -12,6 +12,12 @@ from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from mmserve.multimodal.image_io import BadImage
+
+# transformers' smart_resize (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) raises above it; LLaVA is held to it too (its
+# processor's resize grows with the aspect ratio)
+MAX_ASPECT_RATIO = 200
+
 
 class PromptImageMismatch(ValueError):
     """The prompt's image placeholders do not match the images sent (the server answers 400)."""
@@ -37,6 +43,9 @@ class PromptProcessor(Protocol):
         """Tokenize `prompt` (BOS as the tokenizer adds it); image_sizes are (width, height) in prompt order.
         Raises PromptImageMismatch if the placeholder count differs from len(image_sizes)."""
         ...
+
+    # Optional: `check_image_size(width, height)` raises BadImage for a size the family's image processor refuses
+    # or cannot afford; the server calls it from each image's header, before anything is sent or tokenized.
 
 
 _REGISTRY: dict[str, type] = {}
@@ -64,6 +73,13 @@ def check_image_count(found: int, given: int, placeholder: str) -> None:
             f"the prompt has {found} {placeholder} placeholder(s) but {given} image(s) were sent; "
             f"each {placeholder} stands for one image, in order"
         )
+
+
+def check_aspect_ratio(width: int, height: int, limit: int, why: str) -> None:
+    """BadImage if the longer side is more than `limit` times the shorter one; `why` says whose limit it is."""
+    ratio = max(width, height) / min(width, height)
+    if ratio > limit:
+        raise BadImage(f"image is {width}x{height}: its aspect ratio {ratio:.0f}:1 is above {limit}:1, {why}")
 
 
 def _import_families() -> None:

@@ -1,12 +1,22 @@
 """Qwen2-VL prompts: each `<|image_pad|>` (written as `<|vision_start|><|image_pad|><|vision_end|>`) expands to its
-image's token count, which dynamic resolution makes size-dependent; the prompt also gets its 3-D M-RoPE positions."""
+image's token count, which dynamic resolution makes size-dependent; the prompt also gets its 3-D M-RoPE positions.
+
+The image processor's `smart_resize` refuses an aspect ratio above 200:1 (it raises, in transformers' Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL processors alike): `check_image_size` refuses such an image from its header, with a 400,
+before the prompt is expanded or anything is encoded."""
 
 from __future__ import annotations
 
 from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from mmserve.multimodal.prompt import MultimodalPrompt, check_image_count, register_prompt_processor
+from mmserve.multimodal.prompt import (
+    MAX_ASPECT_RATIO,
+    MultimodalPrompt,
+    check_aspect_ratio,
+    check_image_count,
+    register_prompt_processor,
+)
 from mmserve.protocol import BadRequest
 
 IMAGE_PAD = "<|image_pad|>"
@@ -44,6 +54,9 @@ class Qwen2VLPromptProcessor:
             processor.size.shortest_edge,
             processor.size.longest_edge,
         )
+
+    def check_image_size(self, width: int, height: int) -> None:
+        check_aspect_ratio(width, height, MAX_ASPECT_RATIO, "the most this model's image processor accepts")
 
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
         """The patch grid the image processor will produce for an image of this size (it resizes the same way)."""

@@ -3,7 +3,9 @@ import base64
 import io
 import struct
 import threading
+import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -12,6 +14,7 @@ from PIL import Image
 from mmserve.multimodal import url_fetch
 from mmserve.multimodal.image_io import BadImage, ImagePolicy, decode_base64, load_image, load_images
 from mmserve.multimodal.url_fetch import FetchPolicy
+from tests.fake_image_host import hostile_host
 
 
 def png_bytes(width=20, height=12, color=(200, 30, 40)) -> bytes:
@@ -83,7 +86,7 @@ def test_base64_decodes_as_the_standard_library_does(text):
 )
 def test_bad_inputs(item, message):
     with pytest.raises(BadImage, match=message):
-        load_image(item)
+        asyncio.run(load_images([item]))
 
 
 def test_pixel_cap_is_configurable():
@@ -148,17 +151,22 @@ def server():
 ALLOW = ImagePolicy(fetch=FetchPolicy(allow_private=True, timeout_s=5))
 
 
+def load_url(url: str, policy: ImagePolicy | None = None):
+    """One URL entry as the server loads it: downloaded on the event loop, then decoded."""
+    return asyncio.run(load_images([{"type": "url", "data": url}], policy or ImagePolicy()))[0]
+
+
 def test_loopback_refused_by_default(server):
     with pytest.raises(BadImage, match="non-public address"):
-        load_image({"type": "url", "data": server + "/a.png"})
+        load_url(server + "/a.png")
     with pytest.raises(BadImage, match="non-public address"):
-        load_image({"type": "url", "data": server.replace("127.0.0.1", "localhost") + "/a.png"})
+        load_url(server.replace("127.0.0.1", "localhost") + "/a.png")
 
 
 def test_allowed_with_the_flag(server):
-    loaded = load_image({"type": "url", "data": server + "/a.png"}, ALLOW)
+    loaded = load_url(server + "/a.png", ALLOW)
     assert (loaded.width, loaded.height) == (30, 10)
-    assert load_image({"type": "url", "data": server + "/redirect"}, ALLOW).data == png_bytes(30, 10)
+    assert load_url(server + "/redirect", ALLOW).data == png_bytes(30, 10)
 
 
 @pytest.mark.parametrize(
@@ -172,20 +180,20 @@ def test_allowed_with_the_flag(server):
 )
 def test_url_failures(server, path, message):
     with pytest.raises(BadImage, match=message):
-        load_image({"type": "url", "data": server + path}, ALLOW)
+        load_url(server + path, ALLOW)
 
 
 def test_url_byte_cap(server):
     with pytest.raises(BadImage, match="larger than 1000 bytes"):
-        load_image({"type": "url", "data": server + "/big"}, ImagePolicy(max_bytes=1000, fetch=ALLOW.fetch))
+        load_url(server + "/big", ImagePolicy(max_bytes=1000, fetch=ALLOW.fetch))
 
 
 def test_every_redirect_hop_is_checked(server, monkeypatch):
     """Pretend 127.0.0.1 is public and 127.0.0.2 is not: the first hop passes, the redirected one is refused."""
     monkeypatch.setattr(url_fetch, "_is_public", lambda addr: str(addr) != "127.0.0.2")
-    assert load_image({"type": "url", "data": server + "/a.png"}).width == 30
+    assert load_url(server + "/a.png").width == 30
     with pytest.raises(BadImage, match="non-public address"):
-        load_image({"type": "url", "data": server + "/to-other-host"})
+        load_url(server + "/to-other-host")
 
 
 @pytest.mark.parametrize(
@@ -209,3 +217,38 @@ def test_non_public_addresses(addr):
 
     assert not url_fetch._is_public(ipaddress.ip_address(addr))
     assert url_fetch._is_public(ipaddress.ip_address("93.184.216.34"))
+
+
+def test_the_deadline_covers_headers_that_trickle_in():
+    """Each header byte comes within the read timeout, so only a deadline over the whole fetch stops it."""
+    policy = ImagePolicy(fetch=FetchPolicy(allow_private=True, timeout_s=1.5))
+    with hostile_host(trickle_s=0.2) as host:
+        start = time.monotonic()
+        with pytest.raises(BadImage, match=r"timed out after 1.5 s"):
+            load_url(host.url + "/trickle", policy)
+        assert time.monotonic() - start < 3  # the headers alone would take ~50 s
+        with pytest.raises(BadImage, match=r"timed out after 1.5 s"):
+            load_url(host.url + "/hang", policy)
+
+
+def test_urls_that_never_answer_hold_no_thread():
+    """16 fetches waiting on a silent host take none of the decoding threads: a base64 image of another request,
+    decoded on a pool of 2 threads meanwhile, is not delayed."""
+    policy = ImagePolicy(fetch=FetchPolicy(allow_private=True, timeout_s=3))
+    pool = ThreadPoolExecutor(2)
+
+    async def main():
+        waiting = asyncio.ensure_future(load_images([{"type": "url", "data": host.url + "/hang"}] * 16, policy, pool))
+        while host.requests < 16:
+            await asyncio.sleep(0.02)
+        start = time.monotonic()
+        (loaded,) = await load_images([b64(png_bytes())], policy, pool)
+        took = time.monotonic() - start
+        with pytest.raises(BadImage, match="timed out"):
+            await waiting
+        return loaded, took
+
+    with hostile_host() as host:
+        loaded, took = asyncio.run(main())
+    pool.shutdown()
+    assert loaded.width == 20 and took < 1.0
