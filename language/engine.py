@@ -3,6 +3,7 @@ only add sockets around it; tests drive it in-process."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -21,7 +22,16 @@ from language.parallel.sharding import check_divisible
 from language.parallel.step_sync import StepChannel
 from language.prefix_cache import PrefixCache, cache_ids
 from language.progress import progress
-from language.request import PrefixNotCached, PromptLogprobs, Request, RequestOutput, RequestStatus, TopLogprobs
+from language.request import (
+    ENGINE_FAILURE,
+    PrefixNotCached,
+    PromptLogprobs,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    TopLogprobs,
+)
+from language.sampling_params import InvalidParams
 from language.scheduler import Scheduler, StepPlan
 from language.step_inputs import stage
 from language.warmup import warmup
@@ -192,6 +202,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
         self._inflight: InflightStep | None = None
+        self._failed_last_step = False  # the last step that ran anything raised
         self._launched_at = 0.0  # perf_counter when the step in flight was launched
         if device.type == "cuda":
             warmup(self)
@@ -231,6 +242,10 @@ class EngineCore:
                     f"{info.mm_embed_width} values"
                 )
         p = req.params
+        try:  # what the sampler's tensors hold (the HTTP side checked it already; direct callers may not have)
+            p.validate()
+        except InvalidParams as e:
+            raise ValueError(f"parameters.{e}") from None
         for name, ids in (
             ("allowed_token_ids", p.allowed_token_ids or ()),
             ("logit_bias", [t for t, _ in p.logit_bias]),
@@ -268,7 +283,54 @@ class EngineCore:
 
         emit: if given, it takes those outputs before a step with prompt tokens is launched (and step returns the
         rest, if any): launching an eager forward over thousands of prompt tokens keeps the host busy for tens of ms,
-        and the previous step's tokens need not wait for that. The device idles only while emit runs."""
+        and the previous step's tokens need not wait for that. The device idles only while emit runs.
+
+        A step that raises (one request's inputs the admission checks let through, say) fails every request the
+        engine holds, returns all KV slots and goes on with the next request: the state a half-staged step leaves
+        cannot be trusted, and a fresh one can. Under tensor parallelism the other ranks would be left mid-step,
+        and a second failure in a row means the engine itself is broken (a device error): both still raise."""
+        held, aborted = list(self._requests.values()), self._aborted
+        delivered: set[str] = set()  # final outputs emit already sent
+
+        def emit_noting(outputs: list[RequestOutput]) -> None:
+            delivered.update(out.rid for out in outputs if out.finished)
+            emit(outputs)
+
+        try:
+            outputs = self._step(emit_noting if emit is not None else None)
+        except Exception as e:
+            if self.tp.enabled or self._failed_last_step:
+                raise
+            logger.exception("an engine step failed: failing the %d requests the engine holds", len(held))
+            self._failed_last_step = True
+            reason = f"{ENGINE_FAILURE}: the step that ran this request raised {type(e).__name__}: {e}"
+            return self._fail_all(held, aborted, delivered, reason)
+        if self._inflight is not None:
+            self._failed_last_step = False
+        return outputs
+
+    def _fail_all(
+        self, held: list[Request], aborted: list[RequestOutput], delivered: set[str], reason: str
+    ) -> list[RequestOutput]:
+        """The final output of every request held when the failed step began (aborts stand, the rest end in an
+        error), then a clean slate: all KV slots and rows free, an empty prefix cache and queue."""
+        self._inflight, self._aborted = None, []  # later steps run after the failed one's device work, if any
+        outputs = [out for out in aborted if out.rid not in delivered]
+        for req in held:  # one that finished in the failed step lost its last output with it
+            req.status, req.finish_reason, req.req_idx, req.kv_slots, req.mm_items = (
+                RequestStatus.FINISHED, "error", -1, [], []
+            )  # fmt: skip
+            if req.rid not in delivered:
+                outputs.append(dataclasses.replace(self._output(req, []), error=reason))
+        self._requests.clear()
+        self.kv.reset()
+        if self.prefix is not None:
+            self.prefix = PrefixCache(self.kv.slots)
+        s = self.scheduler
+        self.scheduler = Scheduler(s.max_total_tokens, s.max_running, s.prefill_budget, s.chunked_prefill, self.prefix)
+        return outputs
+
+    def _step(self, emit: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)

@@ -53,6 +53,11 @@ class KVCache:
         """Record that token `positions[i]` of row `rows[i]` lives in `slots[i]` (all [n], on the table's device)."""
         self.req_to_token[rows, positions] = slots.to(torch.int32)
 
+    def reset(self) -> None:
+        """Every slot and row free (the engine starts afresh after a failed step)."""
+        self.slots.reset()
+        self._free_rows = list(range(self.dummy_row - 1, -1, -1))
+
     def free_row(self, row: int, slots: list[int]) -> None:
         """Free the row and the given slots (the request's host-side record of what it holds)."""
         self.slots.free(slots)

@@ -12,6 +12,9 @@ import torch
 
 from language.sampling_params import SamplingParams
 
+# RequestOutput.error of a request that failed through no fault of its own (a step that raised, its embeddings gone)
+ENGINE_FAILURE = "engine failure"
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -124,9 +127,10 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     new_top_logprobs: list[TopLogprobs] | None = None  # per new token, when top_logprobs > 0 was asked
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when prompt_logprobs was asked
+    error: str | None = None  # why it ended with finish_reason "error"

@@ -9,6 +9,7 @@ them, once for the whole batch (k = the largest any row asks for); each row then
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,10 @@ import torch
 from language.request import Request
 
 _MASK32 = 0xFFFFFFFF
+# The EOS boost (HF's exponential_decay_length_penalty) grows without bound with the length; capped, the boosted
+# logit stays far inside float32 (|logit| * 1e30 < 3.4e38 for any logit a model gives), so nothing becomes inf/NaN.
+_MAX_BOOST = 1e30
+_MAX_LOG_BOOST = math.log(_MAX_BOOST)
 
 
 @dataclass
@@ -118,7 +123,7 @@ class LogitProcessors:
                 ban_i.extend(sorted(banned))
             decay = p.exponential_decay_length_penalty
             if decay is not None and before > decay[0] and eos_token_ids:
-                factor = float(decay[1]) ** (before - decay[0]) - 1.0
+                factor = _eos_boost(float(decay[1]), before - decay[0])
                 boost_r.extend([row] * len(eos_token_ids))
                 boost_i.extend(eos_token_ids)
                 boost_v.extend([factor] * len(eos_token_ids))
@@ -138,7 +143,8 @@ class LogitProcessors:
             logits.index_put_((self.bias_rows, self.bias_ids), self.bias, accumulate=True)
         if self.boost.numel():  # HF: scores[eos] += |scores[eos]| * (factor ** k - 1)
             eos = logits[self.boost_rows, self.boost_ids]
-            logits.index_put_((self.boost_rows, self.boost_ids), eos.abs() * self.boost, accumulate=True)
+            boost = (eos.abs() * self.boost).clamp_(max=_MAX_BOOST)
+            logits.index_put_((self.boost_rows, self.boost_ids), boost, accumulate=True)
         if self.restricted is not None:
             allowed = torch.zeros_like(logits, dtype=torch.bool)
             allowed[self.allowed_rows, self.allowed_ids] = True
@@ -146,6 +152,11 @@ class LogitProcessors:
         if self.ban_ids.numel():
             logits[self.ban_rows, self.ban_ids] = float("-inf")
         return logits
+
+
+def _eos_boost(decay_factor: float, steps: int) -> float:
+    """decay_factor ** steps - 1, capped at _MAX_BOOST (computed in log space: the power alone overflows a float)."""
+    return math.exp(min(steps * math.log(decay_factor), _MAX_LOG_BOOST)) - 1.0
 
 
 def _penalty_tensors(reqs: list[Request], device: torch.device):

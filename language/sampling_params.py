@@ -15,6 +15,15 @@ class InvalidParams(ValueError):
 
 MAX_SEQUENCES = 16  # most sequences (n / best_of) one HTTP request may ask for
 MAX_TOP_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
+# What the engine's tensors hold: token ids and top_k fit int32 (a top_k above the vocabulary cuts nothing), and
+# every factor stays a finite, non-zero float32 through the sampler's arithmetic.
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1
+MIN_TOP_P = 1e-8  # float32 keeps it non-zero, so the most likely token always survives the cut
+MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (vLLM's epsilon): logits / 1e-40 is inf in float32
+MIN_REPETITION_PENALTY = 0.01  # logit / penalty and logit * penalty stay finite (a 5e-324 penalty is 0 in float32)
+MAX_REPETITION_PENALTY = 10.0
+MAX_DECAY_FACTOR = 10.0  # exponential_decay_length_penalty's; the EOS boost is capped as well (LogitProcessors)
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return not self.do_sample or self.temperature <= 0.0 or self.top_k == 1
+        return not self.do_sample or self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -86,14 +95,18 @@ class SamplingParams:
             raise InvalidParams("do_sample", "must be a boolean")
         if not _is_number(self.temperature) or self.temperature < 0.0 or self.temperature > 100.0:
             raise InvalidParams("temperature", "must be a number in [0, 100]")
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidParams("top_p", "must be a number in (0, 1]")
-        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
-            raise InvalidParams("top_k", "must be -1 (disabled) or an integer >= 0")
+        if not _is_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1.0:
+            raise InvalidParams("top_p", f"must be a number in [{MIN_TOP_P:g}, 1]")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidParams("top_k", f"must be -1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}]")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidParams("max_new_tokens", "must be an integer >= 1")
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise InvalidParams("repetition_penalty", "must be a number in (0, 10]")
+        if not _is_number(self.repetition_penalty) or not (
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise InvalidParams(
+                "repetition_penalty", f"must be a number in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}]"
+            )
         if not _is_number(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             raise InvalidParams("frequency_penalty", "must be a number in [-2, 2]")
         if not _is_number(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
@@ -104,8 +117,8 @@ class SamplingParams:
             raise InvalidParams("disable_prompt_cache", "must be a boolean")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParams("ignore_eos", "must be a boolean")
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise InvalidParams("stop_token_ids", "must be non-negative integers")
+        if not all(_is_token_id(t) for t in self.stop_token_ids):
+            raise InvalidParams("stop_token_ids", f"must be integers in [0, {MAX_TOKEN_ID}]")
         if not all(isinstance(s, str) and s for s in self.stop_sequences):
             raise InvalidParams("stop_sequences", "must be non-empty strings")
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
@@ -113,19 +126,24 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise InvalidParams("min_new_tokens", "must not exceed max_new_tokens")
         if self.allowed_token_ids is not None and (
-            not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+            not self.allowed_token_ids or not all(_is_token_id(t) for t in self.allowed_token_ids)
         ):
-            raise InvalidParams("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+            raise InvalidParams("allowed_token_ids", f"must be a non-empty list of token ids in [0, {MAX_TOKEN_ID}]")
         for pair in self.logit_bias:
-            if len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0:
-                raise InvalidParams("logit_bias", "keys must be non-negative token ids")
+            if len(pair) != 2 or not _is_token_id(pair[0]):
+                raise InvalidParams("logit_bias", f"keys must be token ids in [0, {MAX_TOKEN_ID}]")
             if not _is_number(pair[1]) or not -100.0 <= pair[1] <= 100.0:
                 raise InvalidParams("logit_bias", "biases must be numbers in [-100, 100]")
         decay = self.exponential_decay_length_penalty
         if decay is not None and (
-            len(decay) != 2 or not _is_int(decay[0]) or decay[0] < 0 or not _is_number(decay[1]) or decay[1] < 1.0
+            len(decay) != 2
+            or not (_is_int(decay[0]) and 0 <= decay[0] <= MAX_TOKEN_ID)
+            or not (_is_number(decay[1]) and 1.0 <= decay[1] <= MAX_DECAY_FACTOR)
         ):
-            raise InvalidParams("exponential_decay_length_penalty", "must be [start_index >= 0, decay_factor >= 1]")
+            raise InvalidParams(
+                "exponential_decay_length_penalty",
+                f"must be [start_index in [0, {MAX_TOKEN_ID}], decay_factor in [1, {MAX_DECAY_FACTOR:g}]]",
+            )
         for name in ("input_penalty", "skip_special_tokens", "add_spaces_between_special_tokens", "print_eos_token"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParams(name, "must be a boolean")
@@ -153,3 +171,7 @@ def _is_number(x: object) -> bool:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_token_id(x: object) -> bool:
+    return _is_int(x) and 0 <= x <= MAX_TOKEN_ID

@@ -18,6 +18,11 @@ class OutOfSlots(RuntimeError):
 class SlotAllocator:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot free."""
+        num_slots = self.num_slots
         # The top of the stack is the end of the array; slot 0 is handed out first.
         self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)  # [num_slots]
         self._top = num_slots  # free slots are _stack[:_top]

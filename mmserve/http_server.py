@@ -13,6 +13,7 @@ from dataclasses import replace
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from language.request import ENGINE_FAILURE
 from language.sampling_params import SamplingParams
 from mmserve.drain import RETRY_AFTER_S
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
@@ -178,6 +179,8 @@ def _engine_error(message: str) -> BadRequest:
     """The router refused the request: a parameter the engine checks names itself ("parameters.x: ..."), anything
     else is about the prompt."""
     name, sep, rest = message.partition(": ")
+    if name == ENGINE_FAILURE:  # not the request's fault: a 500 that says what broke
+        return BadRequest("server", rest, status=500)
     if sep and name.startswith(("parameters.", "multimodal_params.")):
         return BadRequest(name, rest)
     return BadRequest("inputs", message)

@@ -30,7 +30,7 @@ from mmserve.openai_protocol import (
     logprobs_request,
     openai_param,
 )
-from mmserve.protocol import BadRequest, GenerateInput, parse_json
+from mmserve.protocol import BadRequest, GenerateInput, json_logprob, parse_json
 from mmserve.slow_clients import ClosingStreamingResponse
 
 _CLIENT_CLOSED = 499
@@ -272,7 +272,6 @@ async def _merge(streams: list[RequestStream], firsts: list[TextOutput], disconn
 # One position of a logprobs answer: (token text, its log-probability or None (a prompt's first token), the
 # alternatives there as (text, log-probability), or None).
 Entry = tuple[str, float | None, list[tuple[str, float]] | None]
-_FLOOR = -9999.0  # -inf (a masked token among the alternatives) as vLLM sends it: JSON has no infinity
 
 
 @dataclass(frozen=True)
@@ -294,7 +293,7 @@ def _logprobs(entries: list[Entry], chat: bool, k: int, offset: int = 0) -> dict
     """OpenAI's logprobs of a choice (or of a chunk's tokens). Chat: each token with its k alternatives; completions
     (legacy shape): tokens, token_logprobs, text_offset, and top_logprobs as one {text: logprob} per position (the
     chosen token and its k alternatives; null where k is 0)."""
-    floor = lambda lp: lp if lp is None else max(lp, _FLOOR)  # noqa: E731
+    floor = json_logprob
     if chat:
         content = [{"token": text, "logprob": floor(lp), "bytes": list(text.encode()),
                     "top_logprobs": [{"token": a, "logprob": floor(alp), "bytes": list(a.encode())}

@@ -212,8 +212,19 @@ def _string_tuple(name: str, value: object) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------------- responses
 
 
+LOGPROB_FLOOR = -9999.0  # -inf (a masked token among the alternatives) as vLLM sends it: JSON has no infinity
+
+
+def json_logprob(logprob: float | None) -> float | None:
+    """A log-probability as JSON can carry it: -inf becomes LOGPROB_FLOOR. NaN cannot come from a validated
+    request; if it did, it would become the floor too (NaN compares false) rather than break the response."""
+    if logprob is None:
+        return None
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def token_json(t: TokenDetail) -> dict:
-    return {"id": t.id, "text": t.text, "logprob": t.logprob}
+    return {"id": t.id, "text": t.text, "logprob": json_logprob(t.logprob)}
 
 
 def prompt_logprobs_json(scores: PromptLogprobs) -> dict:
@@ -223,9 +234,9 @@ def prompt_logprobs_json(scores: PromptLogprobs) -> dict:
     ids, top = scores.token_ids, scores.top
     pairs = []
     for i, logprob in enumerate(scores.logprobs):
-        entry = {str(ids[i + 1]): logprob}  # the prompt's own next token first
+        entry = {str(ids[i + 1]): json_logprob(logprob)}  # the prompt's own next token first
         for t, lp in top[i] if top is not None else ():
-            entry.setdefault(str(t), lp)
+            entry.setdefault(str(t), json_logprob(lp))
         pairs.append([ids[i], entry])
     return {"prompt_token_ids": ids, "prompt_logprobs": pairs}
 
@@ -293,7 +304,7 @@ def stream_event(
         "token": {
             "id": last.id if last else None,
             "text": piece,
-            "logprob": last.logprob if last else None,
+            "logprob": json_logprob(last.logprob) if last else None,
             "special": False,
         },
         "tokens": [token_json(t) for t in tokens],

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
-from language.request import MultimodalItem, PrefixNotCached, Request, RequestOutput
+from language.request import ENGINE_FAILURE, MultimodalItem, PrefixNotCached, Request, RequestOutput
 from mmserve.config import ServerConfig
 from mmserve.endpoints import Endpoints
 from mmserve.messages import (
@@ -128,8 +128,12 @@ class Router:
             self._awaiting_images[msg.rid] = msg
             self._encode_needed.append(msg.rid)
             return
-        except ValueError as e:  # can never fit (too long for the cache or the model)
+        except ValueError as e:  # can never fit (too long for the cache or the model), or bad parameters
             self._reject(msg.rid, len(msg.prompt_ids), str(e))
+            return
+        except Exception as e:  # e.g. its image embeddings could not be read: this request fails, not the router
+            logger.exception("request %s could not be admitted", msg.rid)
+            self._reject(msg.rid, len(msg.prompt_ids), f"{ENGINE_FAILURE}: {type(e).__name__}: {e}")
             return
         self._live.add(msg.rid)
 
@@ -228,6 +232,7 @@ class Router:
             cached_tokens=out.cached_tokens,
             new_top_logprobs=out.new_top_logprobs,
             prompt_logprobs=out.prompt_logprobs,
+            error=out.error,
         )
 
     def stats(self) -> RouterStats:
