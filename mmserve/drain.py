@@ -54,15 +54,18 @@ class DrainGate:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, whose first SIGTERM/SIGINT starts a drain instead of stopping at once, and whose second one
     stops at once: the requests still running are ended (an error event, a 503), and the children are given a short
-    grace. `on_timeout` ends the requests still running (the drain ran out of time, or a second signal came)."""
+    grace. `end_requests(reason)` ends the requests still running (the drain ran out of time, or a second signal
+    came)."""
 
     _HURRIED_GRACE_S = 0.5  # after a second signal: how long the ended requests get to write their last bytes
 
-    def __init__(self, config: uvicorn.Config, gate: DrainGate, graceful_timeout_s: float, on_timeout: Callable):
+    def __init__(
+        self, config: uvicorn.Config, gate: DrainGate, graceful_timeout_s: float, end_requests: Callable[[str], None]
+    ):
         super().__init__(config)
         self.gate = gate
         self.graceful_timeout_s = graceful_timeout_s
-        self.on_timeout = on_timeout
+        self.end_requests = end_requests
         self._deadline: float | None = None
         self._hurried = False  # a second signal came: on_tick ends what runs and stops
 
@@ -98,7 +101,7 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif now >= self._deadline:
                 logger.warning("stopping: --graceful_timeout ran out; ending %d request(s)", self.gate.active)
-                self.on_timeout()
+                self.end_requests("the server is shutting down (--graceful_timeout ran out)")
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -108,7 +111,7 @@ class DrainingServer(uvicorn.Server):
         if self.gate.active:
             logger.warning("stopping at once (a second signal): ending %d request(s)", self.gate.active)
         self.gate.draining = True
-        self.on_timeout()
+        self.end_requests("the server is shutting down at once (a second signal)")
         self.config.timeout_graceful_shutdown = self._HURRIED_GRACE_S  # uvicorn's wait for them, next
         self.should_exit = True
         return True

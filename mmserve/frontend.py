@@ -85,7 +85,7 @@ def run_frontend(
         ),
         gate,
         config.graceful_timeout,
-        on_timeout=lambda: client.fail_in_flight("the server is shutting down (--graceful_timeout ran out)"),
+        end_requests=client.fail_in_flight,
     )
     client.on_fatal = lambda: setattr(server, "should_exit", True)
     freeze_startup_objects()
