@@ -18,7 +18,7 @@ from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
 from mmserve.demo import demo_for, ensure_demo_checkpoint
 from mmserve.endpoints import Endpoints, remove_dead_ipc_dirs
-from mmserve.preflight import CannotStart, bind_http_socket, check_model_dir
+from mmserve.preflight import CannotStart, bind_http_sockets, check_model_dir
 from mmserve.processes import (
     SHUTDOWN_SIGNALS,
     ChildProcess,
@@ -105,7 +105,7 @@ def serve(config: ServerConfig) -> int:
     check_model_dir(config)
     if (error := check_tp_split(config)) is not None:  # before any child starts
         raise CannotStart(error)
-    listener = bind_http_socket(config.host, config.port)
+    listeners = bind_http_sockets(config.host, config.port)
     remove_leftovers()
     endpoints = Endpoints.create()
     shm_prefix = new_prefix() if config.enable_multimodal else None
@@ -118,12 +118,13 @@ def serve(config: ServerConfig) -> int:
         children += spawn_tp_workers(config)  # this host's ranks other than 0 (rank 0 is the router)
         from mmserve.frontend import run_frontend  # FastAPI, transformers, torch: while the children load
 
-        return run_frontend(config, endpoints, shm_prefix, children, listener)
+        return run_frontend(config, endpoints, shm_prefix, children, listeners)
     except ChildStartError as e:
         logger.error("cannot start: %s", e)
         return 1
     finally:
-        listener.close()
+        for sock in listeners:
+            sock.close()
         stop_children(children)
         endpoints.remove()
         if shm_prefix:

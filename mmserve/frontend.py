@@ -32,9 +32,9 @@ def run_frontend(
     endpoints: Endpoints,
     shm_prefix: str | None,
     children: list[ChildProcess],
-    listener: socket.socket,
+    listeners: list[socket.socket],
 ) -> int:
-    """Serve HTTP on `listener` (bound, not yet listening) until the server stops; returns the exit status.
+    """Serve HTTP on `listeners` (bound, not yet listening) until the server stops; returns the exit status.
     `children`: router, detokenizer, then the visual process (with `shm_prefix`) and this host's other
     tensor-parallel ranks, all spawned and still loading. Raises ChildStartError when one fails to start."""
     tokenizer = load_tokenizer(config)  # while the children load
@@ -97,7 +97,7 @@ def run_frontend(
         seconds_since_process_start(),
     )
     try:
-        server.run(sockets=[listener])
+        server.run(sockets=listeners)
     except KeyboardInterrupt:  # the stopping signal, re-raised by uvicorn once it has stopped
         pass
     if client.failure is not None:

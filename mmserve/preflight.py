@@ -57,21 +57,33 @@ def _architecture(model_dir: str) -> str:
     return architectures[0]
 
 
-def bind_http_socket(host: str, port: int) -> socket.socket:
-    """The HTTP server's socket, bound now (uvicorn listens on it once the model has loaded): a port already in use
-    or an address not of this host is found before anything loads. Raises CannotStart."""
+def bind_http_sockets(host: str, port: int) -> list[socket.socket]:
+    """The HTTP server's sockets, bound now (uvicorn listens on them once the model has loaded): a port already in
+    use or an address not of this host is found before anything loads. One per address `host` resolves to
+    (`localhost`: 127.0.0.1 and ::1), as uvicorn binds them itself. Raises CannotStart."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise CannotStart(f"--host {host}: {e.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):  # each address once
+            sockets.append(_bound_socket(family, kind, proto, address))
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise CannotStart(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sockets
+
+
+def _bound_socket(family: int, kind: int, proto: int, address: tuple) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart over connections in TIME_WAIT
         if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # its IPv4 twin has its own socket
         sock.bind(address)
-    except OSError as e:
+    except OSError:
         sock.close()
-        raise CannotStart(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise
     return sock
