@@ -5,6 +5,7 @@ Every child is stopped on the way out, and the server's sockets and shared memor
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import signal
 import sys
@@ -17,7 +18,17 @@ from mmserve.cli import parse_config
 from mmserve.config import ServerConfig
 from mmserve.demo import demo_for, ensure_demo_checkpoint
 from mmserve.endpoints import Endpoints, remove_dead_ipc_dirs
-from mmserve.processes import ChildProcess, ChildStartError, configure_logging, exit_now, stop_children
+from mmserve.preflight import CannotStart, bind_http_sockets, check_model_dir
+from mmserve.processes import (
+    SHUTDOWN_SIGNALS,
+    ChildProcess,
+    ChildStartError,
+    configure_logging,
+    exit_now,
+    hurry_stop,
+    stop_children,
+)
+from mmserve.semaphores import name_semaphores_after, remove_dead_semaphores
 from mmserve.tp_workers import check_tp_split, serve_worker_node, spawn_tp_workers
 
 # Light imports only (the spawned children import this module again): the HTTP side's heavy ones (FastAPI,
@@ -29,9 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until it stops, then exit the process with its status (0: stopped by a signal; 1: failed)."""
     config = parse_config(argv)
     configure_logging(config.log_level)
+    name_semaphores_after(os.getpid())  # and every child names its own after this process (setup_child)
     raise_fd_limit()
-    # SIGTERM unwinds like Ctrl-C, so the `finally` in serve() stops the children even while they are still loading.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # SIGTERM unwinds like Ctrl-C, so the `finally` in serve() stops the children even while they are still loading;
+    # a second signal only hurries that stop along.
+    for sig in SHUTDOWN_SIGNALS:
+        signal.signal(sig, _on_shutdown_signal)
     try:
         if config.node_rank > 0:  # another host's share of the tensor-parallel ranks: no HTTP, no engine
             code = serve_worker_node(config)
@@ -40,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         logger.info("stopped")
         code = 0
+    except CannotStart as e:
+        logger.error("cannot start: %s", e)
+        code = 1
     exit_now(code)  # children, sockets and temp files are cleaned up by now
     return code
 
@@ -55,7 +72,17 @@ def raise_fd_limit() -> None:
             logger.warning("could not raise the open-file limit from %d: at most that many connections", soft)
 
 
-def _raise_keyboard_interrupt(signum, frame) -> None:
+_stopping = False
+
+
+def _on_shutdown_signal(signum, frame) -> None:
+    """Outside uvicorn's run (while the children load, and while they are stopped): the first signal unwinds,
+    the next ones make the stop kill what is slow to go."""
+    global _stopping
+    if _stopping:
+        hurry_stop()
+        return
+    _stopping = True
     raise KeyboardInterrupt
 
 
@@ -74,15 +101,12 @@ def resolve_model(config: ServerConfig) -> ServerConfig:
 
 
 def serve(config: ServerConfig) -> int:
+    """Serve until stopped; returns the exit status. Raises CannotStart before any child starts."""
+    check_model_dir(config)
     if (error := check_tp_split(config)) is not None:  # before any child starts
-        logger.error("cannot start: %s", error)
-        return 1
-    removed = remove_dead_segments()  # what servers killed outright (SIGKILL, OOM) left in /dev/shm
-    if removed:
-        logger.info("removed %d shared-memory segment(s) left by servers no longer running", len(removed))
-    removed = remove_dead_ipc_dirs()  # and their zmq ipc socket directories
-    if removed:
-        logger.info("removed %d ipc socket dir(s) left by servers no longer running", len(removed))
+        raise CannotStart(error)
+    listeners = bind_http_sockets(config.host, config.port)
+    remove_leftovers()
     endpoints = Endpoints.create()
     shm_prefix = new_prefix() if config.enable_multimodal else None
     children: list[ChildProcess] = []
@@ -94,15 +118,28 @@ def serve(config: ServerConfig) -> int:
         children += spawn_tp_workers(config)  # this host's ranks other than 0 (rank 0 is the router)
         from mmserve.frontend import run_frontend  # FastAPI, transformers, torch: while the children load
 
-        return run_frontend(config, endpoints, shm_prefix, children)
+        return run_frontend(config, endpoints, shm_prefix, children, listeners)
     except ChildStartError as e:
-        logger.error("%s", e)
+        logger.error("cannot start: %s", e)
         return 1
     finally:
+        for sock in listeners:
+            sock.close()
         stop_children(children)
         endpoints.remove()
         if shm_prefix:
             unlink_all(shm_prefix)  # every embedding segment, also after a child crashed
+
+
+def remove_leftovers() -> None:
+    """What servers killed outright (SIGKILL, OOM) left: /dev/shm segments, zmq ipc socket dirs, semaphores."""
+    for what, removed in (
+        ("shared-memory segment", remove_dead_segments()),
+        ("ipc socket dir", remove_dead_ipc_dirs()),
+        ("semaphore", remove_dead_semaphores()),
+    ):
+        if removed:
+            logger.info("removed %d %s(s) left by servers no longer running", len(removed), what)
 
 
 if __name__ == "__main__":

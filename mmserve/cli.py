@@ -9,8 +9,14 @@ from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQU
 from visual.attention_backend import VIT_ATT_BACKENDS
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, not the usage of every flag (dozens of lines, the error last), then exit 2 as argparse does."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mmserve", description="Serve a (multimodal) LLM over HTTP, LightLLM-style.")
+    p = _Parser(prog="mmserve", description="Serve a (multimodal) LLM over HTTP, LightLLM-style.")
     p.add_argument("--model_dir", default=None, help="HF checkpoint folder; omitted: a random-weight demo model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

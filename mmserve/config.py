@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from visual.attention_backend import VIT_ATT_BACKENDS
@@ -21,6 +22,8 @@ DTYPE_NAMES = {
 # Image caps. LightLLM's --max_image_pixels defaults to 3686400 (2560x1440) and downsizes larger images; here an
 # image over the cap is refused with a 400, so the default is higher: 2**25 px takes 8K UHD frames and 24-30 MP
 # camera photos (an RGB decode of at most 100 MB), and everything above it is refused before decoding.
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # what the engine and the vision tower run on
+
 DEFAULT_MAX_IMAGE_PIXELS = 1 << 25
 DEFAULT_MAX_IMAGES_PER_REQUEST = 16
 
@@ -97,6 +100,8 @@ class ServerConfig:
                 "--visual_dp: data-parallel vision towers are not implemented; the vision tower runs once, in the "
                 "visual process on the first GPU, and its embeddings reach every rank. Use --visual_dp 1"
             )
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"--device {self.device}: must be auto, cpu, cuda or cuda:<index>")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("--load_format must be auto or dummy")
         if self.max_total_token_num is not None and self.max_total_token_num < 1:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import uvicorn
 from starlette.responses import JSONResponse
 
+from mmserve.processes import hurry_stop
+
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (another replica, or this server restarted, takes over)
@@ -50,24 +52,44 @@ class DrainGate:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose first SIGTERM/SIGINT starts a drain instead of stopping at once. `on_timeout` ends
-    the requests still running when the drain runs out of time."""
+    """uvicorn's server, whose first SIGTERM/SIGINT starts a drain instead of stopping at once, and whose second one
+    stops at once: the requests still running are ended (an error event, a 503), and the children are given a short
+    grace. `end_requests(reason)` ends the requests still running (the drain ran out of time, or a second signal
+    came)."""
 
-    def __init__(self, config: uvicorn.Config, gate: DrainGate, graceful_timeout_s: float, on_timeout: Callable):
+    _HURRIED_GRACE_S = 0.5  # after a second signal: how long the ended requests get to write their last bytes
+
+    def __init__(
+        self, config: uvicorn.Config, gate: DrainGate, graceful_timeout_s: float, end_requests: Callable[[str], None]
+    ):
         super().__init__(config)
         self.gate = gate
         self.graceful_timeout_s = graceful_timeout_s
-        self.on_timeout = on_timeout
+        self.end_requests = end_requests
         self._deadline: float | None = None
+        self._hurried = False  # a second signal came: on_tick ends what runs and stops
+
+    @property
+    def stopping(self) -> bool:
+        """A stop is under way (a drain, or after it): a child that exits now is not one to replace."""
+        return self.gate.draining or self.should_exit
 
     def handle_exit(self, sig, frame) -> None:
         if self.started and not self.should_exit and not self.gate.draining:
             self._captured_signals.append(sig)  # re-raised once the server has stopped, as uvicorn does
             self.gate.draining = True  # only a flag here (a signal handler): on_tick does the rest
             return
-        super().handle_exit(sig, frame)  # a second signal, or before the start: stop now
+        if self.started and not self._hurried:
+            hurry_stop()  # the children's stop, after uvicorn's, waits only briefly too
+            self._hurried = True  # flags again: on_tick ends the requests on the event loop
+            return
+        super().handle_exit(sig, frame)  # before the start: stop now
+        if self._hurried:
+            self.force_exit = True  # a third signal: not even the ended requests' last bytes
 
     async def on_tick(self, counter: int) -> bool:
+        if self._hurried and not self.should_exit:
+            return self._stop_now()
         if self.gate.draining and not self.should_exit:
             now = time.monotonic()
             if self._deadline is None:
@@ -79,6 +101,17 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
             elif now >= self._deadline:
                 logger.warning("stopping: --graceful_timeout ran out; ending %d request(s)", self.gate.active)
-                self.on_timeout()
+                self.end_requests("the server is shutting down (--graceful_timeout ran out)")
                 self.should_exit = True
         return await super().on_tick(counter)
+
+    def _stop_now(self) -> bool:
+        """A second signal: end every request still running (each gets its error event or 503), and give them
+        only a moment to write it."""
+        if self.gate.active:
+            logger.warning("stopping at once (a second signal): ending %d request(s)", self.gate.active)
+        self.gate.draining = True
+        self.end_requests("the server is shutting down at once (a second signal)")
+        self.config.timeout_graceful_shutdown = self._HURRIED_GRACE_S  # uvicorn's wait for them, next
+        self.should_exit = True
+        return True

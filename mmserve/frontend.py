@@ -5,6 +5,7 @@ and uvicorn. `mmserve.api_server` starts the children first and calls `run_front
 from __future__ import annotations
 
 import logging
+import socket
 
 import uvicorn
 
@@ -27,11 +28,15 @@ logger = logging.getLogger("mmserve")
 
 
 def run_frontend(
-    config: ServerConfig, endpoints: Endpoints, shm_prefix: str | None, children: list[ChildProcess]
+    config: ServerConfig,
+    endpoints: Endpoints,
+    shm_prefix: str | None,
+    children: list[ChildProcess],
+    listeners: list[socket.socket],
 ) -> int:
-    """Serve HTTP until the server stops; returns the exit status. `children`: router, detokenizer, then the visual
-    process (with `shm_prefix`) and this host's other tensor-parallel ranks, all spawned and still loading. Raises
-    ChildStartError when one fails to start."""
+    """Serve HTTP on `listeners` (bound, not yet listening) until the server stops; returns the exit status.
+    `children`: router, detokenizer, then the visual process (with `shm_prefix`) and this host's other
+    tensor-parallel ranks, all spawned and still loading. Raises ChildStartError when one fails to start."""
     tokenizer = load_tokenizer(config)  # while the children load
     try:
         processor = load_prompt_processor(config, tokenizer) if shm_prefix else None
@@ -55,12 +60,12 @@ def run_frontend(
             on_down=visual.on_visual_down,
             on_up=visual.on_visual_up,
             on_give_up=lambda reason: client.fatal(reason),
+            stopping=lambda: server.stopping,
         )
         services = [visual, supervisor]
         metrics.registry.register(visual)
         metrics.registry.register(supervisor)
-    # A request must fit both the model's context and the whole KV cache.
-    limits = Limits(min(info.max_req_total_len, info.max_total_token_num))
+    limits = Limits(info.request_limit)
     preparer = RequestPreparer(tokenizer, limits, images=visual)
     # Every child is vital but the visual process, which is supervised (restarted) instead.
     vital = [c for c in children if c is not visual_child]
@@ -80,7 +85,7 @@ def run_frontend(
         ),
         gate,
         config.graceful_timeout,
-        on_timeout=lambda: client.fail_in_flight("the server is shutting down (--graceful_timeout ran out)"),
+        end_requests=client.fail_in_flight,
     )
     client.on_fatal = lambda: setattr(server, "should_exit", True)
     freeze_startup_objects()
@@ -92,7 +97,7 @@ def run_frontend(
         seconds_since_process_start(),
     )
     try:
-        server.run()
+        server.run(sockets=listeners)
     except KeyboardInterrupt:  # the stopping signal, re-raised by uvicorn once it has stopped
         pass
     if client.failure is not None:

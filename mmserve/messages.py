@@ -180,3 +180,9 @@ class ReadyInfo:
     architecture: str = ""
     dtype: str = ""
     device: str = ""
+
+    @property
+    def request_limit(self) -> int:
+        """The most tokens of prompt + output one request may have: it must fit both the model's context and the
+        whole KV cache."""
+        return min(self.max_req_total_len, self.max_total_token_num)

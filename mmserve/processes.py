@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -10,11 +11,14 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+
+from mmserve.semaphores import name_semaphores_after
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +64,39 @@ def configure_logging(log_level: str, name: str = "%(name)s") -> None:
             logging.getLogger(chatty).setLevel(logging.INFO)
 
 
+# The server's children ignore the shutdown signals: systemd (KillMode=control-group) and a shell wrapper under
+# `docker stop` send SIGTERM to the whole process group, and Ctrl-C sends SIGINT to it, but only the parent decides
+# to stop: it drains, then stops each child with STOP_SIGNAL.
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNAL = signal.SIGUSR1  # its default action ends a process that installed no handler (a tensor-parallel rank)
+
+
+def ignore_shutdown_signals() -> None:
+    """First thing in a child: SIGINT and SIGTERM ignored from now on, and let through again (spawn_child blocked
+    them around the start, so that one sent meanwhile waited; it is dropped now)."""
+    for sig in SHUTDOWN_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SHUTDOWN_SIGNALS)
+
+
 def setup_child(name: str, log_level: str) -> int:
-    """Signal handling of a child: Ctrl-C reaches the whole process group, but only the parent decides to stop
-    (it then sends SIGTERM); die with the parent even if it is killed outright. Returns the parent's pid."""
+    """Signal handling of a child: it ignores the shutdown signals and exits on STOP_SIGNAL, which the parent sends,
+    and the kernel too if the parent dies, even outright. Returns the parent's pid."""
+    ignore_shutdown_signals()
+    parent_pid = os.getppid()
+    name_semaphores_after(parent_pid)
     configure_logging(log_level, name)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(STOP_SIGNAL, _exit_on_stop)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, STOP_SIGNAL)
         libc.prctl(_PR_SET_NAME, f"mmserve-{name}"[:15].encode())  # what ps/top show (/proc/PID/comm)
     except OSError:  # not Linux/glibc: parent_alive() polling still catches a dead parent
         pass
-    return os.getppid()
+    return parent_pid
 
 
-def _exit_on_sigterm(signum, frame) -> None:
+def _exit_on_stop(signum, frame) -> None:
     raise SystemExit(0)
 
 
@@ -85,24 +106,40 @@ def parent_alive(parent_pid: int) -> bool:
 
 def run_child(name: str, log_level: str, ready: Connection, start: Callable[[], tuple[object, Callable]]) -> None:
     """Run a child's body: `start()` loads what it needs and returns (ready info, serve loop taking the parent pid).
-    A start failure is reported over the pipe with its traceback, so the parent can print why."""
+    A start failure is reported over the pipe with its traceback, and only there: the parent says why in one line
+    (with the traceback at --log_level debug), instead of every failing process printing its own."""
     parent_pid = setup_child(name, log_level)
     # Start-up, phase by phase (with the engine's and visual model's own lines): what the 30 s budget goes to.
     logger.info("%s process up after %.1f s (interpreter, imports)", name, seconds_since_process_start())
     try:
         info, serve = start()
+    except SystemExit:  # STOP_SIGNAL while loading: the parent is stopping, nobody waits for an answer
+        exit_now(0)
     except BaseException:
-        ready.send(("error", traceback.format_exc()))
-        raise
+        _report_start_failure(ready, traceback.format_exc())
+        exit_now(1)
     freeze_startup_objects()
     logger.info("%s process ready after %.1f s", name, seconds_since_process_start())
     ready.send(("ready", info))
     ready.close()
     try:
         serve(parent_pid)
-    except SystemExit as e:  # SIGTERM: `serve` closed its sockets on the way out
+    except SystemExit as e:  # STOP_SIGNAL: `serve` closed its sockets on the way out
         exit_now(e.code if isinstance(e.code, int) else 0)
     exit_now(0)
+
+
+def _report_start_failure(ready: Connection, trace: str) -> None:
+    try:
+        ready.send(("error", trace))
+    except OSError:  # the parent is gone or stopped listening: say it here, then
+        sys.stderr.write(trace)
+
+
+def start_failure_summary(trace: str) -> str:
+    """The line of a child's start-failure traceback that says why: the exception and its message."""
+    lines = [line for line in trace.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no reason given"
 
 
 def freeze_startup_objects() -> None:
@@ -147,7 +184,9 @@ class ChildProcess:
 
 def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
     """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state). `target` may
-    be named "package.module:function", so that the parent need not import the child's module (and torch) first."""
+    be named "package.module:function", so that the parent need not import the child's module (and torch) first.
+    The child starts with the shutdown signals blocked (a signal mask survives fork and exec), so that one sent to
+    the process group while its interpreter starts waits until it ignores them (ignore_shutdown_signals)."""
     ctx = mp.get_context("spawn")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     if isinstance(target, str):
@@ -155,12 +194,18 @@ def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
     # Not daemonic: a child may need its own workers (the visual process's preprocessing pool). The parent stops
     # its children itself (stop_children), and a child whose parent vanished exits on its own (setup_child).
     proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=False)
-    proc.start()
+    # Blocked in this thread only (a signal then goes to another thread, or waits here): never lost for the parent.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SHUTDOWN_SIGNALS)
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     send_conn.close()
     return ChildProcess(name, proc, recv_conn)
 
 
 def _run_named(target: str, *args) -> None:
+    ignore_shutdown_signals()  # before the imports: torch alone takes seconds
     from visual.hf_imports import skip_docstring_generation
 
     skip_docstring_generation()  # before the child imports any transformers config or model class
@@ -182,7 +227,9 @@ def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:
                 except EOFError:
                     raise ChildStartError(f"{child.name} process exited during start (code {child.exitcode})") from None
                 if status != "ready":
-                    raise ChildStartError(f"{child.name} process failed to start:\n{payload}")
+                    logger.debug("%s process start failure:\n%s", child.name, payload)
+                    reason = start_failure_summary(payload)
+                    raise ChildStartError(f"{child.name} process failed to start: {reason}")
                 child.info = payload
                 pending.remove(child)
             elif not child.alive():
@@ -191,16 +238,30 @@ def wait_ready(children: list[ChildProcess], timeout_s: float) -> None:
             raise ChildStartError(f"{pending[0].name} process not ready after {timeout_s:.0f}s")
 
 
-def stop_children(children: list[ChildProcess], grace_s: float = 5.0) -> None:
-    """SIGTERM every child, wait, then SIGKILL the ones still there; reap all of them."""
+_hurry = threading.Event()  # a second shutdown signal came: stop the children now
+
+
+def hurry_stop() -> None:
+    """Shorten stop_children's wait (safe in a signal handler: only sets a flag)."""
+    _hurry.set()
+
+
+def stop_children(children: list[ChildProcess], grace_s: float = 5.0, hurried_grace_s: float = 1.0) -> None:
+    """Send every child STOP_SIGNAL, wait (`hurried_grace_s` at most once hurry_stop() was called), then SIGKILL
+    the ones still there; reap all of them."""
     for child in children:
         if child.alive():
-            child.process.terminate()
-    deadline = time.monotonic() + grace_s
+            with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                os.kill(child.pid, STOP_SIGNAL)
+    start = time.monotonic()
     for child in children:
-        child.process.join(max(0.0, deadline - time.monotonic()))
+        while child.alive():
+            waited = time.monotonic() - start
+            if waited >= (hurried_grace_s if _hurry.is_set() else grace_s):
+                break
+            child.process.join(0.05)
         if child.alive():
-            logger.warning("%s process ignored SIGTERM; killing it", child.name)
+            logger.warning("%s process did not stop in time; killing it", child.name)
             child.process.kill()
             child.process.join()
         child.ready_conn.close()

@@ -305,12 +305,12 @@ def run_router_process(
         to_detok = PushQueue(ctx, endpoints.detokenizer)
         info = ready_info(core)
         logger.info(
-            "model loaded: %s %s on %s, %d KV token slots, requests up to %d tokens",
+            "model loaded: %s %s on %s, %d KV token slots, requests up to %d tokens (prompt + output)",
             info.architecture,
             info.dtype,
             info.device,
             info.max_total_token_num,
-            info.max_req_total_len,
+            info.request_limit,
         )
 
         def serve(parent_pid: int) -> None:

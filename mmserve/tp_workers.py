@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from mmserve.config import ServerConfig
-from mmserve.processes import ChildProcess, run_child, spawn_child, stop_children, wait_ready
+from mmserve.processes import STOP_SIGNAL, ChildProcess, run_child, spawn_child, stop_children, wait_ready
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ def worker_name(rank: int) -> str:
 
 def run_tp_worker_process(config: ServerConfig, rank: int, ready: Connection) -> None:
     def start():
-        # Waiting for rank 0's next step is a call into gloo that Python signal handlers cannot interrupt: SIGTERM
-        # ends the process at once (it holds no shared memory or sockets of its own).
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # Waiting for rank 0's next step is a call into gloo that Python signal handlers cannot interrupt: the
+        # parent's stop ends the process at once (it holds no shared memory or sockets of its own).
+        signal.signal(STOP_SIGNAL, signal.SIG_DFL)
         import torch
 
         from language.parallel.worker import TPWorker

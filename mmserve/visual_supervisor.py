@@ -30,7 +30,8 @@ class VisualSupervisor:
     """Watches the visual process on the HTTP event loop (a Service of the EngineClient) and restarts it.
 
     `children` is the server's list of every child to stop at exit: a restarted process takes the dead one's place
-    in it. `on_down(reason)` / `on_up(ready_info)` tell the visual link; `on_give_up(reason)` stops the server."""
+    in it. `on_down(reason)` / `on_up(ready_info)` tell the visual link; `on_give_up(reason)` stops the server.
+    `stopping()` is true once the server stops: a process that exits then is not restarted."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class VisualSupervisor:
         on_down: Callable[[str], None],
         on_up: Callable[[object], None],
         on_give_up: Callable[[str], None],
+        stopping: Callable[[], bool] = lambda: False,
     ):
         self.children = children
         self.child = child
@@ -49,6 +51,7 @@ class VisualSupervisor:
         self.max_restarts = max_restarts
         self.startup_timeout_s = startup_timeout_s
         self._on_down, self._on_up, self._on_give_up = on_down, on_up, on_give_up
+        self._stopping = stopping
         self.up = True
         self.down_reason: str | None = None
         self.restarts = 0
@@ -82,6 +85,11 @@ class VisualSupervisor:
             while self.child.alive():
                 await asyncio.sleep(_WATCH_INTERVAL_S)
             reason = f"the visual process exited (code {self.child.exitcode})"
+            if self._stopping():  # the server stops it, or it died meanwhile: either way nothing to replace
+                logger.info("%s while the server stops; not restarted", reason)
+                self.up, self.down_reason = False, reason
+                self._on_down(reason)
+                return
             if time.monotonic() - self._up_since >= _STABLE_S:
                 self._strikes = 0
             self._mark_down(reason)
@@ -100,6 +108,9 @@ class VisualSupervisor:
         logger.warning("restarting the visual process in %.1f s (attempt %d of %d)", delay, self._strikes,
                        self.max_restarts)  # fmt: skip
         await asyncio.sleep(delay)
+        if self._stopping():
+            logger.info("the server stops: the visual process is not restarted")
+            return True
         self._replace(await asyncio.to_thread(self._spawn))  # off the loop: starting an interpreter takes a while
         error = await self._wait_ready(self.child)
         if error is not None:

@@ -84,7 +84,10 @@ def _init_worker(pickled_preprocessor: bytes, handoff: _Handoff) -> None:
     skip_docstring_generation()  # before unpickling imports the image processor's transformers modules
     _worker_preprocessor = pickle.loads(pickled_preprocessor)
     torch.set_num_threads(1)  # many workers side by side: one thread each, or their thread pools fight for cores
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the server's parent decides
+    # Ctrl-C, systemd and `docker stop` signal the whole process group: the server's parent decides when to stop,
+    # and the visual process stops the pool (or this worker leaves with it).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     _leave_with(handoff.visual_pid)
     # One tiny image through the whole path now: the image processor imports and sets up lazily (seconds of CPU in
     # each worker), which would otherwise land on the first requests the server serves.

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import torch
 
+from language.architectures import DECODER_ARCHITECTURES, check_listed
 from language.config import LMConfig
 from language.forward_batch import ForwardBatch
 
@@ -37,6 +38,8 @@ _MODELS: dict[str, type] = {}
 
 
 def register_model(*architectures: str):
+    check_listed(architectures, DECODER_ARCHITECTURES, "language/architectures.py")
+
     def wrap(cls: type) -> type:
         for arch in architectures:
             _MODELS[arch] = cls

@@ -38,6 +38,14 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...)."""
+    found = child_pids(pid)
+    for child in list(found):
+        found += descendants(child)
+    return found
+
+
 def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     try:
@@ -62,8 +70,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str | None, log_path: str, *args: str, env: dict | None = None):
-        """model_dir None: the server builds and serves its demo checkpoint."""
+    def __init__(
+        self, model_dir: str | None, log_path: str, *args: str, env: dict | None = None, new_session: bool = False
+    ):
+        """model_dir None: the server builds and serves its demo checkpoint. `new_session`: the server leads its own
+        process group, so that a test can signal the whole group (os.killpg) as systemd and docker do."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -84,7 +95,13 @@ class ServerProcess:
             *args,
         ]
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=new_session,
+        )
         self.children: list[int] = []
 
     def log(self) -> str:

@@ -8,6 +8,8 @@ from typing import Protocol
 import torch
 from PIL import Image
 
+from visual.architectures import IMAGE_ARCHITECTURES
+
 
 @dataclass
 class ImageInput:
@@ -61,6 +63,10 @@ _REGISTRY: dict[str, type] = {}
 
 
 def register_vision_model(*architectures: str):
+    missing = sorted(set(architectures) - IMAGE_ARCHITECTURES)
+    if missing:  # the server checks --enable_multimodal against that list before anything starts
+        raise ValueError(f"vision models {missing} are registered but not listed in visual/architectures.py")
+
     def wrap(cls: type) -> type:
         for arch in architectures:
             _REGISTRY[arch] = cls
