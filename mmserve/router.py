@@ -50,6 +50,15 @@ _PLAN_AFTER_PROMPT_TOKENS = 1024
 EmbedReader = Callable[[ImageRef], torch.Tensor]
 
 
+class EmbeddingMissing(LookupError):
+    """An image's embeddings are not in the cache when the router reads them. The HTTP side holds a request's
+    entries until the router reports it ended, so this is a bug: the request fails alone, the router goes on."""
+
+    def __init__(self, rid: str, key: str):
+        super().__init__(f"request {rid}: the embeddings of image {key} are no longer in the embedding cache")
+        self.rid, self.key = rid, key
+
+
 class Router:
     def __init__(
         self,
@@ -131,6 +140,10 @@ class Router:
         except ValueError as e:  # can never fit (too long for the cache or the model)
             self._reject(msg.rid, len(msg.prompt_ids), str(e))
             return
+        except EmbeddingMissing as e:
+            logger.error("%s; the request fails", e)
+            self._reject(msg.rid, len(msg.prompt_ids), str(e))
+            return
         self._live.add(msg.rid)
 
     def _engine_request(self, msg: TokenizedRequest, all_embedded: bool = False) -> Request:
@@ -139,12 +152,18 @@ class Router:
             if self._embed_reader is None:
                 raise ValueError("this server has no image support (start it with --enable_multimodal)")
             items = [
-                MultimodalItem(r.offset, self._embed_reader(r) if r.embedded or all_embedded else None, r.key,
+                MultimodalItem(r.offset, self._read_embeds(msg.rid, r) if r.embedded or all_embedded else None, r.key,
                                r.grid_thw, length=r.num_tokens)
                 for r in msg.images
             ]  # fmt: skip
         # Families with multi-axis positions (Qwen2-VL) derive them from the prompt and the image grids in the engine.
         return Request(msg.rid, list(msg.prompt_ids), msg.params, items)
+
+    def _read_embeds(self, rid: str, ref: ImageRef) -> torch.Tensor:
+        try:
+            return self._embed_reader(ref)
+        except FileNotFoundError:  # its shared-memory segment was unlinked: the entry was evicted
+            raise EmbeddingMissing(rid, ref.key) from None
 
     def _reject(self, rid: str, prompt_tokens: int, error: str) -> None:
         self._own_outputs.append(TokenOutput(rid, [], [], True, "error", prompt_tokens, 0, error=error))
