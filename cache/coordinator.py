@@ -5,7 +5,7 @@ request ends.
     coord = CacheCoordinator(capacity, shm_prefix, send_job=visual_queue.send_nowait)
     entries = await coord.acquire([(key, image_bytes), ...])   # CacheCapacityError -> 400, ImageEncodeError
     ...                                                        # the router reads the embeddings by key
-    coord.release(entries)                                     # when the request finished or was aborted
+    coord.release(entries)                                     # once the router reads them no more
     coord.on_result(msg)                                       # each EncodeDone/EncodeFailed of the visual process
     coord.encoder_down(reason) / coord.encoder_up()            # the visual process died / is back (supervision)
 

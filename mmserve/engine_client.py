@@ -98,6 +98,7 @@ class EngineClient:
         self._group_of: dict[str, str] = {}  # member rid -> the group's (tokenized) rid, for n / best_of > 1
         self._group_left: dict[str, int] = {}  # group rid -> members not yet ended
         self._released_early: set[str] = set()  # running rids whose images were released when their prefill ran
+        self._abandoned: set[str] = set()  # rids whose stream is gone, held until the router's last output for them
         self._pool = ThreadPoolExecutor(max_workers=tokenizer_workers, thread_name_prefix="tokenize")
         self._tasks: list[asyncio.Task] = []
         self._encodes: set[asyncio.Task] = set()  # deferred images being encoded (see _encode_deferred)
@@ -156,7 +157,11 @@ class EngineClient:
         if self.failure is not None:
             raise ServerFailure(self.failure)
         rid = uuid.uuid4().hex
-        tokenized = await self._unless_failed(self.preparer.prepare(rid, req, self.run_sync))
+        try:
+            tokenized = await self._unless_failed(self.preparer.prepare(rid, req, self.run_sync))
+        except asyncio.CancelledError:  # the handler was cancelled: prepare may have finished meanwhile
+            self.preparer.release(rid)
+            raise
         if self.failure is not None:
             self.preparer.release(rid)
             raise ServerFailure(self.failure)
@@ -181,11 +186,19 @@ class EngineClient:
 
     def abort(self, rid: str) -> None:
         """The client is gone: stop generating and free the request's KV slots."""
-        if self._streams.pop(rid, None) is None:
+        if self._streams.pop(rid, None) is not None:
+            self._abandon(rid)
+
+    def _abandon(self, rid: str) -> None:
+        """Have the router drop a request whose stream is gone. What the preparer holds for it (its images' cache
+        entries) stays held until the router's last output for it comes back (`_deliver`): the router may not have
+        taken the request from its inbox yet (it reads it between steps, and a step can run for seconds), and it
+        reads the images' embeddings from the cache when it does. Released here, they could be evicted first."""
+        if self.failure is not None:  # the router is gone: nothing will read them
+            self._end(rid)
             return
-        self._end(rid)
-        if self.failure is None:
-            self._to_router.send_nowait(AbortRequest(rid))
+        self._abandoned.add(rid)
+        self._to_router.send_nowait(AbortRequest(rid))
 
     def _end(self, rid: str) -> None:
         """One engine request ended (each exactly once: whoever pops its stream calls this)."""
@@ -214,17 +227,25 @@ class EngineClient:
             self.preparer.release(group)
 
     @property
+    def num_abandoned(self) -> int:
+        """Requests whose client left and whose end the router has not reported yet (they still hold their images)."""
+        return len(self._abandoned)
+
+    @property
     def num_groups(self) -> int:
         """Fanned-out requests with members still running (0 once everything has ended: nothing leaks)."""
         return len(self._group_left)
 
     async def _unless_failed(self, coro):
         """Await coro, but raise ServerFailure as soon as a child dies (it may be waiting on that child, e.g. for
-        an image encoding)."""
+        an image encoding). Cancelled, it cancels coro (which then releases what it holds)."""
         task = asyncio.ensure_future(coro)
         failed = asyncio.ensure_future(self._failed.wait())
         try:
             await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
         finally:
             failed.cancel()
         if not task.done():
@@ -265,6 +286,9 @@ class EngineClient:
                 self.metrics.generated_tokens.inc(len(out.tokens))
             stream = self._streams.get(out.rid)
             if stream is None:  # aborted by its client meanwhile
+                if out.finished and out.rid in self._abandoned:  # the router has dropped it: nothing reads its images
+                    self._abandoned.discard(out.rid)
+                    self._end(out.rid)
                 continue
             if stream.first_token_time is None and out.tokens:
                 stream.first_token_time = now
@@ -284,10 +308,9 @@ class EngineClient:
         try:
             await self.preparer.encode_deferred(rid)
         except (BadRequest, ServerFailure) as e:
-            self._to_router.send_nowait(AbortRequest(rid))  # it waits there: its abort comes back to nobody
             stream = self._streams.pop(rid, None)
-            if stream is not None:
-                self._end(rid)
+            if stream is not None:  # (else its client left, and its abort has been sent)
+                self._abandon(rid)  # it waits in the router
                 error = e if isinstance(e, ServerFailure) else TextOutput(rid, "", [], True, "error", 0, 0, str(e))
                 stream.queue.put_nowait(error)
             return
@@ -314,7 +337,11 @@ class EngineClient:
         self.on_fatal()
 
     def _fail_all(self, reason: str) -> None:
+        """Every request ends now: the router is gone or about to be stopped, so nothing reads any image more."""
         streams, self._streams = self._streams, {}
+        abandoned, self._abandoned = self._abandoned, set()
+        for rid in abandoned:
+            self._end(rid)
         for rid, stream in streams.items():
             self._end(rid)
             stream.queue.put_nowait(ServerFailure(reason))

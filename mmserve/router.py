@@ -50,6 +50,15 @@ _PLAN_AFTER_PROMPT_TOKENS = 1024
 EmbedReader = Callable[[ImageRef], torch.Tensor]
 
 
+class EmbeddingMissing(LookupError):
+    """An image's embeddings are not in the cache when the router reads them. The HTTP side holds a request's
+    entries until the router reports it ended, so this is a bug: the request fails alone, the router goes on."""
+
+    def __init__(self, rid: str, key: str):
+        super().__init__(f"request {rid}: the embeddings of image {key} are no longer in the embedding cache")
+        self.rid, self.key = rid, key
+
+
 class Router:
     def __init__(
         self,
@@ -131,7 +140,11 @@ class Router:
         except ValueError as e:  # can never fit (too long for the cache or the model), or bad parameters
             self._reject(msg.rid, len(msg.prompt_ids), str(e))
             return
-        except Exception as e:  # e.g. its image embeddings could not be read: this request fails, not the router
+        except EmbeddingMissing as e:  # a bug, not the client's fault: this request fails with a 500, not the router
+            logger.error("%s; the request fails", e)
+            self._reject(msg.rid, len(msg.prompt_ids), f"{ENGINE_FAILURE}: {e}")
+            return
+        except Exception as e:  # anything else while admitting it: this request fails, not the router
             logger.exception("request %s could not be admitted", msg.rid)
             self._reject(msg.rid, len(msg.prompt_ids), f"{ENGINE_FAILURE}: {type(e).__name__}: {e}")
             return
@@ -143,12 +156,18 @@ class Router:
             if self._embed_reader is None:
                 raise ValueError("this server has no image support (start it with --enable_multimodal)")
             items = [
-                MultimodalItem(r.offset, self._embed_reader(r) if r.embedded or all_embedded else None, r.key,
+                MultimodalItem(r.offset, self._read_embeds(msg.rid, r) if r.embedded or all_embedded else None, r.key,
                                r.grid_thw, length=r.num_tokens)
                 for r in msg.images
             ]  # fmt: skip
         # Families with multi-axis positions (Qwen2-VL) derive them from the prompt and the image grids in the engine.
         return Request(msg.rid, list(msg.prompt_ids), msg.params, items)
+
+    def _read_embeds(self, rid: str, ref: ImageRef) -> torch.Tensor:
+        try:
+            return self._embed_reader(ref)
+        except FileNotFoundError:  # its shared-memory segment was unlinked: the entry was evicted
+            raise EmbeddingMissing(rid, ref.key) from None
 
     def _reject(self, rid: str, prompt_tokens: int, error: str) -> None:
         self._own_outputs.append(TokenOutput(rid, [], [], True, "error", prompt_tokens, 0, error=error))

@@ -192,6 +192,6 @@ class VisualLink:
         )
         yield GaugeMetricFamily(
             "mmserve_embed_cache_items_in_use",
-            "Images in the embedding cache that requests still hold (until their prefill has run)",
+            "Images in the embedding cache that requests still hold (until their prefill ran or the router let go)",
             value=m["mmserve_embed_cache_items_in_use"],
         )

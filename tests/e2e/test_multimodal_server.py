@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -16,6 +19,7 @@ from mmserve.checkpoints.llava import build_llava_hf
 from tests.e2e.server_proc import ServerProcess, serving
 
 PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
+LONG_STEP_SEQUENCES = 6  # n of one request with a ~3900-token prompt: a prefill step of seconds on a CPU
 
 
 def image_b64(seed: int, size=(80, 50)) -> str:
@@ -32,7 +36,9 @@ def server(tmp_path_factory):
         model_dir,
         str(tmp_path_factory.mktemp("log") / "server.log"),
         "--max_total_token_num",
-        "2048",
+        str(LONG_STEP_SEQUENCES * 4096),
+        "--chunked_prefill_size",  # the long prompts below prefill in one step
+        str(LONG_STEP_SEQUENCES * 4096),
         "--enable_multimodal",
         "--cache_capacity",
         "2",
@@ -41,9 +47,9 @@ def server(tmp_path_factory):
         yield srv
 
 
-def ask(server, *images: str, **parameters) -> httpx.Response:
+def ask(server, *images: str, prompt: str = PROMPT, **parameters) -> httpx.Response:
     body = {
-        "inputs": PROMPT,
+        "inputs": prompt,
         "parameters": {"max_new_tokens": 8, "return_details": True, **parameters},
         "multimodal_params": {"images": [{"type": "base64", "data": im} for im in images]},
     }
@@ -94,3 +100,42 @@ def test_image_cache_entries_are_released_once_the_prefill_ran(server):
         m = server.metrics()
         assert m["mmserve_requests_running"] == 1 and m["mmserve_embed_cache_items_in_use"] == 0  # still decoding
     server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0)  # the dropped stream was aborted
+
+
+def send_and_hang_up(server, body: dict) -> None:
+    """A /generate request whose client closes the connection as soon as the request is sent."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+
+
+def test_an_abandoned_request_keeps_its_images_until_the_router_dropped_it(server):
+    """Issue 34 A3: a request whose client left keeps its cache entries until the router is done with it. Here it
+    reaches the router during a long prefill step (the router reads its inbox between steps) with its client
+    already gone, and a request with new images needs the room: the router must still find the first request's
+    embeddings when it takes it (it crashed with FileNotFoundError when the entry was released at the abort and
+    evicted at once), and the newcomer gets its room once the router has dropped the abandoned request."""
+    cached = image_b64(40)
+    assert ask(server, cached).status_code == 200  # in the cache now: a request for it is sent to the router at once
+    long_prompt = " ".join(["go"] * 1300)  # ~3900 tokens
+    # Two new tokens: none finishes with its prefill step, so "running" reaches n with the step that prefills the last.
+    params = {"max_new_tokens": 2, "n": LONG_STEP_SEQUENCES, "disable_prompt_cache": True}
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(httpx.post, server.url + "/generate", json={"inputs": long_prompt, "parameters": params},
+                           timeout=300)  # fmt: skip
+        server.wait_metric("mmserve_requests_running", lambda v: v == LONG_STEP_SEQUENCES, timeout_s=120)
+        # The router is in the step that prefills the last of them (its stats went out just before it).
+        accepted = server.metrics()["mmserve_requests_total"]
+        images = {"images": [{"type": "base64", "data": cached}]}
+        send_and_hang_up(server, {"inputs": PROMPT, "parameters": {"max_new_tokens": 4}, "multimodal_params": images})
+        server.wait_metric("mmserve_requests_total", lambda v: v == accepted + 1)  # sent to the router
+        two = "USER: <image>\n<image>\nAnd these? ASSISTANT:"  # as many new images as the cache holds
+        newcomer = pool.submit(ask, server, image_b64(41), image_b64(42), prompt=two)
+        assert long.result().status_code == 200, long.result().text
+        assert newcomer.result().status_code == 200, newcomer.result().text
+    assert ask(server, cached).status_code == 200
+    server.wait_metric("mmserve_embed_cache_items_in_use", lambda v: v == 0)
+    server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0)
+    log = server.log()
+    assert "FileNotFoundError" not in log and "no longer in the embedding cache" not in log

@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import zmq
 
+from cache.shm_store import ShmEmbedReader, new_prefix
 from language.config import EngineConfig
 from language.engine import EngineCore
 from language.sampling_params import SamplingParams
 from mmserve import router as router_module
 from mmserve.checkpoints.llama import build_llama
-from mmserve.messages import AbortRequest, ImagesReady, RouterBatch, TokenizedRequest
+from mmserve.messages import AbortRequest, ImageRef, ImagesReady, RouterBatch, TokenizedRequest
 from mmserve.router import Router
 from mmserve.zmq_queue import PullQueue, PushQueue
 
@@ -124,6 +125,19 @@ def test_many_requests_never_exceed_the_cache(router):
     for i in range(8):
         final = outputs_of(batches, f"r{i}")[-1]
         assert final.finish_reason == "length" and final.output_tokens == 40
+
+
+def test_an_image_missing_from_the_cache_fails_its_request_alone(router):
+    """Defence in depth (issue 34 A3): the embeddings of a request's image are gone when the router takes it (the
+    cache entry was evicted): that request fails with an error naming it and the image; the router goes on."""
+    router._embed_reader = ShmEmbedReader(new_prefix())  # a cache that holds nothing
+    key = "f" * 32
+    router.handle(request("lost", images=(ImageRef(key, 1, 2),)))
+    router.handle(request("fine", n=3))
+    batches = run_until_idle(router)
+    (lost,) = outputs_of(batches, "lost")
+    assert lost.finish_reason == "error" and "request lost" in lost.error and key in lost.error
+    assert outputs_of(batches, "fine")[-1].finish_reason == "length"
 
 
 def test_unknown_message_type(router):
