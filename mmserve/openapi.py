@@ -51,7 +51,7 @@ PARAMETER_SCHEMAS: dict[str, dict] = {
     "repetition_penalty": _number(0, 10, exclusive_low=True),
     "frequency_penalty": _number(-2, 2),
     "presence_penalty": _number(-2, 2),
-    "seed": _nullable({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
+    "seed": _nullable({"type": "integer", "minimum": 0, "exclusiveMaximum": 2**63}),  # exact as a float, too
     "return_details": _BOOL,
     "disable_prompt_cache": _BOOL,
     "n": _SEQUENCES,
