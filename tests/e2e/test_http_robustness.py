@@ -96,6 +96,12 @@ def test_lone_surrogates_get_a_utf8_400(server, path, body):
     assert "surrogate" in message, message
 
 
+@pytest.mark.parametrize("role", [[], {}, ["user"]])
+def test_a_role_that_is_not_a_string_gets_400(server, role):  # found by test_http_fuzz.py
+    body = {"messages": [{"role": role, "content": "Hi"}], "max_tokens": 2}
+    assert "role" in assert_json_error(post(server, "/v1/chat/completions", body))["error"]["message"]
+
+
 def test_a_surrogate_pair_is_a_character(server):
     r = post(server, "/generate", {"inputs": "Hello \ud83d\ude00 there", "parameters": {"max_new_tokens": 2}})
     assert r.status_code == 200, r.text
