@@ -20,6 +20,7 @@ from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStrea
 from mmserve.messages import TextOutput, TokenDetail
 from mmserve.metrics import CONTENT_TYPE
 from mmserve.openai_protocol import OpenAIOptions
+from mmserve.openapi import HEALTH_ROUTE, METRICS_ROUTE, generate_route
 from mmserve.protocol import (
     BadRequest,
     error_event,
@@ -54,18 +55,18 @@ def build_app(
 
     add_openai_routes(app, client, openai or OpenAIOptions())  # /v1/models, /v1/chat/completions, /v1/completions
 
-    @app.get("/health")
+    @app.get("/health", **HEALTH_ROUTE)
     async def health() -> Response:
         if client.healthy():
             reason = client.degraded()  # text is served: still 200, so that a liveness probe keeps the server
             return JSONResponse({"status": "ok"} if reason is None else {"status": "degraded", "error": reason})
         return JSONResponse({"status": "unhealthy", "error": client.failure or "a child process is down"}, 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", **METRICS_ROUTE)
     async def metrics() -> Response:
         return Response(client.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/generate")
+    @app.post("/generate", **generate_route(stream=False))
     async def generate(request: Request) -> Response:
         streams_or_error = await _submit(client, request, streaming=False)
         if isinstance(streams_or_error, Response):
@@ -108,7 +109,7 @@ def build_app(
             body = generate_group_response(results, streams[0].return_details)
         return JSONResponse(body)
 
-    @app.post("/generate_stream")
+    @app.post("/generate_stream", **generate_route(stream=True))
     async def generate_stream(request: Request) -> Response:
         streams_or_error = await _submit(client, request, streaming=True)
         if isinstance(streams_or_error, Response):

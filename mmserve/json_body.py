@@ -96,3 +96,42 @@ def _is_escaped(raw: bytes, quote: int) -> bool:
     while quote - run - 1 >= 0 and raw[quote - run - 1] == 0x5C:
         run += 1
     return run % 2 == 1
+
+
+def lone_surrogate(obj: object, raw: bytes) -> tuple[str, str] | None:
+    """(where, the string shown with its surrogates escaped) of the first string or key holding a lone surrogate,
+    else None. JSON lets "\\ud800" through (and json.loads decodes raw bytes with surrogatepass), but such a string
+    is not Unicode text: a tokenizer raises on it and it cannot be encoded into an answer. Only an escape or an
+    0xED byte makes one, so a body without either (every base64 image body) is not walked at all."""
+    if b"\\u" not in raw and b"\xed" not in raw:
+        return None
+    stack: list[tuple[object, str]] = [(obj, "")]
+    while stack:  # iterative: the body may be nested as deep as json.loads allows
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if _has_lone_surrogate(value):
+                return where or "body", shown(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{shown(key)}" if where else shown(key)
+                if _has_lone_surrogate(key):
+                    return path, shown(key)
+                stack.append((item, path))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+    return None
+
+
+def shown(text: str) -> str:
+    """`text` with lone surrogates as \\udxxx escapes: safe to put in an answer."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

@@ -30,6 +30,7 @@ from mmserve.openai_protocol import (
     logprobs_request,
     openai_param,
 )
+from mmserve.openapi import openai_route
 from mmserve.protocol import BadRequest, GenerateInput, json_logprob, parse_json
 from mmserve.slow_clients import ClosingStreamingResponse
 
@@ -84,7 +85,7 @@ class OpenAIServing:
         as /generate's n does (one tokenization and image encoding shared, sequence i seeded with seed + i)."""
         body = None
         try:
-            body = parse_json(await _read_body(request))
+            body = await self.client.run_sync(parse_json, await _read_body(request))  # big bodies: off the loop
             include_usage(body)  # checked before anything is submitted
             model = body.get("model")
             if model is not None and model != self.model_name:
@@ -334,10 +335,10 @@ def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions
     async def models() -> Response:
         return JSONResponse(get().models())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **openai_route("chat"))
     async def chat_completions(request: Request) -> Response:
         return await get().respond(request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **openai_route("completion"))
     async def completions(request: Request) -> Response:
         return await get().respond(request, "completion")

@@ -166,7 +166,7 @@ def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -
         if not isinstance(message, dict):
             raise BadRequest(where, "must be an object")
         role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or object is unhashable
             raise BadRequest(f"{where}.role", f"must be one of {sorted(ROLES)}")
         if content is None:
             content = ""

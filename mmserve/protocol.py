@@ -86,10 +86,16 @@ def parse_json(raw: bytes) -> dict:
     """A request body that must be one JSON object; BadRequest otherwise."""
     try:
         body = json_body.loads(raw)  # json.loads, with image payloads cut out first
+    except RecursionError:  # json.loads's own nesting limit (~1000 levels)
+        raise BadRequest("body", "is nested too deeply") from None
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("body", "is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
+    surrogate = json_body.lone_surrogate(body, raw)
+    if surrogate is not None:
+        where, text = surrogate
+        raise BadRequest(where, f"holds a lone surrogate, which is not valid Unicode text: {text[:80]}")
     return body
 
 

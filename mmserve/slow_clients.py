@@ -129,10 +129,13 @@ _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)  # Linux's value w
 
 def _limit_write_buffer(send) -> None:
     transport = _transport(send)
-    if transport is None:
+    if transport is None or transport.is_closing():  # the client left: the answer goes nowhere, quietly
         return
-    if hasattr(transport, "set_write_buffer_limits"):
-        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+    try:
+        if hasattr(transport, "set_write_buffer_limits"):
+            transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+    except RuntimeError:  # uvloop's transport closed between the check and the call
+        return
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         try:

@@ -67,6 +67,7 @@ class RequestPreparer:
         self.images = images
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self._added: tuple[list[int], list[int]] | None = None
+        self._chars_per_token = longest_token_chars(tokenizer)
 
     async def prepare(self, rid: str, req: GenerateInput, run_sync: RunSync) -> TokenizedRequest:
         """Validate, tokenize (in the pool) and check limits; raises BadRequest."""
@@ -75,6 +76,8 @@ class RequestPreparer:
         # Before the prompt: a request with images would otherwise take this turn through the (shared, two-thread)
         # pool only once its images are encoded, when a whole tower batch's requests queue for it at once (~18 ms
         # for sixteen on the H100 host). Without stop sequences there is nothing to look up.
+        if len(req.prompt) > self._prefix_chars():
+            await run_sync(self._refuse_far_too_long, req.prompt)
         params = await run_sync(self._with_stop_token_ids, req.params) if req.params.stop_sequences else req.params
         if self.images is not None:
             p = req.params  # only a request that reuses the prefix cache, and runs once, can skip an encoding
@@ -166,6 +169,23 @@ class RequestPreparer:
                 f"limit of {limit} tokens per request",
             )
 
+    def _prefix_chars(self) -> int:
+        """A prompt longer than this many characters has its length checked on this prefix first."""
+        return (self.limits.max_req_total_len + _CUT_SLACK) * self._chars_per_token
+
+    def _refuse_far_too_long(self, prompt: str) -> None:
+        """Tokenizing a 10 MB prompt takes seconds of the shared pool; its first (limit + slack) * (longest token's
+        characters) characters make at least limit + slack tokens with any vocabulary whose tokens each cover at
+        most that many characters, and tokenize in milliseconds. The slack covers the word cut at the prefix's end
+        (fewer tokens whole). A prefix that makes fewer tokens (a normalizer that drops characters) decides nothing:
+        the whole prompt is tokenized as usual."""
+        limit = self.limits.max_req_total_len
+        count = len(self.tokenizer.encode(prompt[: self._prefix_chars()], add_special_tokens=False))
+        if count >= limit + _CUT_SLACK:
+            raise BadRequest(
+                "inputs", f"the prompt is more than {count - _CUT_SLACK} tokens; this server allows {limit - 1} at most"
+            )
+
     def _with_stop_token_ids(self, params: SamplingParams) -> SamplingParams:
         """A stop sequence that is exactly one special token (e.g. "<|im_end|>") never shows in the decoded text
         (special tokens are skipped), so it is matched on its id by the engine instead."""
@@ -177,3 +197,14 @@ class RequestPreparer:
         if not extra:
             return params
         return replace(params, stop_token_ids=params.stop_token_ids + tuple(extra))
+
+
+_CUT_SLACK = 64  # tokens: more than a word cut in two can gain
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for, bounded above by its longest entry (byte-level
+    BPE entries are one character per byte; SentencePiece's byte-fallback entries, "<0xE4>", are longer than the
+    byte they stand for): a bound, not an exact figure."""
+    vocab = tokenizer.get_vocab()
+    return max((len(token) for token in vocab), default=1)

@@ -117,6 +117,10 @@ class QwenTiktokenTokenizer:
     def __len__(self) -> int:
         return self.encoding.n_vocab
 
+    def get_vocab(self) -> dict[bytes | str, int]:
+        """As Qwen's own tokenizer: the byte tokens and the special tokens."""
+        return {**self.mergeable_ranks, **self.special_tokens}
+
     def encode(self, text: str, add_special_tokens: bool = True, **_: object) -> list[int]:
         """No BOS is ever added (Qwen has none); add_special_tokens is accepted for HF compatibility."""
         return self.encoding.encode(unicodedata.normalize("NFC", text), allowed_special="all", disallowed_special=())
