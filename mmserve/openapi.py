@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from fastapi.responses import PlainTextResponse, Response
 
-from language.sampling_params import MAX_SEQUENCES, MAX_TOP_LOGPROBS
+from language.sampling_params import (
+    MAX_DECAY_FACTOR,
+    MAX_REPETITION_PENALTY,
+    MAX_SEQUENCES,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+    MIN_TOP_P,
+)
 from mmserve.drain import RETRY_AFTER_S
 from mmserve.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS, ROLES
 from mmserve.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES, UNSUPPORTED_PARAMETERS
@@ -33,7 +42,10 @@ def _number(low: float, high: float, exclusive_low: bool = False) -> dict:
 
 
 _BOOL = {"type": "boolean"}
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+_TOKEN_IDS = {"type": "array", "items": _TOKEN_ID}
+_TOP_P = _number(MIN_TOP_P, 1)
+_REPETITION_PENALTY = _number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
 _STRING = {"type": "string", "minLength": 1}
 _STOP = _nullable({"anyOf": [_STRING, {"type": "array", "items": _STRING}]})
 _SEQUENCES = _nullable({"type": "integer", "minimum": 1, "maximum": MAX_SEQUENCES})
@@ -42,13 +54,13 @@ _SEQUENCES = _nullable({"type": "integer", "minimum": 1, "maximum": MAX_SEQUENCE
 PARAMETER_SCHEMAS: dict[str, dict] = {
     "do_sample": _BOOL,
     "temperature": _number(0, 100),
-    "top_p": _number(0, 1, exclusive_low=True),
-    "top_k": {"type": "integer", "minimum": -1, "description": "-1 or 0: no top-k cut"},
+    "top_p": _TOP_P,
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K, "description": "-1 or 0: no top-k cut"},
     "max_new_tokens": {"type": "integer", "minimum": 1, "description": "prompt + max_new_tokens <= the context"},
     "stop_sequences": _STOP,
     "stop_token_ids": _TOKEN_IDS,
     "ignore_eos": _BOOL,
-    "repetition_penalty": _number(0, 10, exclusive_low=True),
+    "repetition_penalty": _REPETITION_PENALTY,
     "frequency_penalty": _number(-2, 2),
     "presence_penalty": _number(-2, 2),
     "seed": _nullable({"type": "integer", "minimum": 0, "exclusiveMaximum": 2**63}),  # exact as a float, too
@@ -67,7 +79,7 @@ PARAMETER_SCHEMAS: dict[str, dict] = {
             "minItems": 2,
             "maxItems": 2,
             "description": "[start_index, decay_factor]",
-            "prefixItems": [{"type": "integer", "minimum": 0}, {"type": "number", "minimum": 1}],
+            "prefixItems": [{"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}, _number(1, MAX_DECAY_FACTOR)],
         }
     ),  # fmt: skip
     "input_penalty": _BOOL,
@@ -133,7 +145,7 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "max_tokens": _MAX_TOKENS,
     "max_completion_tokens": _MAX_TOKENS,
     "temperature": _nullable(_number(0, 100)),
-    "top_p": _nullable(_number(0, 1, exclusive_low=True)),
+    "top_p": _nullable(_TOP_P),
     "top_k": _nullable(PARAMETER_SCHEMAS["top_k"]),
     "seed": PARAMETER_SCHEMAS["seed"],
     "stop": _STOP,
@@ -143,7 +155,7 @@ OPENAI_SCHEMAS: dict[str, dict] = {
                                  "description": "only with stream: true"}),  # fmt: skip
     "presence_penalty": _nullable(_number(-2, 2)),
     "frequency_penalty": _nullable(_number(-2, 2)),
-    "repetition_penalty": _nullable(_number(0, 10, exclusive_low=True)),
+    "repetition_penalty": _nullable(_REPETITION_PENALTY),
     "ignore_eos": _nullable(_BOOL),
     "user": {"type": "string"},
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
