@@ -20,7 +20,7 @@ from language.request import Request
 from language.sampling_params import SamplingParams
 from mmserve.checkpoints.llama import build_llama
 
-COPY_BANDWIDTH = 3.0e12  # bytes/s, H100 device-to-device copy (shared/notes/anchors.md)
+COPY_BANDWIDTH = 3.0e12  # bytes/s, H100 device-to-device copy (measured; docs/performance.md, Anchors)
 
 
 def decode_ms_per_step(core: EngineCore, batch: int, prompt_len: int, steps: int) -> float:

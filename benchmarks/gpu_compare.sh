@@ -3,11 +3,10 @@
 # one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl; an 8B-shaped
 # Qwen3-VL with --family qwen3_vl), with the same client (benchmarks/serve_bench.py) and loads.
 #
-# Before: ../shared/gpu/wheels.sh pybase64 openai jiter distro sniffio uvloop httptools (-> .whl: the image lacks our
-# pybase64, uvloop and httptools, which pyproject installs and uvicorn then runs on, and openai for
-# tests/e2e/test_openai*) and ../shared/lightllm/serve.sh --install (-> .lightllm); carry both. Without uvloop and
-# httptools the HTTP process runs on asyncio and h11, as a user's install never does: 4-5 % less throughput on the
-# 64 x 896 px load (A/B in docs/performance.md), so the script warns.
+# Before: the wheels the GPU host's image lacks in .whl (pybase64, uvloop and httptools, which pyproject installs and
+# uvicorn then runs on; openai for tests/e2e/test_openai*), and for --lightllm a LightLLM v1.2.0 install in .lightllm
+# (its serve.sh and make_qwen2vl_7b.py; not part of this repository); carry both. docs/performance.md says more.
+# Without uvloop and httptools the HTTP process runs on asyncio and h11, slower than a user's install: the script warns.
 # On the GPU host, from the repo root, begin the command with the wheels header:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || exit 1; bash benchmarks/gpu_compare.sh [flags]
@@ -21,8 +20,8 @@
 #                     else mmserve.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
 #                     python3 -m mmserve.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
 #                     python3 -m mmserve.checkpoints.qwen3_vl --shape 8b); built when DIR has no config.json
-#   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, as
-#                     before 2026-11-23, which bounds the 896 px and 256-request loads by its own CPU)
+#   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, whose
+#                     own CPU bounds the 896 px and 256-request loads)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
 # Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
 # logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
@@ -102,7 +101,7 @@ fi
 
 if [ "$lightllm" = 1 ]; then
   if [ ! -f .lightllm/serve.sh ]; then
-    say "no .lightllm: run ../shared/lightllm/serve.sh --install here and carry .lightllm"; status=1
+    say "no .lightllm: put a LightLLM v1.2.0 install (with its serve.sh) in .lightllm here and carry it"; status=1
   else
     say "LightLLM: start -> healthy"
     t0=$(date +%s.%N)

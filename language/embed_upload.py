@@ -2,15 +2,11 @@
 
 The router reads each image's embeddings as a view of its shared-memory segment. A prompt step's parts are gathered
 into one pinned buffer (the one CPU copy) and go over in one asynchronous copy on a side stream, so the host returns
-while it proceeds beside the step in flight; the compute stream waits for it before the splice. Before, the parts
-were concatenated into fresh pageable memory and copied from there, which the driver does synchronously through its
-own pinned bounce buffers, on the launching thread.
+while it proceeds beside the step in flight; the compute stream waits for it before the splice. From pageable
+memory the driver would copy synchronously, through its own pinned bounce buffers, on the launching thread.
 
-Tried and not kept: copying each admitted request's images into pinned memory on a helper thread, so that a step
-would upload the parts with no CPU copy at all. It shortened the launch of a prompt step with images (with this
-gather: median 51 -> 39 ms from the previous step's read-back to the launch returning, at 3.5-4k tokens), but the
-end-to-end figures showed no gain in an A/B on one H100 (docs/performance.md), and it pinned hundreds of MB per burst
-of large images through cudaHostAlloc.
+Admitted requests' images are not copied into pinned memory ahead of their step: that shortens a prompt step's
+launch but gains nothing end to end, and pins hundreds of MB per burst of large images (docs/performance-history.md).
 """
 
 from __future__ import annotations

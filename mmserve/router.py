@@ -316,7 +316,7 @@ def run_router_process(
         if core.model_info.device.type == "cuda" or config.tp > 1:
             # (On CPU, tensor-parallel ranks share the cores: one thread each.)
             # Host work per step is many tiny tensor ops: a thread pool per op only adds wake-up latency and fights
-            # the other processes for cores (4-5x slower steps measured on a 16-core GPU host).
+            # the other processes for cores.
             torch.set_num_threads(1)
         router = Router(core, embed_reader, tower_turn, config.tower_turn_ms / 1e3)
         ctx = zmq.Context()

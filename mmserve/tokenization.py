@@ -73,11 +73,11 @@ class RequestPreparer:
         """Validate, tokenize (in the pool) and check limits; raises BadRequest."""
         images = self._images_of(req)
         add_special = req.params.add_special_tokens
-        # Before the prompt: a request with images would otherwise take this turn through the (shared, two-thread)
-        # pool only once its images are encoded, when a whole tower batch's requests queue for it at once (~18 ms
-        # for sixteen on the H100 host). Without stop sequences there is nothing to look up.
-        if len(req.prompt) > self._prefix_chars():
+        if len(req.prompt) > self._prefix_chars():  # refused on a bounded prefix, never tokenized in full
             await run_sync(self._refuse_far_too_long, req.prompt)
+        # Before the prompt: a request with images would otherwise take this turn through the (shared, two-thread)
+        # pool only once its images are encoded, when a whole tower batch's requests queue for it at once. Without
+        # stop sequences there is nothing to look up.
         params = await run_sync(self._with_stop_token_ids, req.params) if req.params.stop_sequences else req.params
         if self.images is not None:
             p = req.params  # only a request that reuses the prefix cache, and runs once, can skip an encoding

@@ -117,9 +117,9 @@ class VisualEncoder:
 
     def _wait_for_stragglers(self) -> None:
         """While the next batch is not full and images are still being preprocessed, wait for them (at most
-        batch_wait_s). A small batch costs about as much host time as a full one (the tower's ~400 kernel launches:
-        a one-image 336 px batch took 27-67 ms on the H100 host against ~45 ms for sixteen), and the images right
-        behind it, those of the same burst a few ms from ready, would wait for all of it."""
+        batch_wait_s). A small batch costs about as much host time as a full one (the tower's ~400 kernel
+        launches), and the images right behind it, those of the same burst a few ms from ready, would wait for all
+        of it."""
         deadline = time.perf_counter() + self.batch_wait_s
         while (left := deadline - time.perf_counter()) > 0:
             self._take_incoming()

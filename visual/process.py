@@ -70,7 +70,7 @@ def resolve_device_dtype(cfg: VisualProcessConfig) -> tuple[torch.device, torch.
 
 def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     if cfg.num_preprocess_workers > 0:
-        start_fork_server()  # the workers' imports, beside ours (7-8 s of the H100 host's start-up, measured)
+        start_fork_server()  # the workers' imports (seconds of start-up) run beside ours
     architecture = read_json(f"{cfg.model_dir}/config.json")["architectures"][0]
     device, dtype = resolve_device_dtype(cfg)
     extra = {"vision_tower_dir": cfg.vision_tower_dir} if cfg.vision_tower_dir else {}
@@ -126,10 +126,10 @@ class StartPhases:
 def warm_up_tower(model, device: torch.device, max_batch: int) -> list[torch.Tensor]:
     """A batch through the tower and projector, its embeddings returned for `VisualEncoder.warm_up`: the first call
     loads the kernels and sets up the libraries (about a second on a GPU), which would otherwise land on the first
-    image served. On a GPU the batch is a full one of 336 px images (LLaVA's size, a common small one): the first
-    batch of each larger size paid for pinning a bigger staging buffer (cudaHostAlloc, ~35 ms for 30 MB on the H100
-    host), for new allocator segments and for loading GEMM kernels: 20-60 ms a batch, measured, one after another in
-    the first load after a start. On CPU one small image does."""
+    image served. On a GPU the batch is a full one of 336 px images (LLaVA's size, a common small one): otherwise the
+    first batch of each larger size would pay for pinning a bigger staging buffer, for new allocator segments and for
+    loading GEMM kernels, tens of ms a batch, one after another in the first load after a start. On CPU one small
+    image does."""
     gray = Image.new("RGB", (64, 64), (127, 127, 127))
     if device.type != "cuda":
         return model.encode([model.preprocess(gray)])

@@ -2,7 +2,7 @@
 
 cuBLAS reads a 7B layer's weights at 2.2-2.9 TB/s on an H100 for one row (its small-GEMM tiles, and a split-K
 reduce plus a memset for down_proj); this kernel reads them at up to 3.05 TB/s, 6-12 % faster per layer
-(`python benchmarks/kernels_bench.py --only gemv`; docs/performance.md). Each program owns
+(`python benchmarks/kernels_bench.py --only gemv`; docs/performance-history.md). Each program owns
 BLOCK_N output features and walks the whole reduction, keeping a [BLOCK_N, BLOCK_K] fp32 accumulator that is summed
 once at the end, so nothing is written twice and no second kernel reduces."""
 

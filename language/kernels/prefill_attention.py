@@ -119,11 +119,8 @@ def _prefill_attention_kernel(
 
 # Launch configurations for compiled kernels, first match wins: (max head_dim, max of max_q_len, config). An explicit
 # table rather than triton.autotune, which would time every candidate at server start. PACK_GQA: stack the GQA
-# group's heads into one tile (module docstring). Measured on an H100, bf16 (docs/kernels_gpu_run.md, runs 3-4):
-# 128 x 64 tiles on 4 warps, 3 stages, packed, were fastest or within 5 % of the fastest on every serving shape
-# (64 x 249, 64 x 1129, 8 x 4096 tokens; Qwen2-VL 28/4 and LLaVA 32/32 heads) but 1 x 1129, where 128 x 128 on
-# 8 warps took 0.056 against 0.065 ms (about 250 programs; not worth a second key). 8 warps on 128 x 64 were 8-27 %
-# slower everywhere (though 4 warps spill a little and 8 do not); packing gained 3-9 % on Qwen2-VL's 28/4 heads.
+# group's heads into one tile (module docstring). The first row is the fastest, or within 5 % of it, on every
+# serving shape but a lone 1129-token prompt, too small a case for a second key (docs/kernels_gpu_run.md, runs 3-4).
 _CONFIG_TABLE: tuple[tuple[int, int, dict[str, int]], ...] = (
     (128, 1 << 30, dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, PACK_GQA=1)),
     # Larger head dims (not run on a GPU yet): smaller tiles so that K, V and the accumulator fit.

@@ -96,8 +96,8 @@ def load_and_key(
         width, height = hit[1], hit[2]
     else:
         # The header is all the prompt needs; the visual process decodes the pixels (a corrupt file fails there,
-        # as a 400 all the same). Decoding here too cost ~15 ms of GIL-bound work per 896 px PNG, which bounded
-        # how fast a burst of new images reached the vision tower.
+        # as a 400 all the same). Decoding here too would hold the GIL for ~15 ms per 896 px PNG and slow a burst
+        # of new images on their way to the vision tower.
         width, height = open_header(data, policy.max_pixels).size
         if check_size is not None:
             check_size(width, height)

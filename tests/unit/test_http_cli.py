@@ -9,7 +9,7 @@ import pytest
 
 from mmserve.cli import parse_config
 
-# from ../shared/notes/clients.md, with our module name
+# LightLLM users' launch lines, with our module name
 QWEN_VL_LINE = (
     "--host 0.0.0.0 --port 8080 --tp 1 --max_total_token_num 12000 --trust_remote_code "
     "--enable_multimodal --cache_capacity 1000 --model_dir /path/of/Qwen-VL-Chat"
@@ -23,7 +23,7 @@ def test_lightllm_launch_lines():
     assert cfg.trust_remote_code and cfg.enable_multimodal and cfg.model_dir == "/path/of/Qwen-VL-Chat"
     cfg = parse_config(shlex.split(LLAMA_LINE))
     assert cfg.max_total_token_num is None and cfg.mem_fraction == 0.9
-    # LightLLM's vision-attention flag, as ../shared/lightllm/serve.sh passes it (one value per visual dp tower)
+    # LightLLM's vision-attention flag, as LightLLM's launch lines pass it (one value per visual dp tower)
     assert parse_config(shlex.split(QWEN_VL_LINE + " --vit_att_backend sdpa")).vit_att_backend == "sdpa"
     assert cfg.graceful_timeout == 30.0 and parse_config(["--graceful_timeout", "2.5"]).graceful_timeout == 2.5
     with pytest.raises(dataclasses.FrozenInstanceError):

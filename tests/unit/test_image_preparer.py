@@ -106,8 +106,8 @@ def test_prepare_two_images(model_dir, vision):
 
 def test_stop_ids_are_looked_up_before_the_images(model_dir, vision):
     """A stop sequence that is one special token becomes a stop id, looked up in the tokenizer pool before the
-    request's images are prepared (after them, a whole tower batch's requests queued for the two-thread pool at
-    once: ~18 ms for sixteen on the H100 host); a request without stop sequences skips the lookup."""
+    request's images are prepared (after them, a whole tower batch's requests would queue for the two-thread pool
+    at once); a request without stop sequences skips the lookup."""
     calls: list[str] = []
 
     async def recording(fn, *args):

@@ -155,12 +155,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the compiled kernel. Measured on an H100 (bf16, 16 heads of 80)
-# against torch's flash at 267 / 194 TFLOP/s: 4 x 4096 rows (896 px) 406 TFLOP/s with these tiles (64 x 64 on 4
-# warps: 370); 16 x 576 rows (336 px) 265 (64 x 64 on 4 warps: 278). One config for every batch, so the tower's
-# warm-up compiles the only variant there is (the strides, (heads * head_dim, head_dim), are fixed per tower); 128-key
-# tiles were slower everywhere. The interpreter takes small tiles, so the tests cross several key tiles and a
-# partial one per image.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the compiled kernel: the best of the configurations swept at 896 px
+# and within 5 % of the best at 336 px (docs/performance-history.md, "The towers' attention"). One config for every
+# batch, so the tower's warm-up compiles the only variant there is (the strides, (heads * head_dim, head_dim), are
+# fixed per tower). The interpreter takes small tiles, so the tests cross several key tiles and a partial one per image.
 KEY_TILE = 64
 QUERY_TILE = 128
 _CONFIG = (QUERY_TILE, KEY_TILE, 8, 3)

@@ -75,11 +75,10 @@ def call_varlen(
     return out[0] if isinstance(out, tuple) else out  # (out, lse) where an aux output was asked for
 
 
-# For a batch whose images (or windows) all have one length: flash, not cuDNN. cuDNN's kernel is faster once it runs
-# (the 7B tower takes 19 ms per 896 px image with it, 23 ms with flash; the same at 336 px), but it builds a plan
-# the first time it meets each (batch, length) shape: measured on an H100, ~41 ms per new batch size and ~450 ms per
-# new image size. A server meets new shapes all the time (every image size, every batch size up to the encoder's
-# limit), and each build stalls every image queued behind it. Flash builds nothing.
+# For a batch whose images (or windows) all have one length: flash, not cuDNN. cuDNN's kernel is faster once it runs,
+# but it builds a plan, tens to hundreds of ms, the first time it meets each (batch, length) shape. A server meets new
+# shapes all the time (every image size, every batch size up to the encoder's limit), and each build stalls every
+# image queued behind it. Flash builds nothing.
 _DENSE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
