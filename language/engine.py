@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from families import family
 from language.config import EngineConfig, LMConfig, resolve_device, resolve_dtype
 from language.kv_cache import KVCache
 from language.loader import architecture, count_weights, iter_weights, read_config
 from language.model_runner import InflightStep, ModelRunner
-from language.models import model_class
 from language.parallel.group import TPGroup, init_tp
 from language.parallel.sharding import check_divisible
 from language.parallel.step_sync import StepChannel
@@ -92,8 +92,9 @@ def model_config(cfg: EngineConfig) -> tuple[type, dict, LMConfig]:
     """The decoder class, config.json and the decoder's shape; a tp that cannot split it raises ValueError (each
     rank checks before it joins the group, so the message comes before any rank waits for another)."""
     raw = read_config(cfg.model_dir)
-    cls = model_class(architecture(raw))
-    lm_cfg: LMConfig = cls.lm_config(cfg.model_dir, raw)
+    spec = family(architecture(raw))
+    cls = spec.part("decoder")
+    lm_cfg: LMConfig = spec.part("config_reader")(cfg.model_dir, raw)
     check_divisible(lm_cfg, cfg.tp)
     return cls, raw, lm_cfg
 

@@ -1,7 +1,8 @@
 """Built-in chat templates (Jinja, rendered by transformers' `apply_chat_template`) for checkpoints that carry none,
-chosen by the model family (config.json's `architectures[0]`). A checkpoint's own template comes first and
-`--chat_template FILE` overrides both. Image parts arrive as `{"type": "image"}` (openai_protocol.chat_messages);
-each template writes its family's placeholder for them, the one the family's prompt processor expands.
+each named by its family's spec (families/table.py, by config.json's `architectures[0]`). A checkpoint's own
+template comes first and `--chat_template FILE` overrides both. Image parts arrive as `{"type": "image"}`
+(openai_protocol.chat_messages); each template writes its family's placeholder for them, the one the family's prompt
+processor expands.
 
 - LLaVA-1.5 (`LlavaForConditionalGeneration`, `LlavaLlamaForCausalLM`): LLaVA's `conv_vicuna_v1`
   (`llava_v1` in LLaVA's code): `<system> USER: <image>\\n... ASSISTANT: <answer></s>USER: ... ASSISTANT:`, with
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+
+from families import architectures, family
 
 LLAVA_SYSTEM_PROMPT = (
     "A chat between a curious human and an artificial intelligence assistant. "
@@ -207,15 +210,6 @@ QWEN3_VL = (
 """
 )  # fmt: skip
 
-BUILTIN_TEMPLATES = {
-    "LlavaForConditionalGeneration": LLAVA_1_5,
-    "LlavaLlamaForCausalLM": LLAVA_1_5,
-    "QWenLMHeadModel": QWEN_VL_CHAT,
-    "Qwen2VLForConditionalGeneration": QWEN2_VL,
-    "Qwen2_5_VLForConditionalGeneration": QWEN2_VL,
-    "Qwen3VLForConditionalGeneration": QWEN3_VL,
-}
-
 
 def model_architecture(model_dir: str | None) -> str | None:
     """config.json's architectures[0], or None."""
@@ -230,5 +224,8 @@ def model_architecture(model_dir: str | None) -> str | None:
 
 
 def builtin_chat_template(architecture: str | None) -> str | None:
-    """The family's built-in template (None for a family without one, e.g. text-only Llama)."""
-    return BUILTIN_TEMPLATES.get(architecture or "")
+    """The family's built-in template (None for a family without one, e.g. text-only Llama, or not served here)."""
+    if architecture not in architectures():
+        return None
+    spec = family(architecture)
+    return spec.part("chat_template") if spec.chat_template else None

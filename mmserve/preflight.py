@@ -9,10 +9,9 @@ import json
 import os
 import socket
 
-from language.architectures import DECODER_ARCHITECTURES
+from families import architectures, image_architectures
 from mmserve.config import ServerConfig
 from mmserve.tokenizers.qwen_tiktoken import VOCAB_FILE
-from visual.architectures import IMAGE_ARCHITECTURES
 
 # A tokenizer's vocabulary, one of which a checkpoint folder holds (tokenizer_config.json alone names a class).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", VOCAB_FILE)
@@ -30,12 +29,12 @@ def check_model_dir(config: ServerConfig) -> None:
     if not os.path.isdir(model_dir):
         raise CannotStart(f"--model_dir {model_dir} is a file: pass the checkpoint's folder")
     architecture = _architecture(model_dir)
-    if architecture not in DECODER_ARCHITECTURES:
+    if architecture not in architectures():
         raise CannotStart(f"--model_dir {model_dir}: architecture {architecture!r} is not supported; supported: "
-                          f"{', '.join(sorted(DECODER_ARCHITECTURES))}")  # fmt: skip
-    if config.enable_multimodal and architecture not in IMAGE_ARCHITECTURES:
+                          f"{', '.join(architectures())}")  # fmt: skip
+    if config.enable_multimodal and architecture not in image_architectures():
         raise CannotStart(f"--enable_multimodal: {architecture} has no vision tower here; models with one: "
-                          f"{', '.join(sorted(IMAGE_ARCHITECTURES))}")  # fmt: skip
+                          f"{', '.join(image_architectures())}")  # fmt: skip
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES):
         raise CannotStart(f"--model_dir {model_dir} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})")
 

@@ -20,11 +20,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cache.coordinator import CacheCoordinator
 from cache.shm_store import list_segments, unlink_segment
+from families import family
 from mmserve.config import ServerConfig
 from mmserve.endpoints import Endpoints
 from mmserve.multimodal.image_io import ImagePolicy
 from mmserve.multimodal.preparer import MultimodalPreparer
-from mmserve.multimodal.prompt import prompt_processor_class
 from mmserve.multimodal.url_fetch import FetchPolicy
 from mmserve.processes import parent_alive, run_child
 from mmserve.tokenization import PreparedPrompt, RunSync
@@ -77,9 +77,9 @@ def visual_process_config(config: ServerConfig, endpoints: Endpoints, shm_prefix
 def load_prompt_processor(config: ServerConfig, tokenizer):
     """The family's prompt processor (HF's image processor inside: seconds of imports and files), for the
     checkpoint's `architectures[0]`; the server builds it while its children load."""
-    architecture = read_json(os.path.join(config.model_dir, "config.json"))["architectures"][0]
-    processor = prompt_processor_class(architecture).from_pretrained(config.model_dir, tokenizer)
-    if hasattr(processor, "image_dir"):  # Qwen-VL: paths inside <img></img> only from --image_dir
+    spec = family(read_json(os.path.join(config.model_dir, "config.json"))["architectures"][0])
+    processor = spec.part("prompt").from_pretrained(config.model_dir, tokenizer)
+    if spec.images_in_prompt:  # Qwen-VL: paths inside <img></img> only from --image_dir
         processor.image_dir = config.image_dir
     return processor
 
@@ -99,7 +99,12 @@ class VisualLink:
         )
         self.cache_salt = ready.cache_salt
         self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="image")
-        self.preparer = MultimodalPreparer(processor, self.coordinator, ready.cache_salt, policy, self._image_pool)
+        spec = family(ready.architecture)
+        self.preparer = MultimodalPreparer(
+            processor, self.coordinator, ready.cache_salt, policy, self._image_pool,
+            check_size=processor.check_image_size if spec.checks_image_size else None,
+            images_in_prompt=spec.images_in_prompt,
+        )  # fmt: skip
         self._prefix_cache = config.prefix_cache  # what deferring an evicted image relies on
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task | None = None

@@ -176,10 +176,10 @@ def _fork_server_context() -> mp.context.BaseContext:
 
 class PreprocessPool:
     def __init__(self, model, num_workers: int = 2, shm_prefix: str | None = None):
-        """The model's picklable `preprocessor()` in worker processes, or its `preprocess` in threads."""
-        make = getattr(model, "preprocessor", None)
-        if make is not None and num_workers > 0:
-            self._start_processes(make(), num_workers, shm_prefix)
+        """The model's picklable `preprocessor()` in worker processes, or with no workers its `preprocess` in
+        threads."""
+        if num_workers > 0:
+            self._start_processes(model.preprocessor(), num_workers, shm_prefix)
         else:
             self._start_threads(model.preprocess, num_workers, shm_prefix)
 

@@ -23,6 +23,7 @@ import torch
 import zmq
 from PIL import Image
 
+from families import all_families, family
 from visual.attention_backend import set_vit_att_backend
 from visual.encoder import VisualEncoder
 from visual.messages import EncodeJob, VisualReady
@@ -74,16 +75,18 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     architecture = read_json(f"{cfg.model_dir}/config.json")["architectures"][0]
     device, dtype = resolve_device_dtype(cfg)
     extra = {"vision_tower_dir": cfg.vision_tower_dir} if cfg.vision_tower_dir else {}
+    spec = family(architecture)
     cls = vision_model_class(architecture)
     set_vit_att_backend(cfg.vit_att_backend)  # before the tower is built: its attention layers read it
     if cfg.load_format == "dummy":
-        if not getattr(cls, "supports_dummy_weights", False):
-            raise ValueError(f"--load_format dummy: {architecture}'s vision tower needs its weights (only the "
-                             "Qwen2-VL family builds a random tower)")  # fmt: skip
+        if not spec.dummy_vision_weights:
+            random_towers = [s.name for s in all_families() if s.dummy_vision_weights]
+            raise ValueError(f"--load_format dummy: {architecture}'s vision tower needs its weights (only these "
+                             f"families build a random tower: {', '.join(random_towers)})")  # fmt: skip
         extra["dummy"] = True
     phases = StartPhases()
     pool = None
-    if hasattr(cls, "load_preprocessor") and cfg.num_preprocess_workers > 0:
+    if cfg.num_preprocess_workers > 0:
         # Its workers take longer to start than the tower to load: they start first, and both go on together.
         preprocessor = cls.load_preprocessor(cfg.model_dir, cfg.vision_tower_dir)
         pool = PreprocessPool.of_preprocessor(preprocessor, cfg.num_preprocess_workers, cfg.shm_prefix)

@@ -13,7 +13,6 @@ from language.config import LMConfig
 from language.forward_batch import ForwardBatch
 from language.kv_cache import KVCache
 from language.models.hf_config import lm_config_from_hf
-from language.models.registry import register_model
 from language.parallel.group import TPGroup
 from language.parallel.layers import Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from language.parallel.sharding import Shard, TensorView, make_shard, take
@@ -152,7 +151,6 @@ _FUSED = {
 }
 
 
-@register_model("LlamaForCausalLM", "MistralForCausalLM")
 class LlamaForCausalLM(nn.Module):
     """Token ids (with optional image embeddings spliced in) -> next-token logits of each sequence's last token."""
 
@@ -290,6 +288,5 @@ class LlamaForCausalLM(nn.Module):
         return [s.intermediate, s.intermediate]
 
 
-@register_model("Qwen2ForCausalLM")
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias = True

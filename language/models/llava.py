@@ -6,7 +6,6 @@ from __future__ import annotations
 from language.config import LMConfig
 from language.models.hf_config import lm_config_from_hf
 from language.models.llama import LlamaForCausalLM
-from language.models.registry import register_model
 
 _VISION_PREFIXES = (
     "vision_tower.",
@@ -18,7 +17,6 @@ _VISION_PREFIXES = (
 )
 
 
-@register_model("LlavaForConditionalGeneration")
 class LlavaHFForCausalLM(LlamaForCausalLM):
     """llava-hf layout: `language_model.model.*` + `language_model.lm_head` (before transformers 4.52) or
     `model.language_model.*` + `lm_head` (after)."""
@@ -34,7 +32,6 @@ class LlavaHFForCausalLM(LlamaForCausalLM):
         return None
 
 
-@register_model("LlavaLlamaForCausalLM")
 class LlavaOriginalForCausalLM(LlamaForCausalLM):
     """liuhaotian layout: Llama fields at the top level of a `llava` config, Llama tensor names, the projector
     beside them as `model.mm_projector.*`, and the CLIP tower in its own folder."""

@@ -8,7 +8,6 @@ from language.config import LMConfig
 from language.loader import checkpoint_dtype
 from language.models.hf_config import eos_token_ids
 from language.models.llama import LlamaForCausalLM
-from language.models.registry import register_model
 
 _LAYER_NAMES = {
     "ln_1": "input_layernorm",
@@ -21,7 +20,6 @@ _LAYER_NAMES = {
 }
 
 
-@register_model("QWenLMHeadModel")
 class QWenForCausalLM(LlamaForCausalLM):
     qkv_bias = True
 

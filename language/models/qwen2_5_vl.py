@@ -5,9 +5,7 @@ videos (`second_per_grid_ts`), which are not served."""
 from __future__ import annotations
 
 from language.models.qwen2_vl import Qwen2VLForCausalLM
-from language.models.registry import register_model
 
 
-@register_model("Qwen2_5_VLForConditionalGeneration")
 class Qwen2_5_VLForCausalLM(Qwen2VLForCausalLM):
     """Same tensor names in both dialects (`model.*` / `model.language_model.*`, `lm_head.*`, the tower skipped)."""

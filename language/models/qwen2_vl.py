@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from language.models.llama import Qwen2ForCausalLM
 from language.models.qwen2_vl_positions import mrope_positions
-from language.models.registry import register_model
 from language.request import Request
 
 
-@register_model("Qwen2VLForConditionalGeneration")
 class Qwen2VLForCausalLM(Qwen2ForCausalLM):
     def checkpoint_name(self, name: str) -> str | None:
         if name.startswith(("visual.", "model.visual.")):

@@ -19,10 +19,8 @@ from language.config import LMConfig
 from language.forward_batch import ForwardBatch
 from language.models.hf_config import lm_config_from_hf
 from language.models.qwen2_vl import Qwen2VLForCausalLM
-from language.models.registry import register_model
 
 
-@register_model("Qwen3VLForConditionalGeneration")
 class Qwen3VLForCausalLM(Qwen2VLForCausalLM):
     """Tensor names as published: `model.language_model.*` and `lm_head.*` (the tower, `model.visual.*`, skipped);
     prepare_request (M-RoPE positions from the image grids) is Qwen2-VL's."""

@@ -1,4 +1,5 @@
-"""HF `architectures[0]` -> the decoder class that serves it. The engine never branches on the model type."""
+"""The protocol every decoder follows; the family table (families/table.py) names each architecture's decoder. The
+engine never branches on the model type."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from typing import Protocol
 
 import torch
 
-from language.architectures import DECODER_ARCHITECTURES, check_listed
 from language.config import LMConfig
 from language.forward_batch import ForwardBatch
 
@@ -32,25 +32,3 @@ class CausalLM(Protocol):
         """Our name for a checkpoint tensor, or None for one this model does not load (it is then never read)."""
 
     def load_weights(self, weights) -> None: ...
-
-
-_MODELS: dict[str, type] = {}
-
-
-def register_model(*architectures: str):
-    check_listed(architectures, DECODER_ARCHITECTURES, "language/architectures.py")
-
-    def wrap(cls: type) -> type:
-        for arch in architectures:
-            _MODELS[arch] = cls
-        return cls
-
-    return wrap
-
-
-def model_class(architecture: str) -> type:
-    import language.models  # noqa: F401  (importing the package registers every family)
-
-    if architecture not in _MODELS:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(_MODELS)}")
-    return _MODELS[architecture]

@@ -93,6 +93,18 @@ def build_llama(
     return out_dir
 
 
+def build_qwen2(out_dir: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> str:
+    """A tiny Qwen2 text checkpoint (Qwen2ForCausalLM: Llama's layout with q/k/v biases); returns out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = build_tokenizer(out_dir)
+    cfg = llama_config(len(tokenizer), **SHAPES["tiny"])
+    cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", torch_dtype=str(dtype).removeprefix("torch."))
+    write_json(os.path.join(out_dir, "config.json"), cfg)
+    write_json(os.path.join(out_dir, "generation_config.json"), {"bos_token_id": 1, "eos_token_id": 2})
+    write_checkpoint(out_dir, llama_tensor_specs(cfg, bias=True), dtype, num_shards=None, seed=seed)
+    return out_dir
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Write a random-weight Llama checkpoint in the published layout")
     ap.add_argument("--out", required=True)

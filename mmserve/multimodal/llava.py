@@ -26,7 +26,6 @@ from mmserve.multimodal.prompt import (
     MultimodalPrompt,
     check_aspect_ratio,
     check_image_count,
-    register_prompt_processor,
 )
 from visual.models.llava import LlavaVisionSpec
 from visual.models.weights import read_json
@@ -35,7 +34,6 @@ from visual.preprocess import MAX_PIXELS as MAX_DECODED_PIXELS
 IMAGE_TEXT = "<image>"
 
 
-@register_prompt_processor("LlavaForConditionalGeneration", "LlavaLlamaForCausalLM")
 class LlavaPromptProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, num_tokens: int, image_token_id: int | None,
                  placeholder_id: int, pad_to_square: bool = False):  # fmt: skip

@@ -108,16 +108,20 @@ def load_and_key(
 
 class MultimodalPreparer:
     def __init__(self, prompt_processor: PromptProcessor, coordinator: CacheCoordinator, cache_salt: str,
-                 policy: ImagePolicy | None = None, image_executor: Executor | None = None):  # fmt: skip
+                 policy: ImagePolicy | None = None, image_executor: Executor | None = None, *,
+                 check_size: SizeCheck | None = None, images_in_prompt: bool = False):  # fmt: skip
+        """check_size, images_in_prompt: the prompt processor's optional capabilities its family declares
+        (families/spec.py), e.g. Qwen2-VL's aspect-ratio bound checked from each image's header before anything is
+        sent or tokenized, and Qwen-VL's images named inside the prompt."""
         self.prompt_processor = prompt_processor
         self.image_executor = image_executor  # None: the event loop's default executor
         self.coordinator = coordinator
         self.cache_salt = cache_salt
         self.policy = policy or ImagePolicy()
         self.fetcher = UrlFetcher(self.policy.fetch)
-        # e.g. Qwen2-VL's aspect ratio bound, checked from the header before anything is sent or tokenized
-        self._check_size: SizeCheck | None = getattr(prompt_processor, "check_image_size", None)
-        if hasattr(prompt_processor, "max_image_bytes"):  # Qwen-VL reads allowed paths itself: same size limit
+        self._check_size = check_size
+        self._images_in_prompt = images_in_prompt
+        if images_in_prompt:  # Qwen-VL reads allowed paths itself: the same size limit
             prompt_processor.max_image_bytes = self.policy.max_bytes
         self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
         self._seen = SeenImages()
@@ -133,7 +137,7 @@ class MultimodalPreparer:
         start = time.perf_counter()
         items = multimodal_params.get("images") or []
         self._check_image_count(len(items) if isinstance(items, list) else 0)
-        if hasattr(self.prompt_processor, "image_items"):  # Qwen-VL: images named inside <img>...</img>
+        if self._images_in_prompt:  # Qwen-VL: images named inside <img>...</img>
             self._check_image_count(self.prompt_processor.count_images(prompt))  # before reading any of them
             items = await self._prompt_image_items(prompt, items, run_sync)
         expected = self.prompt_processor.count_images(prompt)

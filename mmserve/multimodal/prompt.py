@@ -1,7 +1,7 @@
 """Per-family prompt processors: prompt text + the request's images -> prompt token ids with every image placeholder
 expanded to its embedding count, and where each image's embeddings go.
 
-A family registers its processor under its HF `architectures[0]`; the HTTP process builds one per server
+The family table (families/table.py) names each architecture's processor; the HTTP process builds one per server
 (`prompt_processor_class(arch).from_pretrained(model_dir, tokenizer)`) and calls `encode` off the event loop.
 """
 
@@ -12,6 +12,7 @@ from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
+from families import family, image_architectures
 from mmserve.multimodal.image_io import BadImage
 
 # transformers' smart_resize (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) raises above it; LLaVA is held to it too (its
@@ -44,27 +45,20 @@ class PromptProcessor(Protocol):
         Raises PromptImageMismatch if the placeholder count differs from len(image_sizes)."""
         ...
 
-    # Optional: `check_image_size(width, height)` raises BadImage for a size the family's image processor refuses
-    # or cannot afford; the server calls it from each image's header, before anything is sent or tokenized.
-
-
-_REGISTRY: dict[str, type] = {}
-
-
-def register_prompt_processor(*architectures: str):
-    def wrap(cls: type) -> type:
-        for arch in architectures:
-            _REGISTRY[arch] = cls
-        return cls
-
-    return wrap
+    # Optional, declared in the family's spec (families/spec.py) where a processor has it:
+    # - `check_image_size(width, height)` (checks_image_size) raises BadImage for a size the family's image processor
+    #   refuses or cannot afford; the server calls it from each image's header, before anything is sent or tokenized;
+    # - `image_items(prompt, sent)` (images_in_prompt): the request's images in prompt order when the prompt itself
+    #   names images (Qwen-VL's `<img>path or URL</img>`), with the attributes `image_dir` (--image_dir, where paths
+    #   may point) and `max_image_bytes` that the server sets.
 
 
 def prompt_processor_class(architecture: str) -> type:
-    _import_families()
-    if architecture not in _REGISTRY:
-        raise ValueError(f"no prompt processor for architecture {architecture!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[architecture]
+    """The prompt processor class of `architecture`'s family; ValueError for one not in the table or text only."""
+    spec = family(architecture)
+    if spec.prompt is None:
+        raise ValueError(f"no prompt processor for architecture {architecture!r}; known: {image_architectures()}")
+    return spec.part("prompt")
 
 
 def check_image_count(found: int, given: int, placeholder: str) -> None:
@@ -80,15 +74,3 @@ def check_aspect_ratio(width: int, height: int, limit: int, why: str) -> None:
     ratio = max(width, height) / min(width, height)
     if ratio > limit:
         raise BadImage(f"image is {width}x{height}: its aspect ratio {ratio:.0f}:1 is above {limit}:1, {why}")
-
-
-def _import_families() -> None:
-    """Import the family modules so that their decorators run (a missing module is a family not written yet)."""
-    import importlib
-
-    for name in ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen_vl"):
-        try:
-            importlib.import_module(f"mmserve.multimodal.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"mmserve.multimodal.{name}":
-                raise

@@ -8,14 +8,13 @@ before the prompt is expanded or anything is encoded."""
 from __future__ import annotations
 
 from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessor
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from families.qwen2_vl_grid import Qwen2VLGrid
 from mmserve.multimodal.prompt import (
     MAX_ASPECT_RATIO,
     MultimodalPrompt,
     check_aspect_ratio,
     check_image_count,
-    register_prompt_processor,
 )
 from mmserve.protocol import BadRequest
 
@@ -23,7 +22,6 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"  # the chat template's video placeholder: rejected with a 400
 
 
-@register_prompt_processor("Qwen2VLForConditionalGeneration")
 class Qwen2VLPromptProcessor:
     def __init__(
         self,
@@ -38,8 +36,7 @@ class Qwen2VLPromptProcessor:
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.vision_start_token_id = vision_start_token_id
-        self.patch_size, self.merge_size = patch_size, merge_size
-        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.grid = Qwen2VLGrid(patch_size, merge_size, min_pixels, max_pixels)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLPromptProcessor:
@@ -60,8 +57,7 @@ class Qwen2VLPromptProcessor:
 
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
         """The patch grid the image processor will produce for an image of this size (it resizes the same way)."""
-        h, w = smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
-        return 1, h // self.patch_size, w // self.patch_size
+        return self.grid.grid_thw(width, height)
 
     def count_images(self, prompt: str) -> int:
         if VIDEO_PAD in prompt:
@@ -74,7 +70,7 @@ class Qwen2VLPromptProcessor:
         pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
         check_image_count(len(pads), len(image_sizes), IMAGE_PAD)
         grids = [self.grid_thw(w, h) for w, h in image_sizes]
-        counts = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        counts = [self.grid.grid_tokens(grid) for grid in grids]
         token_ids: list[int] = []
         offsets: list[int] = []
         prev = 0

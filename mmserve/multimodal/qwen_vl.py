@@ -11,7 +11,7 @@ import os
 import re
 
 from mmserve.multimodal.image_io import BadImage
-from mmserve.multimodal.prompt import MultimodalPrompt, check_image_count, register_prompt_processor
+from mmserve.multimodal.prompt import MultimodalPrompt, check_image_count
 
 IMAGE_SPAN = re.compile(r"<img>(.*?)</img>", re.DOTALL)
 NUM_IMAGE_TOKENS = 256  # the resampler's query count
@@ -52,7 +52,6 @@ def prompt_image_items(prompt: str, sent: list, image_dir: str | None = None, ma
     return items
 
 
-@register_prompt_processor("QWenLMHeadModel")
 class QwenVLPromptProcessor:
     def __init__(self, tokenizer, image_start_id: int, image_dir: str | None = None, max_image_bytes: int = 32 << 20):
         self.tokenizer = tokenizer

@@ -298,7 +298,8 @@ def test_images_per_request_cap_is_a_400_naming_the_flag():
 
 def test_images_named_in_the_prompt_count_before_any_is_read():
     processor = FakeQwenVLPromptProcessor()
-    preparer = MultimodalPreparer(processor, FakeCoordinator(), "salt", ImagePolicy(max_images=2))
+    policy = ImagePolicy(max_images=2)
+    preparer = MultimodalPreparer(processor, FakeCoordinator(), "salt", policy, images_in_prompt=True)
     with pytest.raises(BadRequest, match="--max_images_per_request"):
         prepare(preparer, "<image>" * 3, [])
     assert processor.read == 0

@@ -9,13 +9,11 @@ import pytest
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from families import family
 from mmserve.checkpoints.qwen_vl import build_qwen_vl
 from mmserve.multimodal.image_io import BadImage
 from mmserve.multimodal.llava import LlavaPromptProcessor
-from mmserve.multimodal.prompt import MAX_ASPECT_RATIO
-from mmserve.multimodal.qwen2_5_vl import Qwen2_5_VLPromptProcessor
-from mmserve.multimodal.qwen2_vl import Qwen2VLPromptProcessor
-from mmserve.multimodal.qwen3_vl import Qwen3VLPromptProcessor
+from mmserve.multimodal.prompt import MAX_ASPECT_RATIO, prompt_processor_class
 from mmserve.multimodal.qwen_vl import QwenVLPromptProcessor
 from visual.models.qwen_vl import QwenVLVisionModel
 from visual.preprocess import decode_and_preprocess
@@ -23,10 +21,20 @@ from visual.preprocess import decode_and_preprocess
 EXTREME = [(1, 4000), (4000, 1), (3, 700)]
 
 
-@pytest.mark.parametrize("cls", [Qwen2VLPromptProcessor, Qwen2_5_VLPromptProcessor, Qwen3VLPromptProcessor])
+QWEN2_VL_FAMILY = [
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+]
+
+
+@pytest.mark.parametrize("architecture", QWEN2_VL_FAMILY)
 @pytest.mark.parametrize("width, height", EXTREME)
-def test_the_qwen2_vl_family_refuses_what_smart_resize_refuses(cls, width, height):
-    processor = cls(None, 0, 0, patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+def test_the_qwen2_vl_family_refuses_what_smart_resize_refuses(architecture, width, height):
+    assert family(architecture).checks_image_size  # the server calls it
+    processor = prompt_processor_class(architecture)(
+        None, 0, 0, patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 1280
+    )
     with pytest.raises(ValueError, match="aspect ratio"):
         smart_resize(height, width, 28, 56 * 56, 28 * 28 * 1280)  # HF's own processor would raise
     with pytest.raises(BadImage, match=rf"{width}x{height}: its aspect ratio \d+:1 is above 200:1"):
@@ -55,6 +63,7 @@ def test_llava_padding_to_a_square_is_bounded():
 
 def test_qwen_vl_resizes_any_aspect_to_its_square(tmp_path):
     """Qwen-VL's transform resizes straight to 448x448: 1x4000 is served, so its processor checks nothing."""
+    assert not family("QWenLMHeadModel").checks_image_size
     assert not hasattr(QwenVLPromptProcessor, "check_image_size")
     preprocessor = QwenVLVisionModel.load_preprocessor(build_qwen_vl(str(tmp_path)))
     for width, height in EXTREME:

@@ -49,7 +49,9 @@ class Harness:
         self.encoder = VisualEncoder(vision, PreprocessPool(vision, 0), self.prefix)
         self.coordinator = CacheCoordinator(capacity, self.prefix, self.encoder.submit)
         processor = LlavaPromptProcessor.from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
-        self.preparer = MultimodalPreparer(processor, self.coordinator, vision.cache_salt)
+        self.preparer = MultimodalPreparer(
+            processor, self.coordinator, vision.cache_salt, check_size=processor.check_image_size
+        )
 
     async def pump(self):
         """What the server's task reading the visual results queue does."""

@@ -1,14 +1,15 @@
-"""The interface every vision family implements, and the registry that maps HF `architectures[0]` to it."""
+"""The interface every vision family implements; the family table (families/table.py) names each architecture's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from PIL import Image
 
-from visual.architectures import IMAGE_ARCHITECTURES
+from families import all_families, family, image_architectures
 
 
 @dataclass
@@ -42,11 +43,17 @@ class VisionModel(Protocol):
 
     def preprocess(self, image: Image.Image) -> ImageInput: ...
 
-    # Optional: `preprocessor() -> Callable[[Image.Image], ImageInput]`, a picklable object holding no weights (e.g.
-    # the HF image processor). When a family has it, `visual.preprocess.PreprocessPool` runs it in worker processes;
-    # without it, `preprocess` runs in threads of the visual process. Optional too: the classmethod
-    # `load_preprocessor(model_dir, vision_tower_dir) -> ` the same object, from the config files alone, so that the
-    # pool's workers start (seconds each) while the tower loads.
+    def preprocessor(self) -> Callable[[Image.Image], ImageInput]:
+        """A picklable object holding no weights (e.g. the HF image processor) doing what `preprocess` does:
+        `visual.preprocess.PreprocessPool` runs it in worker processes (with no workers, `preprocess` runs in
+        threads of the visual process)."""
+        ...
+
+    @classmethod
+    def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None) -> Callable[[Image.Image], ImageInput]:
+        """`preprocessor()`'s object from the config files alone, so that the pool's workers start (seconds each)
+        while the tower loads."""
+        ...
 
     def num_tokens(self, width: int, height: int) -> int:
         """Embedding count for an image of this size, without preprocessing it (for prompt expansion)."""
@@ -59,36 +66,16 @@ class VisionModel(Protocol):
         ...
 
 
-_REGISTRY: dict[str, type] = {}
-
-
-def register_vision_model(*architectures: str):
-    missing = sorted(set(architectures) - IMAGE_ARCHITECTURES)
-    if missing:  # the server checks --enable_multimodal against that list before anything starts
-        raise ValueError(f"vision models {missing} are registered but not listed in visual/architectures.py")
-
-    def wrap(cls: type) -> type:
-        for arch in architectures:
-            _REGISTRY[arch] = cls
-        return cls
-
-    return wrap
-
-
 def vision_model_class(architecture: str) -> type:
-    import_families()
-    if architecture not in _REGISTRY:
-        raise ValueError(f"no vision model for architecture {architecture!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[architecture]
+    """The vision model class of `architecture`'s family; ValueError for one not in the table or without a tower."""
+    spec = family(architecture)
+    if spec.vision is None:
+        raise ValueError(f"no vision model for architecture {architecture!r}; known: {image_architectures()}")
+    return spec.part("vision")
 
 
 def import_families() -> None:
-    """Import the family modules so that their decorators run (a missing module is a family not written yet)."""
-    import importlib
-
-    for name in ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen_vl"):
-        try:
-            importlib.import_module(f"visual.models.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"visual.models.{name}":
-                raise
+    """Import every family's vision module (the preprocessing workers' fork server preloads them)."""
+    for spec in all_families():
+        if spec.vision is not None:
+            spec.part("vision")

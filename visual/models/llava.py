@@ -20,7 +20,7 @@ from PIL import Image
 from transformers import AutoImageProcessor, CLIPVisionConfig, CLIPVisionModel, LlavaConfig
 from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-from visual.models.base import ImageInput, register_vision_model
+from visual.models.base import ImageInput
 from visual.models.weights import load_prefixed_tensors, read_json
 
 HF_TOWER_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.")
@@ -110,7 +110,6 @@ def resolve_tower_dir(model_dir: str, tower: str | None) -> str:
     )
 
 
-@register_vision_model("LlavaForConditionalGeneration", "LlavaLlamaForCausalLM")
 class LlavaVisionModel:
     def __init__(self, spec: LlavaVisionSpec, tower: CLIPVisionModel, projector: LlavaMultiModalProjector,
                  image_processor: object, cache_salt: str):  # fmt: skip

@@ -20,7 +20,7 @@ from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.vision_utils import get_vision_window_index
 
-from visual.models.base import ImageInput, register_vision_model
+from visual.models.base import ImageInput
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 
@@ -59,7 +59,6 @@ def _grid_window_index(
     return index, cu.to(torch.int32)
 
 
-@register_vision_model("Qwen2_5_VLForConditionalGeneration")
 class Qwen2_5_VLVisionModel(Qwen2VLVisionModel):
     """Qwen2-VL's wrapper (loading, preprocessing, token counts, batching) around the Qwen2.5-VL tower."""
 

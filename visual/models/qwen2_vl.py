@@ -9,10 +9,10 @@ import os
 import torch
 from PIL import Image
 from transformers import AutoConfig, Qwen2VLImageProcessor
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from visual.models.base import ImageInput, register_vision_model
+from families.qwen2_vl_grid import Qwen2VLGrid
+from visual.models.base import ImageInput
 from visual.models.fused_layers import use_fused_layers
 from visual.models.packed_attention import pack_index
 from visual.models.weights import load_prefixed_tensors
@@ -27,26 +27,26 @@ class Qwen2VLPreprocessor:
 
     def __init__(self, processor: Qwen2VLImageProcessor, merge_size: int) -> None:
         self.processor = processor
-        self.merge_size = merge_size
+        self.grid = Qwen2VLGrid(
+            processor.patch_size, merge_size, processor.size.shortest_edge, processor.size.longest_edge
+        )
 
     def __call__(self, image: Image.Image) -> ImageInput:
         out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         return ImageInput(
             pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
-            num_tokens=grid[0] * grid[1] * grid[2] // self.merge_size**2,
+            num_tokens=self.grid.grid_tokens(grid),
             patches=grid[0] * grid[1] * grid[2],
             grid_thw=grid,
         )
 
 
-@register_vision_model("Qwen2VLForConditionalGeneration")
 class Qwen2VLVisionModel:
     # What a subclass for a later Qwen-VL generation changes: its tower class and its names.
     tower_class = Qwen2VisionTransformerPretrainedModel
     family = "qwen2_vl"  # in the cache salt
     display_name = "Qwen2-VL"  # in error messages
-    supports_dummy_weights = True  # from_pretrained(dummy=True): --load_format dummy
 
     def __init__(
         self,
@@ -99,20 +99,11 @@ class Qwen2VLVisionModel:
         return self._preprocessor(image)
 
     def num_tokens(self, width: int, height: int) -> int:
-        t, h, w = self.grid_thw(width, height)
-        return t * h * w // self.merge_size**2
+        return self._preprocessor.grid.num_tokens(width, height)
 
     def grid_thw(self, width: int, height: int) -> tuple[int, int, int]:
         """The patch grid (t, h, w) of an image of this size, as the processor will resize it."""
-        patch = self.processor.patch_size
-        h, w = smart_resize(
-            height,
-            width,
-            factor=patch * self.merge_size,
-            min_pixels=self.processor.size.shortest_edge,
-            max_pixels=self.processor.size.longest_edge,
-        )
-        return 1, h // patch, w // patch
+        return self._preprocessor.grid.grid_thw(width, height)
 
     def upload_pixels(self, images: list[ImageInput], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The batch's pixels on the device, [patches, C*T*P*P]: one gather into a (pinned) host buffer, one

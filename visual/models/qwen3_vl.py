@@ -22,11 +22,10 @@ from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Qwen3VLTower
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-from visual.models.base import ImageInput, register_vision_model
+from visual.models.base import ImageInput
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 
-@register_vision_model("Qwen3VLForConditionalGeneration")
 class Qwen3VLVisionModel(Qwen2VLVisionModel):
     """Qwen2-VL's wrapper (loading, preprocessing, token counts, pixel upload) around the Qwen3-VL tower."""
 

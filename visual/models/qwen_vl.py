@@ -17,7 +17,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torchvision import transforms
 
-from visual.models.base import ImageInput, register_vision_model
+from visual.models.base import ImageInput
 from visual.models.weights import load_prefixed_tensors, read_json
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -140,7 +140,6 @@ class QwenVLPreprocessor:
         return ImageInput(pixel_values=pixels, num_tokens=NUM_QUERIES, patches=self.patches)
 
 
-@register_vision_model("QWenLMHeadModel")
 class QwenVLVisionModel:
     def __init__(self, tower: QwenVisionTower, cfg: dict, cache_salt: str) -> None:
         self.tower = tower.eval()
