@@ -110,14 +110,14 @@ def main() -> None:
     ap.add_argument(
         "--piecewise_cuda_graph_max_tokens",
         type=int,
-        default=EngineConfig.piecewise_graph_max_tokens,
+        default=EngineConfig.piecewise_cuda_graph_max_tokens,
         help="steps of up to this many tokens replay piecewise graphs (the server's flag); 0: eager",
     )
     args = ap.parse_args()
     cfg = EngineConfig(
         model_dir=args.model_dir, max_total_token_num=200_000, load_format="dummy", device=args.device,
         prefix_cache=False,  # every prompt prefilled in full (the prompts here repeat)
-        piecewise_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
     )  # fmt: skip
     core = EngineCore(cfg)
     _running(core, args.decode, 1000)

@@ -37,11 +37,11 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int):
+    def __init__(self, runner: ModelRunner, graph_max_batch_size: int):
         self.model = runner.model
         self.kv = kv = runner.kv
         self.last_token = runner.last_token
-        self.sizes = graph_batch_sizes(min(max_batch, kv.num_free_rows()))
+        self.sizes = graph_batch_sizes(min(graph_max_batch_size, kv.num_free_rows()))
         n, dev = self.sizes[-1], runner.device
         self._host = [torch.empty((n, 4), dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._turn = 0

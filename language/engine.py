@@ -102,7 +102,7 @@ def model_config(cfg: EngineConfig) -> tuple[type, dict, LMConfig]:
 def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = None) -> tuple[torch.nn.Module, LMConfig]:
     """The decoder (this rank's shard of it under tensor parallelism) with its weights, on `device`."""
     cls, raw, lm_cfg = model_config(cfg)
-    dtype = resolve_dtype(cfg.dtype, lm_cfg.torch_dtype, device)
+    dtype = resolve_dtype(cfg.data_type, lm_cfg.torch_dtype, device)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its final dtype on the device: no fp32 copy of 7B weights to cast
     t0 = time.perf_counter()
@@ -184,8 +184,8 @@ class EngineCore:
         self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill, self.prefix)
         channel = StepChannel(self.tp) if self.tp.enabled else None
         self.runner = ModelRunner(
-            self.model, self.kv, device, cfg.cuda_graph, cfg.cuda_graph_max_batch, channel,
-            piecewise_max_tokens=cfg.piecewise_graph_max_tokens,
+            self.model, self.kv, device, cfg.cuda_graph, cfg.graph_max_batch_size, channel,
+            piecewise_cuda_graph_max_tokens=cfg.piecewise_cuda_graph_max_tokens,
         )  # fmt: skip
         self.model_info = ModelInfo(
             architecture=lm.architecture,
@@ -328,7 +328,9 @@ class EngineCore:
         if self.prefix is not None:
             self.prefix = PrefixCache(self.kv.slots)
         s = self.scheduler
-        self.scheduler = Scheduler(s.max_total_tokens, s.max_running, s.prefill_budget, s.chunked_prefill, self.prefix)
+        self.scheduler = Scheduler(
+            s.max_total_token_num, s.running_max_req_size, s.prefill_budget, s.chunked_prefill, self.prefix
+        )
         return outputs
 
     def _step(self, emit: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:

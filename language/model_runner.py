@@ -132,14 +132,14 @@ class ModelRunner:
         model: torch.nn.Module,
         kv: KVCache,
         device: torch.device,
-        use_cuda_graph: bool,
-        max_graph_batch: int,
+        cuda_graph: bool,
+        graph_max_batch_size: int,
         channel: StepChannel | None = None,
-        piecewise_max_tokens: int = 0,
+        piecewise_cuda_graph_max_tokens: int = 0,
     ):
         """channel: under tensor parallelism, where rank 0 sends each step and the other ranks receive it.
-        piecewise_max_tokens: eager steps of up to this many tokens replay piecewise graphs (on GPU, with CUDA
-        graphs on, without tensor parallelism); 0: none."""
+        piecewise_cuda_graph_max_tokens: eager steps of up to this many tokens replay piecewise graphs (on GPU, with
+        CUDA graphs on, without tensor parallelism); 0: none."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -152,11 +152,11 @@ class ModelRunner:
         self._lp_out = PinnedStaging(device, torch.float32)
         on_gpu = device.type == "cuda"
         self.embeds = EmbedUpload(device)
-        self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and on_gpu else None
+        self.graphs = DecodeGraphs(self, graph_max_batch_size) if cuda_graph and on_gpu else None
         self.pieces = None
         # Not under tensor parallelism yet: captured all-reduces in the pieces have not run on a multi-GPU host.
-        if use_cuda_graph and on_gpu and channel is None and piecewise_max_tokens > 0:
-            self.pieces = PiecewiseGraphs(model, kv, device, piecewise_max_tokens)
+        if cuda_graph and on_gpu and channel is None and piecewise_cuda_graph_max_tokens > 0:
+            self.pieces = PiecewiseGraphs(model, kv, device, piecewise_cuda_graph_max_tokens)
 
     @torch.inference_mode()
     def launch(self, staged: StagedStep) -> InflightStep:

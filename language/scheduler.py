@@ -91,14 +91,14 @@ class StepPlan:
 class Scheduler:
     def __init__(
         self,
-        max_total_tokens: int,
-        max_running: int,
+        max_total_token_num: int,
+        running_max_req_size: int,
         prefill_budget: int,
-        chunked_prefill: bool = True,
+        chunked_prefill: bool,
         prefix: PrefixCache | None = None,
     ):
-        self.max_total_tokens = max_total_tokens
-        self.max_running = max_running
+        self.max_total_token_num = max_total_token_num
+        self.running_max_req_size = running_max_req_size
         self.prefill_budget = prefill_budget
         self.chunked_prefill = chunked_prefill
         self.prefix = prefix
@@ -112,7 +112,7 @@ class Scheduler:
         return bool(self.waiting) or any(r.prefilling for r in self.running)
 
     def can_ever_fit(self, req: Request) -> bool:
-        return peak_slots(req) <= self.max_total_tokens
+        return peak_slots(req) <= self.max_total_token_num
 
     def remove(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:
@@ -141,7 +141,7 @@ class Scheduler:
         """The next step's work. Requests whose launched steps already sample their last token sit out."""
         plan = StepPlan(decode=[r for r in self.running if not r.prefilling and not r.sampling_done])
         budget = self.prefill_budget
-        capacity = self.max_total_tokens - (self.prefix.protected_tokens if self.prefix else 0)
+        capacity = self.max_total_token_num - (self.prefix.protected_tokens if self.prefix else 0)
         fixed = 0  # slots owned at most by the requests that are not decoding this step
         for r in self.running:
             if r.prefilling:
@@ -150,7 +150,7 @@ class Scheduler:
                     budget -= self._take_chunk(plan, r, budget)
             elif r.sampling_done:
                 fixed += r.kv_len - r.cached_len
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.waiting and budget > 0 and len(self.running) < self.running_max_req_size:
             cand = self.waiting[0]
             if not has_free_row(len(plan.admitted)):
                 break

@@ -1,12 +1,33 @@
-"""Command-line flags (LightLLM's names, so its launch lines work unchanged) -> a frozen ServerConfig."""
+"""The command line, made from the config's fields (as vLLM's EngineArgs and mini-sglang's ServerArgs): each option
+field of ServerConfig (the engine's, the visual process's and the server's) is one flag, LightLLM's name, so that its
+launch lines work unchanged, with vLLM's spelling as an alias where users know it. Name, type, default and help are
+written once, on the field; this module only reads them."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 from collections.abc import Sequence
+from typing import Any
 
-from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST, DTYPE_NAMES, ServerConfig
-from visual.attention_backend import VIT_ATT_BACKENDS
+from mmserve.config import ServerConfig
+
+# The --help groups, in the order shown (each field's metadata names its own)
+GROUPS = ("serving", "model", "KV cache and scheduling", "vision", "parallelism", "limits and timeouts")
+_METAVARS = {int: "N", float: "X", str: "STR"}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=40)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        """`--tp, --tensor-parallel-size N`: the value's name once, after the flag and its aliases."""
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        value = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{', '.join(action.option_strings)} {value}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -15,193 +36,78 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def option_fields() -> list[dataclasses.Field]:
+    """ServerConfig's fields that are flags (the others, e.g. startup_timeout_s, are set in code): the server's own
+    first (--model_dir before the engine's model options), then the engine's and the visual process's."""
+    options = [f for f in dataclasses.fields(ServerConfig) if "help" in f.metadata]
+    return sorted(options, key=lambda f: f.name not in ServerConfig.__annotations__)
+
+
+def flag_names(f: dataclasses.Field) -> list[str]:
+    """The field's flag, then its aliases."""
+    return [f"--{f.metadata.get('flag', f.name)}", *f.metadata.get("aliases", ())]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="mmserve", description="Serve a (multimodal) LLM over HTTP, LightLLM-style.")
-    p.add_argument("--model_dir", default=None, help="HF checkpoint folder; omitted: a random-weight demo model")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree: GPUs the model is split over")
-    p.add_argument("--nnodes", type=int, default=1, help="hosts the --tp ranks are spread over (tp / nnodes each)")
-    p.add_argument("--node_rank", type=int, default=0, help="this host's index; 0 serves HTTP, the others only ranks")
-    p.add_argument("--nccl_host", default="127.0.0.1", help="node 0's address, where the ranks meet")
-    p.add_argument("--nccl_port", type=int, default=28765, help="port on --nccl_host where the ranks meet")
-    p.add_argument("--visual_dp", type=int, default=1, help="data-parallel vision towers (only 1: one tower)")
-    p.add_argument(
-        "--load_format",
-        choices=["auto", "dummy"],
-        default="auto",
-        help="dummy: random weights built on the device from config.json alone (benchmarks; no weight files read)",
+    p = _Parser(
+        prog="mmserve",
+        description="Serve a (multimodal) LLM over HTTP, LightLLM-style.",
+        usage="%(prog)s [--model_dir DIR] [--enable_multimodal] [options]",
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument(
-        "--max_total_token_num",
-        type=int,
-        default=None,
-        help="KV cache token slots; omitted: sized from free memory and --mem_fraction",
-    )
-    p.add_argument("--mem_fraction", type=float, default=0.9, help="share of free device memory for weights + KV")
-    p.add_argument("--running_max_req_size", type=int, default=1000, help="most requests decoding at once")
-    p.add_argument("--max_req_total_len", type=int, default=None, help="most tokens of prompt + output per request")
-    p.add_argument(
-        "--chunked_prefill_size",
-        type=int,
-        default=4096,
-        help="prompt tokens prefilled per step; longer prompts are split across steps beside decoding requests",
-    )
-    p.add_argument("--disable_chunked_prefill", action="store_true", help="prefill whole prompts, one step each")
-    p.add_argument(
-        "--disable_dynamic_prompt_cache",
-        action="store_true",
-        help="turn off the prefix cache (reuse of the KV of earlier prompts, images and answers)",
-    )
-    p.add_argument("--graph_max_batch_size", type=int, default=256, help="largest decode batch run as a CUDA graph")
-    p.add_argument("--disable_cudagraph", action="store_true", help="run every step eagerly")
-    p.add_argument(
-        "--piecewise_cuda_graph_max_tokens",
-        type=int,
-        default=1024,
-        help="prompt and mixed steps of up to this many tokens replay CUDA graphs of their dense parts, attention "
-        "eager (SGLang's piecewise graphs); 0: eager",
-    )
-    p.add_argument("--eos_id", type=int, nargs="+", default=None, help="end-of-sequence ids (overrides the model's)")
-    p.add_argument("--trust_remote_code", action="store_true")
-    p.add_argument("--enable_multimodal", action="store_true", help="accept images (visual process + cache)")
-    p.add_argument("--cache_capacity", type=int, default=200, help="images held in the embedding cache")
-    p.add_argument("--data_type", choices=sorted(DTYPE_NAMES), default="auto")
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
-    p.add_argument(
-        "--allow_private_urls",
-        action="store_true",
-        help="let image URLs resolve to loopback/private/link-local addresses",
-    )
-    p.add_argument(
-        "--tower_turn_ms",
-        type=float,
-        default=20.0,
-        help="how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
-    )
-    p.add_argument("--visual_infer_batch_size", type=int, default=16, help="most images in one vision-tower batch")
-    p.add_argument(
-        "--visual_batch_max_patches",
-        type=int,
-        default=16384,
-        help="most patches (vision-tower positions) in one vision-tower batch, so large images go through in small "
-        "batches and reach the LM sooner; a larger image runs alone (0: no limit)",
-    )
-    p.add_argument(
-        "--visual_batch_wait_ms",
-        type=float,
-        default=10.0,
-        help="how long a vision-tower batch that is not full waits for images still being preprocessed, so that a "
-        "burst's first images go through in one batch, not one by one (0: never)",
-    )
-    p.add_argument(
-        "--vit_att_backend",
-        nargs="+",
-        choices=list(VIT_ATT_BACKENDS),
-        default=["auto"],
-        help="vision-tower attention (LightLLM's flag): auto and triton: ours (visual/kernels/varlen_attention.py) "
-        "where it applies, torch's flash elsewhere; sdpa: torch's flash/SDPA only; fa3 and xformers (not bundled) "
-        "mean auto. One value per visual data-parallel tower: only one tower here",
-    )
-    p.add_argument("--image_dir", default=None, help="directory from which image paths in prompts may be read")
-    p.add_argument(
-        "--max_image_pixels",
-        type=int,
-        default=DEFAULT_MAX_IMAGE_PIXELS,
-        help="most pixels (width * height) of one image, checked from its header before decoding; larger: a 400",
-    )
-    p.add_argument(
-        "--max_images_per_request",
-        type=int,
-        default=DEFAULT_MAX_IMAGES_PER_REQUEST,
-        help="most images in one request; more: a 400",
-    )
-    p.add_argument(
-        "--vision_tower_dir",
-        default=None,
-        help="original LLaVA layout: the CLIP vision tower folder (default: mm_vision_tower of config)",
-    )
-    p.add_argument("--served_model_name", default=None, help="model id in the OpenAI API (default: the folder's name)")
-    p.add_argument("--chat_template", default=None, help="a Jinja chat template file overriding the checkpoint's")
-    p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--tokenizer_workers", type=int, default=2)
-    p.add_argument(
-        "--graceful_timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish while new ones get 503",
-    )
-    p.add_argument(
-        "--request_read_timeout",
-        type=float,
-        default=60.0,
-        help="seconds a request body may take to arrive in full; slower uploads get a 408 (0: no limit)",
-    )
-    p.add_argument(
-        "--stream_write_timeout",
-        type=float,
-        default=30.0,
-        help="seconds a response may wait on a client that does not read; then the connection is dropped and the "
-        "request aborted, freeing its KV slots (0: no limit)",
-    )
-    p.add_argument(
-        "--visual_max_restarts",
-        type=int,
-        default=3,
-        help="restarts of a visual process that keeps dying (in a row, with backoff) before the server exits non-zero",
-    )
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    hints = typing.get_type_hints(ServerConfig)
+    for f in option_fields():
+        group = f.metadata["group"]
+        if group not in groups:
+            raise ValueError(f"{f.name}: --help group {group!r} is not one of {GROUPS}")
+        groups[group].add_argument(*flag_names(f), dest=f.name, **_argument(f, hints[f.name]))
     return p
+
+
+def _argument(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
+    """add_argument's keywords for a field: a bool is a switch that flips its default; any other value shows its
+    default in --help (a None default's help says what omitting the flag means)."""
+    help = f.metadata["help"].replace("%", "%%")
+    if hint is bool:
+        return {"action": "store_false" if f.default else "store_true", "default": f.default, "help": help}
+    value_type = _value_type(hint)
+    kwargs = {"type": value_type, "default": f.default, "help": help, "metavar": _METAVARS.get(value_type)}
+    if f.default is not None:
+        kwargs["help"] = f"{help} (default: {f.default})"
+    for key in ("choices", "nargs"):
+        if key in f.metadata:
+            kwargs[key] = f.metadata[key]
+    if "choices" in kwargs:
+        del kwargs["metavar"]  # argparse shows the choices
+    return kwargs
+
+
+def _non_none(hint: Any) -> Any:
+    """int for `int | None`."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) < len(typing.get_args(hint)) else hint
+
+
+def _value_type(hint: Any) -> type:
+    """What one command-line word becomes: int for `int`, `int | None` and `tuple[int, ...] | None`."""
+    hint = _non_none(hint)
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is tuple else hint
+
+
+def _field_value(hint: Any, value: Any) -> Any:
+    """A nargs='+' flag's words: a tuple field takes them all; a single-value field the first (LightLLM's
+    --vit_att_backend takes one per data-parallel vision tower, and there is one tower)."""
+    if not isinstance(value, list):
+        return value
+    return tuple(value) if typing.get_origin(_non_none(hint)) is tuple else value[0]
 
 
 def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = vars(parser.parse_args(argv))
+    hints = typing.get_type_hints(ServerConfig)
     try:
-        return ServerConfig(
-            model_dir=args.model_dir,
-            host=args.host,
-            port=args.port,
-            tp=args.tp,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            nccl_host=args.nccl_host,
-            nccl_port=args.nccl_port,
-            visual_dp=args.visual_dp,
-            load_format=args.load_format,
-            max_total_token_num=args.max_total_token_num,
-            mem_fraction=args.mem_fraction,
-            running_max_req_size=args.running_max_req_size,
-            max_req_total_len=args.max_req_total_len,
-            eos_id=tuple(args.eos_id) if args.eos_id else None,
-            chunked_prefill_size=args.chunked_prefill_size,
-            chunked_prefill=not args.disable_chunked_prefill,
-            prefix_cache=not args.disable_dynamic_prompt_cache,
-            graph_max_batch_size=args.graph_max_batch_size,
-            cuda_graph=not args.disable_cudagraph,
-            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
-            trust_remote_code=args.trust_remote_code,
-            enable_multimodal=args.enable_multimodal,
-            cache_capacity=args.cache_capacity,
-            data_type=DTYPE_NAMES[args.data_type],
-            device=args.device,
-            allow_private_urls=args.allow_private_urls,
-            image_dir=args.image_dir,
-            tower_turn_ms=args.tower_turn_ms,
-            visual_infer_batch_size=args.visual_infer_batch_size,
-            visual_batch_max_patches=args.visual_batch_max_patches,
-            visual_batch_wait_ms=args.visual_batch_wait_ms,
-            vit_att_backend=args.vit_att_backend[0],
-            max_image_pixels=args.max_image_pixels,
-            max_images_per_request=args.max_images_per_request,
-            vision_tower_dir=args.vision_tower_dir,
-            served_model_name=args.served_model_name,
-            chat_template=args.chat_template,
-            log_level=args.log_level,
-            tokenizer_workers=args.tokenizer_workers,
-            graceful_timeout=args.graceful_timeout,
-            request_read_timeout=args.request_read_timeout,
-            stream_write_timeout=args.stream_write_timeout,
-            visual_max_restarts=args.visual_max_restarts,
-        )
+        return ServerConfig(**{name: _field_value(hints[name], value) for name, value in args.items()})
     except ValueError as e:
         parser.error(str(e))

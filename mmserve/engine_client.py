@@ -84,7 +84,7 @@ class EngineClient:
         children: list[ChildProcess],  # the ones the server cannot run without (router, detokenizer)
         endpoints: Endpoints,
         metrics: ServerMetrics,
-        tokenizer_workers: int = 2,
+        tokenizer_workers: int,
         services: Sequence[Service] = (),
     ):
         self.preparer = preparer

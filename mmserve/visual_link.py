@@ -8,6 +8,7 @@ them (the pieces themselves live in visual/, cache/ and mmserve/multimodal/).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import pickle
@@ -30,6 +31,7 @@ from mmserve.processes import parent_alive, run_child
 from mmserve.tokenization import PreparedPrompt, RunSync
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.weights import read_json
+from visual.options import VisualOptions
 from visual.process import VisualProcessConfig, start_visual_process
 
 logger = logging.getLogger(__name__)
@@ -57,20 +59,17 @@ def run_visual_child(config: ServerConfig, endpoints: Endpoints, shm_prefix: str
 
 
 def visual_process_config(config: ServerConfig, endpoints: Endpoints, shm_prefix: str) -> VisualProcessConfig:
+    visual_options = {f.name: getattr(config, f.name) for f in dataclasses.fields(VisualOptions)}
     return VisualProcessConfig(
+        **visual_options,
         model_dir=config.model_dir,
         jobs_addr=endpoints.visual,
         results_addr=endpoints.visual_results,
         shm_prefix=shm_prefix,
         device=config.device,
-        dtype=config.data_type,
-        vision_tower_dir=config.vision_tower_dir,
-        log_level=config.log_level,
+        data_type=config.data_type,
         load_format=config.load_format,
-        max_batch=config.visual_infer_batch_size,
-        max_batch_patches=config.visual_batch_max_patches,
-        vit_att_backend=config.vit_att_backend,
-        batch_wait_s=config.visual_batch_wait_ms / 1e3,
+        log_level=config.log_level,
     )
 
 

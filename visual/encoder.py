@@ -39,7 +39,7 @@ class VisualEncoder:
         model,
         pool: PreprocessPool,
         shm_prefix: str,
-        max_batch: int = 16,
+        max_batch: int,
         turn: TowerTurn | None = None,
         max_batch_patches: int = 0,
         batch_wait_s: float = 0.0,

@@ -29,6 +29,7 @@ from visual.encoder import VisualEncoder
 from visual.messages import EncodeJob, VisualReady
 from visual.models.base import vision_model_class
 from visual.models.weights import read_json
+from visual.options import VisualOptions
 from visual.preprocess import PreprocessPool, start_fork_server
 from visual.tower_turn import TowerTurn
 
@@ -39,29 +40,27 @@ _RECV_POLL_MS = 200  # the receiving thread's poll, so that it notices the stop
 _STATS_LOG_S = 5.0  # how often a busy visual process logs its per-phase timing (as the router logs throughput)
 
 
-@dataclass(frozen=True)
-class VisualProcessConfig:
+@dataclass(frozen=True, kw_only=True)
+class VisualProcessConfig(VisualOptions):
+    """The visual process's options and where it runs; device, data_type, load_format and log_level are the
+    engine's and the server's options, passed on."""
+
     model_dir: str
     jobs_addr: str
     results_addr: str
     shm_prefix: str
-    device: str = "auto"  # "auto": cuda if available, else cpu
-    dtype: str = "auto"  # torch dtype name; "auto": the checkpoint's (float32 on cpu)
-    vision_tower_dir: str | None = None  # original LLaVA layout: the CLIP folder, instead of mm_vision_tower
+    device: str  # "auto": cuda if available, else cpu
+    data_type: str  # torch dtype name; "auto": the checkpoint's (float32 on cpu)
+    load_format: str  # dummy: the tower's random init, no weights read (families that support it)
+    log_level: str
     # decode + preprocess runs on CPU: enough workers that it keeps up with the GPU (2 on a 2-core machine)
     num_preprocess_workers: int = max(2, min(8, (os.cpu_count() or 2) // 2))
-    max_batch: int = 16  # images per tower batch
-    max_batch_patches: int = 0  # the positions the tower runs over for them (0: no limit)
-    batch_wait_s: float = 0.0  # how long a batch that is not full waits for images still being preprocessed
-    vit_att_backend: str = "auto"  # the towers' attention kernel (visual/attention_backend.py)
-    log_level: str = "info"
-    load_format: str = "auto"  # dummy: the tower's random init, no weights read (families that support it)
 
 
 def resolve_device_dtype(cfg: VisualProcessConfig) -> tuple[torch.device, torch.dtype]:
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if cfg.dtype != "auto":
-        return device, getattr(torch, cfg.dtype)
+    if cfg.data_type != "auto":
+        return device, getattr(torch, cfg.data_type)
     if device.type == "cpu":
         return device, torch.float32
     raw = read_json(f"{cfg.model_dir}/config.json")
@@ -94,7 +93,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
     phases.done("tower built and loaded")
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
-    warm = warm_up_tower(model, device, cfg.max_batch)  # while the pool's workers start
+    warm = warm_up_tower(model, device, cfg.visual_infer_batch_size)  # while the pool's workers start
     phases.done("warm-up")
     pool.wait_started()  # ready means the first image is served at full speed
     phases.done(f"{cfg.num_preprocess_workers} preprocessing workers")
@@ -103,7 +102,10 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
     if device.type == "cuda":  # the GPU it shares with the router (on CPU each process has its own cores)
         turn = TowerTurn(cfg.shm_prefix)
         turn.create()
-    encoder = VisualEncoder(model, pool, cfg.shm_prefix, cfg.max_batch, turn, cfg.max_batch_patches, cfg.batch_wait_s)
+    encoder = VisualEncoder(
+        model, pool, cfg.shm_prefix, cfg.visual_infer_batch_size, turn, cfg.visual_batch_max_patches,
+        cfg.visual_batch_wait_ms / 1e3,
+    )  # fmt: skip
     encoder.warm_up(warm)
     dtype_name = str(dtype).removeprefix("torch.")
     ready = VisualReady(architecture, model.cache_salt, model.hidden_size, str(device), dtype_name)

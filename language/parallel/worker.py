@@ -31,8 +31,8 @@ class TPWorker:
         kv = build_kv_cache(cfg, model, lm, self.device, self.tp)
         self.channel = StepChannel(self.tp)
         self.runner = ModelRunner(
-            model, kv, self.device, cfg.cuda_graph, cfg.cuda_graph_max_batch, self.channel,
-            piecewise_max_tokens=cfg.piecewise_graph_max_tokens,
+            model, kv, self.device, cfg.cuda_graph, cfg.graph_max_batch_size, self.channel,
+            piecewise_cuda_graph_max_tokens=cfg.piecewise_cuda_graph_max_tokens,
         )  # fmt: skip
         logger.info("tensor parallel rank %d ready on %s: %d KV slots", rank, self.device, kv.num_slots)
 

@@ -159,8 +159,9 @@ def check_generation(family: QwenVLFamily, model_dir: str, hf_model, device: str
         prompts.append(mm.token_ids)
         placed = zip(mm.offsets, embeds, mm.grid_thw, strict=True)
         items.append([MultimodalItem(offset=o, embeds=e.cpu(), grid_thw=g) for o, e, g in placed])
-    llm = LLM(model_dir, max_total_token_num=4096, device=device, dtype=dtype,
-              chunked_prefill_size=chunked_prefill_size, piecewise_graph_max_tokens=piecewise_max_tokens)  # fmt: skip
+    llm = LLM(model_dir, max_total_token_num=4096, device=device, data_type=dtype,
+              chunked_prefill_size=chunked_prefill_size,
+              piecewise_cuda_graph_max_tokens=piecewise_max_tokens)  # fmt: skip
     if piecewise_max_tokens and llm.engine.runner.pieces is None:  # CPU: the pieces run uncaptured
         from language.piecewise_graphs import PiecewiseGraphs
 

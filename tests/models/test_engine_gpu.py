@@ -26,7 +26,7 @@ def hf_model(tiny_llama_dir):
 
 @pytest.mark.parametrize("chunk", [4096, 13])
 def test_staggered_requests_equal_hf_on_gpu(tiny_llama_dir, hf_model, chunk):
-    llm = LLM(tiny_llama_dir, max_total_token_num=8192, device="cuda", dtype="float32", chunked_prefill_size=chunk)
+    llm = LLM(tiny_llama_dir, max_total_token_num=8192, device="cuda", data_type="float32", chunked_prefill_size=chunk)
     assert llm.engine.runner.graphs is not None
     rng = random.Random(1)
     vocab = hf_model.config.vocab_size

@@ -40,8 +40,8 @@ def test_staggered_requests_through_pieces_equal_hf(tiny_llama_dir, hf_model, de
     """Requests join while others decode, prompts in chunks of up to 40 tokens: steps of up to MAX_TOKENS run
     through the pieces (sizes 16 and 32, so a step often pads over rows a larger step had given live slots);
     longer ones (the first step of a 76-token burst) run eagerly."""
-    llm = LLM(tiny_llama_dir, max_total_token_num=8192, device=device, dtype="float32", chunked_prefill_size=40,
-              piecewise_graph_max_tokens=MAX_TOKENS)  # fmt: skip
+    llm = LLM(tiny_llama_dir, max_total_token_num=8192, device=device, data_type="float32", chunked_prefill_size=40,
+              piecewise_cuda_graph_max_tokens=MAX_TOKENS)  # fmt: skip
     runner = llm.engine.runner
     if device == "cpu":
         assert runner.pieces is None  # only built on a GPU; the test runs them uncaptured

@@ -36,7 +36,7 @@ class Outbox(list):
 
 def make_client() -> tuple[EngineClient, FakePreparer, Outbox]:
     preparer = FakePreparer()
-    client = EngineClient(preparer, [], None, ServerMetrics())
+    client = EngineClient(preparer, [], None, ServerMetrics(), tokenizer_workers=2)
     client._to_router = Outbox()
     client._failed = asyncio.Event()
     return client, preparer, client._to_router

@@ -35,7 +35,7 @@ def test_engine_config_from_server_config():
         shlex.split(LLAMA_LINE + " --data_type bf16 --eos_id 2 7 --running_max_req_size 8 --max_req_total_len 2048")
     )
     eng = cfg.engine_config()
-    assert eng.model_dir == "/path/llama-7B" and eng.dtype == "bfloat16" and eng.eos_id == (2, 7)
+    assert eng.model_dir == "/path/llama-7B" and eng.data_type == "bfloat16" and eng.eos_id == (2, 7)
     assert eng.max_total_token_num is None and eng.mem_fraction == 0.9
     assert eng.running_max_req_size == 8 and eng.max_req_total_len == 2048
 
@@ -88,9 +88,9 @@ def test_visual_flags_reach_the_visual_process(tmp_path):
 
     endpoints = Endpoints(str(tmp_path), *(f"ipc://{tmp_path}/{n}" for n in ("r", "d", "h", "v", "vr")))
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")
-    assert (default.max_batch, default.max_batch_patches, default.vit_att_backend) == (16, 16384, "auto")
-    assert default.batch_wait_s == 0.01
+    assert (default.visual_infer_batch_size, default.visual_batch_max_patches) == (16, 16384)
+    assert (default.vit_att_backend, default.visual_batch_wait_ms) == ("auto", 10.0)
     flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa --visual_batch_wait_ms 15"
     cfg = visual_process_config(parse_config(shlex.split(LLAMA_LINE + flags)), endpoints, "p_")
-    assert (cfg.max_batch, cfg.max_batch_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)
-    assert (cfg.vit_att_backend, cfg.batch_wait_s) == ("sdpa", 0.015)
+    assert (cfg.visual_infer_batch_size, cfg.visual_batch_max_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)
+    assert (cfg.vit_att_backend, cfg.visual_batch_wait_ms) == ("sdpa", 15.0)

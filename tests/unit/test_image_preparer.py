@@ -20,6 +20,7 @@ from mmserve.protocol import BadRequest, GenerateInput
 from mmserve.tokenization import Limits, RequestPreparer
 from visual.encoder import VisualEncoder
 from visual.models.llava import LlavaVisionModel
+from visual.options import VisualOptions
 from visual.preprocess import PreprocessPool
 
 
@@ -46,7 +47,9 @@ class Harness:
 
     def __init__(self, model_dir, vision, capacity):
         self.prefix = new_prefix()
-        self.encoder = VisualEncoder(vision, PreprocessPool(vision, 0), self.prefix)
+        self.encoder = VisualEncoder(
+            vision, PreprocessPool(vision, 0), self.prefix, VisualOptions().visual_infer_batch_size
+        )
         self.coordinator = CacheCoordinator(capacity, self.prefix, self.encoder.submit)
         processor = LlavaPromptProcessor.from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
         self.preparer = MultimodalPreparer(

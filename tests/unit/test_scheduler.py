@@ -45,7 +45,12 @@ def test_never_over_admits_under_pressure_with_chunks():
     for seed in range(5):
         rng = random.Random(seed)
         capacity = 300
-        sched = Scheduler(max_total_tokens=capacity, max_running=64, prefill_budget=rng.choice([7, 32, 1000]))
+        sched = Scheduler(
+            max_total_token_num=capacity,
+            running_max_req_size=64,
+            prefill_budget=rng.choice([7, 32, 1000]),
+            chunked_prefill=True,
+        )
         for i in range(60):
             sched.add(_req(i, rng.randint(5, 80), rng.randint(1, 120)))
         assert _simulate(sched, capacity, rng) <= capacity
@@ -70,7 +75,7 @@ def test_lockstep_peak_matches_a_step_by_step_count():
 
 
 def test_budget_splits_prompts_and_continues_them_first():
-    sched = Scheduler(max_total_tokens=10_000, max_running=8, prefill_budget=10)
+    sched = Scheduler(max_total_token_num=10_000, running_max_req_size=8, prefill_budget=10, chunked_prefill=True)
     a, b, c = _req(0, 25, 4), _req(1, 6, 4), _req(2, 3, 4)
     for r in (a, b, c):
         sched.add(r)
@@ -90,7 +95,7 @@ def test_budget_splits_prompts_and_continues_them_first():
 
 
 def test_whole_prompts_when_chunking_is_off():
-    sched = Scheduler(max_total_tokens=10_000, max_running=8, prefill_budget=10, chunked_prefill=False)
+    sched = Scheduler(max_total_token_num=10_000, running_max_req_size=8, prefill_budget=10, chunked_prefill=False)
     a, b = _req(0, 25, 4), _req(1, 6, 4)
     sched.add(a)
     sched.add(b)
@@ -102,7 +107,7 @@ def test_whole_prompts_when_chunking_is_off():
 
 
 def test_admission_stops_at_the_cache_and_keeps_order():
-    sched = Scheduler(max_total_tokens=99, max_running=8, prefill_budget=1000)
+    sched = Scheduler(max_total_token_num=99, running_max_req_size=8, prefill_budget=1000, chunked_prefill=True)
     big, small = _req(0, 40, 30), _req(1, 2, 2)  # peaks 69 and 3
     sched.add(_req(2, 30, 2))  # peak 31
     sched.add(big)

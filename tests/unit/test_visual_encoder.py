@@ -190,6 +190,9 @@ def test_visual_process_over_zmq_and_cleanup_after_kill(model_dir, prefix, tmp_p
         results_addr=f"ipc://{tmp_path}/http.sock",
         shm_prefix=prefix,
         device="cpu",
+        data_type="auto",
+        load_format="auto",
+        log_level="info",
         num_preprocess_workers=1,
     )
     ctx = zmq.Context()

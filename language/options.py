@@ -1,0 +1,125 @@
+"""The engine's command-line options, one field each: name, type, default, help and --help group in one place.
+No torch here: the server's command line reads them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# LightLLM's --data_type spellings -> torch dtype names; "auto" keeps the checkpoint's own dtype.
+DTYPE_NAMES = {
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "auto": "auto",
+}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# Their --help groups (mmserve/cli.py orders them)
+_MODEL, _KV, _PARALLEL = "model", "KV cache and scheduling", "parallelism"
+
+
+def option(default, group: str, help: str, **cli):
+    """A field that is also a command-line flag: mmserve/cli.py makes `--<field name>` of it (or `cli["flag"]`),
+    in the --help group `group`, with this default, help and the field's type. `cli` may also name `aliases`
+    (vLLM's spelling of the flag), `choices` and `nargs`."""
+    return field(default=default, metadata={"group": group, "help": help, **cli})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's command-line options; each name is its flag's (LightLLM's), from the command line to the
+    engine."""
+
+    # model
+    data_type: str = option(
+        "auto",
+        _MODEL,
+        "weights' and activations' dtype (auto: the checkpoint's)",
+        choices=sorted(DTYPE_NAMES),
+        aliases=("--dtype",),
+    )
+    device: str = option("auto", _MODEL, "cuda, cuda:<index>, cpu or auto")
+    eos_id: tuple[int, ...] | None = option(None, _MODEL, "end-of-sequence ids; omitted: the model's", nargs="+")
+    trust_remote_code: bool = option(
+        False,
+        _MODEL,
+        "let transformers run the checkpoint's own code (Qwen-VL-Chat's tokenizer)",
+        aliases=("--trust-remote-code",),
+    )
+    load_format: str = option(
+        "auto",
+        _MODEL,
+        "dummy: random weights built on the device from config.json alone (benchmarks; no weight files read)",
+        choices=["auto", "dummy"],
+        aliases=("--load-format",),
+    )
+    # KV cache and scheduling
+    max_total_token_num: int | None = option(
+        None, _KV, "KV cache token slots; omitted: sized from free memory and --mem_fraction"
+    )
+    mem_fraction: float = option(0.9, _KV, "share of free device memory for weights + KV")
+    running_max_req_size: int = option(1000, _KV, "most requests decoding at once", aliases=("--max-num-seqs",))
+    max_req_total_len: int | None = option(
+        None,
+        _KV,
+        "most tokens of prompt + output per request; omitted: the model's context length",
+        aliases=("--max-model-len",),
+    )
+    # Longer prompts are split across steps, so running requests keep decoding while they prefill, and activation
+    # memory stays bounded.
+    chunked_prefill_size: int = option(
+        4096,
+        _KV,
+        "prompt tokens prefilled per step; longer prompts are split across steps beside decoding requests",
+    )
+    # Off: whole prompts (a long one still runs alone in its step).
+    chunked_prefill: bool = option(True, _KV, "prefill whole prompts, one step each", flag="disable_chunked_prefill")
+    # A radix tree of the KV of earlier prompts and answers, reused by requests that share a prefix.
+    prefix_cache: bool = option(
+        True,
+        _KV,
+        "turn off the prefix cache (reuse of the KV of earlier prompts, images and answers)",
+        flag="disable_dynamic_prompt_cache",
+    )
+    cuda_graph: bool = option(
+        True, _KV, "run every step eagerly", flag="disable_cudagraph", aliases=("--enforce-eager",)
+    )
+    graph_max_batch_size: int = option(256, _KV, "largest decode batch run as a CUDA graph")
+    piecewise_cuda_graph_max_tokens: int = option(
+        1024,
+        _KV,
+        "prompt and mixed steps of up to this many tokens replay CUDA graphs of "
+        "their dense parts, attention eager (SGLang's piecewise graphs); 0: eager",
+    )
+    # parallelism
+    tp: int = option(
+        1, _PARALLEL, "tensor parallel degree: GPUs the model is split over", aliases=("--tensor-parallel-size",)
+    )
+
+    def __post_init__(self) -> None:
+        if self.data_type not in DTYPE_NAMES:
+            raise ValueError(f"--data_type must be one of {sorted(DTYPE_NAMES)}")
+        object.__setattr__(self, "data_type", DTYPE_NAMES[self.data_type])  # one spelling from here on
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"--device {self.device}: must be auto, cpu, cuda or cuda:<index>")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("--load_format must be auto or dummy")
+        if self.max_total_token_num is not None and self.max_total_token_num < 1:
+            raise ValueError("--max_total_token_num must be >= 1")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError("--mem_fraction must be in (0, 1]")
+        if self.running_max_req_size < 1:
+            raise ValueError("--running_max_req_size must be >= 1")
+        if self.max_req_total_len is not None and self.max_req_total_len < 2:
+            raise ValueError("--max_req_total_len must be >= 2")
+        if self.chunked_prefill_size < 1:
+            raise ValueError("--chunked_prefill_size must be >= 1")
+        if self.graph_max_batch_size < 1:
+            raise ValueError("--graph_max_batch_size must be >= 1")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError("--piecewise_cuda_graph_max_tokens must be >= 0")
+        if self.tp < 1:
+            raise ValueError("--tp must be >= 1")

@@ -1,0 +1,64 @@
+"""The visual process's command-line options, one field each (as language/options.py's): name, type, default, help
+and --help group in one place. No torch here: the server's command line reads them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from visual.attention_backend import VIT_ATT_BACKENDS
+
+_VISION = "vision"  # their --help group
+
+
+@dataclass(frozen=True)
+class VisualOptions:
+    visual_infer_batch_size: int = field(
+        default=16, metadata={"group": _VISION, "help": "most images in one vision-tower batch"}
+    )
+    # A burst of large images goes through in small batches, each image's embeddings reaching the LM when its own
+    # batch ends, not a 16-image batch's.
+    visual_batch_max_patches: int = field(
+        default=16384,
+        metadata={
+            "group": _VISION,
+            "help": "most patches (vision-tower positions) in one vision-tower batch, so large images go through in "
+            "small batches and reach the LM sooner; a larger image runs alone (0: no limit)",
+        },
+    )
+    # visual/encoder.py, _wait_for_stragglers
+    visual_batch_wait_ms: float = field(
+        default=10.0,
+        metadata={
+            "group": _VISION,
+            "help": "how long a vision-tower batch that is not full waits for images still being preprocessed, so "
+            "that a burst's first images go through in one batch, not one by one (0: never)",
+        },
+    )
+    vit_att_backend: str = field(
+        default="auto",
+        metadata={
+            "group": _VISION,
+            "help": "vision-tower attention (LightLLM's flag): auto and triton: ours (visual/kernels/"
+            "varlen_attention.py) where it applies, torch's flash elsewhere; sdpa: torch's flash/SDPA only; fa3 and "
+            "xformers (not bundled) mean auto. One value per visual data-parallel tower: only one tower here",
+            "choices": VIT_ATT_BACKENDS,
+            "nargs": "+",
+        },
+    )
+    vision_tower_dir: str | None = field(
+        default=None,
+        metadata={
+            "group": _VISION,
+            "help": "original LLaVA layout: the CLIP vision tower folder; omitted: mm_vision_tower of config.json",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.visual_infer_batch_size < 1:
+            raise ValueError("--visual_infer_batch_size must be >= 1")
+        if self.visual_batch_wait_ms < 0:
+            raise ValueError("--visual_batch_wait_ms must be >= 0")
+        if self.visual_batch_max_patches < 0:
+            raise ValueError("--visual_batch_max_patches must be >= 0")
+        if self.vit_att_backend not in VIT_ATT_BACKENDS:
+            raise ValueError(f"--vit_att_backend must be one of {', '.join(VIT_ATT_BACKENDS)}")
