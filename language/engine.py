@@ -9,11 +9,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
 from families import family
 from language.config import EngineConfig, LMConfig, resolve_device, resolve_dtype
+from language.engine_stats import EngineStats
 from language.kv_cache import KVCache
 from language.loader import architecture, count_weights, iter_weights, read_config
 from language.model_runner import InflightStep, ModelRunner
@@ -23,13 +25,16 @@ from language.parallel.step_sync import StepChannel
 from language.prefix_cache import PrefixCache, cache_ids
 from language.progress import progress
 from language.request import (
-    ENGINE_FAILURE,
     PrefixNotCached,
     PromptLogprobs,
     Request,
+    RequestError,
     RequestOutput,
+    RequestRejected,
     RequestStatus,
     TopLogprobs,
+    length_error,
+    request_limit,
 )
 from language.sampling_params import InvalidParams
 from language.scheduler import Scheduler, StepPlan
@@ -54,15 +59,9 @@ class ModelInfo:
     max_total_token_num: int
     max_req_total_len: int
 
-
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    kv_used: int  # slots running requests hold (their own and the cached prefixes they use)
-    kv_total: int
-    prefix_cache_tokens: int = 0  # slots the prefix cache holds (evictable or in use)
-    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, since start
+    @property
+    def request_limit(self) -> int:
+        return request_limit(self.max_req_total_len, self.max_total_token_num)
 
 
 @dataclass
@@ -220,44 +219,11 @@ class EngineCore:
 
     # ---- requests in ----
     def add_request(self, req: Request) -> None:
-        info = self.model_info
-        if req.rid in self._requests:
-            raise ValueError(f"request id {req.rid!r} is already in use")
-        if req.prompt_len == 0:
-            raise ValueError("the prompt is empty")
-        if req.max_total_len > info.max_req_total_len:
-            raise ValueError(
-                f"prompt ({req.prompt_len} tokens) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
-                f"maximum request length {info.max_req_total_len}"
-            )
-        if not self.scheduler.can_ever_fit(req):
-            raise ValueError(f"request needs more KV slots than the cache holds ({info.max_total_token_num})")
-        if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
-            raise ValueError("prompt token id out of the vocabulary")
-        for item in req.mm_items:
-            if item.embeds is None:
-                continue  # covered by the cached prefix, or refused below
-            if item.embeds.dim() != 2 or item.embeds.shape[1] != info.mm_embed_width:
-                raise ValueError(
-                    f"image embeddings of shape {tuple(item.embeds.shape)}: this model takes rows of "
-                    f"{info.mm_embed_width} values"
-                )
-        p = req.params
-        try:  # what the sampler's tensors hold (the HTTP side checked it already; direct callers may not have)
-            p.validate()
-        except InvalidParams as e:
-            raise ValueError(f"parameters.{e}") from None
-        for name, ids in (
-            ("allowed_token_ids", p.allowed_token_ids or ()),
-            ("logit_bias", [t for t, _ in p.logit_bias]),
-        ):
-            if any(t < 0 or t >= info.vocab_size for t in ids):
-                raise ValueError(f"parameters.{name}: token id out of the vocabulary (size {info.vocab_size})")
-        if p.min_new_tokens and p.allowed_token_ids is not None:
-            masked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(info.eos_token_ids))
-            if set(p.allowed_token_ids) <= masked:
-                raise ValueError("parameters.allowed_token_ids: min_new_tokens masks all of them (EOS, stop ids)")
+        """Queue a request, or raise RequestRejected (a ValueError) saying why it can never run; PrefixNotCached
+        for images sent without embeddings whose KV is not cached."""
+        self._check(req)
         self.model.prepare_request(req)
+        p = req.params
         if p.prompt_logprobs is not None:
             # Every prompt position must run to be scored: a cached prefix has no logits, so such a request neither
             # reuses the prefix cache nor adds to it (as vLLM skips the cache for prompt logprobs).
@@ -268,6 +234,41 @@ class EngineCore:
             raise PrefixNotCached(f"request {req.rid}: an image sent without embeddings is not in the prefix cache")
         self._requests[req.rid] = req
         self.scheduler.add(req)
+
+    def _check(self, req: Request) -> None:
+        """What the engine's tensors and the cache can hold. The server's HTTP side checks the length (the same
+        rule) and the parameters before anything is queued; direct callers (the offline LLM) may not have."""
+        info = self.model_info
+        if req.rid in self._requests:
+            _refuse("inputs", f"request id {req.rid!r} is already in use")
+        if req.prompt_len == 0:
+            _refuse("inputs", "the prompt is empty")
+        too_long = length_error(req.prompt_len, req.params.max_new_tokens, info.request_limit)
+        if too_long is not None:
+            raise RequestRejected(too_long)
+        if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
+            _refuse("inputs", "prompt token id out of the vocabulary")
+        for item in req.mm_items:
+            if item.embeds is None:
+                continue  # covered by the cached prefix, or refused below
+            if item.embeds.dim() != 2 or item.embeds.shape[1] != info.mm_embed_width:
+                _refuse("inputs", f"image embeddings of shape {tuple(item.embeds.shape)}: this model takes rows of "
+                        f"{info.mm_embed_width} values")  # fmt: skip
+        p = req.params
+        try:
+            p.validate()
+        except InvalidParams as e:
+            _refuse(f"parameters.{e.field}", e.message)
+        for name, ids in (
+            ("allowed_token_ids", p.allowed_token_ids or ()),
+            ("logit_bias", [t for t, _ in p.logit_bias]),
+        ):
+            if any(t < 0 or t >= info.vocab_size for t in ids):
+                _refuse(f"parameters.{name}", f"token id out of the vocabulary (size {info.vocab_size})")
+        if p.min_new_tokens and p.allowed_token_ids is not None:
+            masked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(info.eos_token_ids))
+            if set(p.allowed_token_ids) <= masked:
+                _refuse("parameters.allowed_token_ids", "min_new_tokens masks all of them (EOS, stop ids)")
 
     def abort(self, rid: str) -> None:
         """Finish a request now. If a step in flight still writes its cache, its slots are reused only by later
@@ -304,14 +305,14 @@ class EngineCore:
                 raise
             logger.exception("an engine step failed: failing the %d requests the engine holds", len(held))
             self._failed_last_step = True
-            reason = f"{ENGINE_FAILURE}: the step that ran this request raised {type(e).__name__}: {e}"
+            reason = RequestError.server_failure(f"the step that ran this request raised {type(e).__name__}: {e}")
             return self._fail_all(held, aborted, delivered, reason)
         if self._inflight is not None:
             self._failed_last_step = False
         return outputs
 
     def _fail_all(
-        self, held: list[Request], aborted: list[RequestOutput], delivered: set[str], reason: str
+        self, held: list[Request], aborted: list[RequestOutput], delivered: set[str], reason: RequestError
     ) -> list[RequestOutput]:
         """The final output of every request held when the failed step began (aborts stand, the rest end in an
         error), then a clean slate: all KV slots and rows free, an empty prefix cache and queue."""
@@ -460,6 +461,10 @@ class EngineCore:
             new_top_logprobs=None if top is None else [top],
             prompt_logprobs=req.prompt_logprobs if first else None,
         )
+
+
+def _refuse(param: str, message: str) -> NoReturn:
+    raise RequestRejected(RequestError.refused(param, message))
 
 
 def _needs_history(plan: StepPlan) -> bool:

@@ -12,14 +12,59 @@ import torch
 
 from language.sampling_params import SamplingParams
 
-# RequestOutput.error of a request that failed through no fault of its own (a step that raised, its embeddings gone)
-ENGINE_FAILURE = "engine failure"
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request ended without an answer, in the fields the HTTP side answers with: the status, the client's
+    field at fault (None: not the request's fault, a failure of the server) and what happened."""
+
+    status: int
+    param: str | None
+    message: str
+
+    @classmethod
+    def refused(cls, param: str, message: str) -> RequestError:
+        return cls(400, param, message)
+
+    @classmethod
+    def server_failure(cls, message: str) -> RequestError:
+        """A step that raised, an image's embeddings gone: the request did nothing wrong."""
+        return cls(500, None, message)
+
+
+class RequestRejected(ValueError):
+    """EngineCore.add_request refused the request (nothing was added): `error` says why, for the client."""
+
+    def __init__(self, error: RequestError):
+        super().__init__(error.message if error.param is None else f"{error.param}: {error.message}")
+        self.error = error
+
+
+def request_limit(max_req_total_len: int, kv_slots: int) -> int:
+    """The most tokens of prompt + output one request may have: it must fit both the model's context and the whole
+    KV cache."""
+    return min(max_req_total_len, kv_slots)
+
+
+def length_error(prompt_len: int, max_new_tokens: int, limit: int) -> RequestError | None:
+    """The one rule on a request's length (`limit`: request_limit): the prompt leaves room for one new token, and
+    prompt + max_new_tokens fits."""
+    if prompt_len >= limit:
+        message = f"the prompt is {prompt_len} tokens; this server allows {limit - 1} at most"
+        return RequestError.refused("inputs", message)
+    if prompt_len + max_new_tokens > limit:
+        return RequestError.refused(
+            "parameters.max_new_tokens",
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds this server's limit of {limit} "
+            "tokens per request",
+        )
+    return None
 
 
 class PrefixNotCached(ValueError):
@@ -121,7 +166,8 @@ class PromptLogprobs:
 
 @dataclass
 class RequestOutput:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one request. The router sends it to the detokenizer as it is (plain values,
+    no tensors), and makes its own for requests that never reach the engine (refused, aborted while waiting)."""
 
     rid: str
     new_token_ids: list[int]
@@ -133,4 +179,4 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     new_top_logprobs: list[TopLogprobs] | None = None  # per new token, when top_logprobs > 0 was asked
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when prompt_logprobs was asked
-    error: str | None = None  # why it ended with finish_reason "error"
+    error: RequestError | None = None  # why it ended with finish_reason "error"

@@ -11,6 +11,7 @@ class InvalidParams(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
 
 
 MAX_SEQUENCES = 16  # most sequences (n / best_of) one HTTP request may ask for

@@ -111,9 +111,6 @@ class Scheduler:
     def has_prompt_work(self) -> bool:
         return bool(self.waiting) or any(r.prefilling for r in self.running)
 
-    def can_ever_fit(self, req: Request) -> bool:
-        return peak_slots(req) <= self.max_total_token_num
-
     def remove(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

@@ -10,15 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmserve.messages import (
-    AbortRequest,
-    DetokBatch,
-    DetokSetup,
-    RouterBatch,
-    TextOutput,
-    TokenDetail,
-    TokenOutput,
-)
+from language.request import RequestOutput
+from mmserve.messages import AbortRequest, DetokBatch, DetokSetup, RouterBatch, TextOutput, TokenDetail
 
 # The detokenizer decodes exactly as a client calling tokenizer.decode(ids, **DECODE_KWARGS) would.
 DECODE_KWARGS = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
@@ -163,7 +156,7 @@ class Detokenizer:
                 self._spaces_kwarg = False
         return self._spaces_kwarg
 
-    def _step(self, state: _RequestState, out: TokenOutput) -> TextOutput:
+    def _step(self, state: _RequestState, out: RequestOutput) -> TextOutput:
         text = ""
         tokens: list[TokenDetail] = []
         # The engine stops on a token id (EOS or stop_token_ids) with finish_reason "stop": the last new token. A

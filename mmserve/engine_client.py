@@ -311,8 +311,8 @@ class EngineClient:
             stream = self._streams.pop(rid, None)
             if stream is not None:  # (else its client left, and its abort has been sent)
                 self._abandon(rid)  # it waits in the router
-                error = e if isinstance(e, ServerFailure) else TextOutput(rid, "", [], True, "error", 0, 0, str(e))
-                stream.queue.put_nowait(error)
+                refused = isinstance(e, BadRequest)
+                stream.queue.put_nowait(TextOutput(rid, "", [], True, "error", 0, 0, e.to_error()) if refused else e)
             return
         except Exception as e:  # a bug: the request must still end
             logger.exception("encoding the deferred images of %s failed", rid)

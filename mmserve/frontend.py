@@ -9,6 +9,7 @@ import socket
 
 import uvicorn
 
+from language.engine_stats import EngineStats
 from mmserve.children import spawn_visual
 from mmserve.config import ServerConfig
 from mmserve.drain import DrainGate, DrainingServer
@@ -46,7 +47,7 @@ def run_frontend(
     wait_ready(children, config.startup_timeout_s)
     info = children[0].info
     metrics = ServerMetrics()
-    metrics.on_stats(RouterStats(kv_total=info.max_total_token_num))  # before the router's first stats arrive
+    metrics.on_stats(RouterStats(EngineStats(0, 0, 0, info.max_total_token_num)))  # before the router's first stats
     visual_child = children[2] if shm_prefix else None
     visual = VisualLink(config, endpoints, shm_prefix, visual_child.info, processor) if visual_child else None
     services: list = []

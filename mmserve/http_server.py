@@ -13,7 +13,6 @@ from dataclasses import replace
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from language.request import ENGINE_FAILURE
 from language.sampling_params import SamplingParams
 from mmserve.drain import RETRY_AFTER_S
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
@@ -89,7 +88,7 @@ def build_app(
                     client.abort(stream.rid)
         for out, _, _ in results:
             if out.error is not None:
-                return _error(_engine_error(out.error))
+                return _error(BadRequest.of(out.error))
         if len(results) > params.n:  # best_of: the n sequences with the highest cumulative log-probability
             ranked = sorted(range(len(results)), key=lambda i: -sum(t.logprob for t in results[i][2]))
             results = [results[i] for i in sorted(ranked[: params.n])]
@@ -126,7 +125,7 @@ def build_app(
             return _server_failure(e) if isinstance(e, ServerFailure) else Response(status_code=_CLIENT_CLOSED)
         if first.error is not None:
             disconnected.cancel()
-            return _error(_engine_error(first.error))
+            return _error(BadRequest.of(first.error))
         return ClosingStreamingResponse(_sse(client, stream, first, disconnected), media_type="text/event-stream")
 
     return app
@@ -174,17 +173,6 @@ async def _collect(stream: RequestStream, disconnected: asyncio.Future) -> tuple
         scores = scores or out.prompt_logprobs
         if out.finished:
             return replace(out, prompt_logprobs=scores), "".join(text), tokens
-
-
-def _engine_error(message: str) -> BadRequest:
-    """The router refused the request: a parameter the engine checks names itself ("parameters.x: ..."), anything
-    else is about the prompt."""
-    name, sep, rest = message.partition(": ")
-    if name == ENGINE_FAILURE:  # not the request's fault: a 500 that says what broke
-        return BadRequest("server", rest, status=500)
-    if sep and name.startswith(("parameters.", "multimodal_params.")):
-        return BadRequest(name, rest)
-    return BadRequest("inputs", message)
 
 
 async def _sse(

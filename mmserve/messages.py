@@ -1,7 +1,8 @@
 """The messages that cross process boundaries, one class per boundary and purpose.
 
 They are small pickled dataclasses of plain Python values: no tensors ever travel over a socket (image embeddings
-live in shared memory and are named by their cache key).
+live in shared memory and are named by their cache key). The engine's own records (RequestOutput, with its
+RequestError, and EngineStats) travel as they are, never copied into look-alikes.
 
     HTTP server --TokenizedRequest/AbortRequest--> router <--ImagesReady-- visual process
     router --RouterBatch--> detokenizer --AbortRequest (stop sequence hit)--> router
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from language.request import PromptLogprobs, TopLogprobs
+from language.engine_stats import EngineStats
+from language.request import PromptLogprobs, RequestError, RequestOutput, request_limit
 from language.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------- into the router
@@ -89,33 +91,16 @@ class DetokSetup:
         )
 
 
-@dataclass
-class TokenOutput:
-    """New tokens of one request from one engine step (or its end)."""
-
-    rid: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" when finished
-    prompt_tokens: int
-    output_tokens: int
-    error: str | None = None  # why the router could not run it (then finish_reason is "error")
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    new_top_logprobs: list[TopLogprobs] | None = None  # per new token (top_logprobs > 0 asked)
-    prompt_logprobs: PromptLogprobs | None = None  # with the first token (prompt_logprobs asked)
-
-
 @dataclass(frozen=True)
 class RouterStats:
-    """Scheduler and KV-cache occupancy after a step, for /metrics."""
+    """The engine's occupancy after a step and the requests the router holds back for their images, for /metrics."""
 
-    running: int = 0
-    waiting: int = 0
-    kv_used: int = 0
-    kv_total: int = 0
-    prefix_cache_tokens: int = 0  # KV slots the prefix cache holds
-    prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache since start (a counter)
+    engine: EngineStats
+    awaiting_images: int = 0
+
+    @property
+    def waiting(self) -> int:
+        return self.engine.waiting + self.awaiting_images
 
 
 @dataclass
@@ -123,7 +108,7 @@ class RouterBatch:
     """Router -> detokenizer, once per step: setups come first so they precede their requests' outputs."""
 
     setups: list[DetokSetup] = field(default_factory=list)
-    outputs: list[TokenOutput] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
     stats: RouterStats | None = None
     # Requests holding images sent without embeddings (ImageRef.embedded False) whose KV the prefix cache does not
     # cover: the HTTP server encodes those images, then sends ImagesReady. Passed on by the detokenizer.
@@ -153,7 +138,7 @@ class TextOutput:
     finish_reason: str | None
     prompt_tokens: int
     output_tokens: int
-    error: str | None = None
+    error: RequestError | None = None
     cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # on the first output (prompt_logprobs asked)
 
@@ -183,6 +168,4 @@ class ReadyInfo:
 
     @property
     def request_limit(self) -> int:
-        """The most tokens of prompt + output one request may have: it must fit both the model's context and the
-        whole KV cache."""
-        return min(self.max_req_total_len, self.max_total_token_num)
+        return request_limit(self.max_req_total_len, self.max_total_token_num)

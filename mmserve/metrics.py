@@ -43,14 +43,15 @@ class ServerMetrics:
         )
 
     def on_stats(self, stats: RouterStats) -> None:
-        self.running.set(stats.running)
+        engine = stats.engine
+        self.running.set(engine.running)
         self.waiting.set(stats.waiting)
-        self.kv_used.set(stats.kv_used)
-        self.kv_total.set(stats.kv_total)
-        self.prefix_cache_tokens.set(stats.prefix_cache_tokens)
-        if stats.prefix_cache_hit_tokens > self._hits_seen:
-            self.prefix_cache_hits.inc(stats.prefix_cache_hit_tokens - self._hits_seen)
-            self._hits_seen = stats.prefix_cache_hit_tokens
+        self.kv_used.set(engine.kv_used)
+        self.kv_total.set(engine.kv_total)
+        self.prefix_cache_tokens.set(engine.prefix_cache_tokens)
+        if engine.prefix_cache_hit_tokens > self._hits_seen:
+            self.prefix_cache_hits.inc(engine.prefix_cache_hit_tokens - self._hits_seen)
+            self._hits_seen = engine.prefix_cache_hit_tokens
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

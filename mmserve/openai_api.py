@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from language.request import PromptLogprobs
+from language.request import PromptLogprobs, RequestError
 from mmserve.chat_templates import builtin_chat_template, model_architecture
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.http_server import _collect, _read_body, _watch_disconnect
@@ -48,6 +48,13 @@ def openai_error(message: str, status: int = 400, param: str | None = None, kind
 def _bad_request(e: BadRequest, body: dict | None, prompt_field: str) -> JSONResponse:
     param, message = openai_param(e, body, prompt_field)
     return openai_error(message, e.status, param)
+
+
+def _request_error(e: RequestError, body: dict, chat: bool) -> JSONResponse:
+    """A request the router or the engine refused (named by the client's own fields) or failed (naming none)."""
+    if e.param is None:
+        return openai_error(e.message, e.status)
+    return _bad_request(BadRequest.of(e), body, "messages" if chat else "prompt")
 
 
 class OpenAIServing:
@@ -125,7 +132,7 @@ class OpenAIServing:
             self._abort_unfinished(streams)
         for out, _, _ in results:
             if out.error is not None:
-                return openai_error(out.error, 400, "messages" if chat else "prompt")
+                return _request_error(out.error, body, chat)
         echo = await self._echo(body, results[0][0].prompt_logprobs) if body.get("echo") else None
         k = logprobs_request(body, chat)  # alternatives per position; None: no logprobs
         choices = []
@@ -184,7 +191,7 @@ class OpenAIServing:
             if first.error is not None:
                 disconnected.cancel()
                 self._abort_unfinished(streams)
-                return openai_error(first.error, 400, "messages" if chat else "prompt")
+                return _request_error(first.error, body, chat)
         events = self._events(body, streams, firsts, rid, chat, disconnected)
         return ClosingStreamingResponse(events, media_type="text/event-stream")
 

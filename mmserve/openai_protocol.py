@@ -59,7 +59,7 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(**kwargs).validate()
     except InvalidParams as e:  # named as the pipeline names it: openai_param maps it to the client's field
-        raise BadRequest(e.field, str(e).split(": ", 1)[-1]) from None
+        raise BadRequest(e.field, e.message) from None
 
 
 def max_tokens_field(body: dict) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from language.request import PromptLogprobs
+from language.request import PromptLogprobs, RequestError
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 from mmserve import json_body
 from mmserve.messages import TokenDetail
@@ -63,6 +63,15 @@ class BadRequest(Exception):
         self.field = field_name
         self.message = message
         self.status = status
+
+    @classmethod
+    def of(cls, error: RequestError) -> BadRequest:
+        """A request the router or the engine refused or failed, answered as the HTTP side's own refusals are; one
+        that is not the request's fault names the "server"."""
+        return cls(error.param or "server", error.message, error.status)
+
+    def to_error(self) -> RequestError:
+        return RequestError(self.status, self.field, self.message)
 
     def to_json(self) -> dict:
         return {"error": str(self), "field": self.field}

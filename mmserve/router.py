@@ -18,7 +18,14 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
-from language.request import ENGINE_FAILURE, MultimodalItem, PrefixNotCached, Request, RequestOutput
+from language.request import (
+    MultimodalItem,
+    PrefixNotCached,
+    Request,
+    RequestError,
+    RequestOutput,
+    RequestRejected,
+)
 from mmserve.config import ServerConfig
 from mmserve.endpoints import Endpoints
 from mmserve.messages import (
@@ -30,7 +37,6 @@ from mmserve.messages import (
     RouterBatch,
     RouterStats,
     TokenizedRequest,
-    TokenOutput,
 )
 from mmserve.processes import parent_alive, run_child, seconds_since_process_start
 from mmserve.zmq_queue import PullQueue, PushQueue
@@ -75,7 +81,7 @@ class Router:
         self._early_ready: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[str] = set()  # rids inside the engine core
         self._setups: list[DetokSetup] = []
-        self._own_outputs: list[TokenOutput] = []  # outputs the router makes itself (rejections, early aborts)
+        self._own_outputs: list[RequestOutput] = []  # outputs the router makes itself (rejections, early aborts)
         self._encode_needed: list[str] = []  # for the next batch: requests whose unembedded images must be encoded
         self._abort_issued = False  # the core owes us the final output of an aborted request
         self._last_stats: RouterStats | None = None
@@ -103,7 +109,7 @@ class Router:
                 return
             error = self._early_ready.pop(msg.rid)
             if error is not None:
-                self._reject(msg.rid, len(msg.prompt_ids), f"image encoding failed: {error}")
+                self._reject(msg.rid, len(msg.prompt_ids), _encoding_failed(error))
                 return
         self._admit(msg)
 
@@ -114,14 +120,14 @@ class Router:
             while len(self._early_ready) > _MAX_EARLY_READY:
                 self._early_ready.popitem(last=False)
         elif msg.error is not None:
-            self._reject(req.rid, len(req.prompt_ids), f"image encoding failed: {msg.error}")
+            self._reject(req.rid, len(req.prompt_ids), _encoding_failed(msg.error))
         else:
             self._admit(req, all_embedded=True)
 
     def _on_abort(self, rid: str) -> None:
         req = self._awaiting_images.pop(rid, None)
         if req is not None:
-            self._own_outputs.append(TokenOutput(rid, [], [], True, "abort", len(req.prompt_ids), 0))
+            self._own_outputs.append(RequestOutput(rid, [], [], True, "abort", len(req.prompt_ids), 0))
         elif rid in self._live:
             self.core.abort(rid)
             self._abort_issued = True
@@ -137,16 +143,19 @@ class Router:
             self._awaiting_images[msg.rid] = msg
             self._encode_needed.append(msg.rid)
             return
-        except ValueError as e:  # can never fit (too long for the cache or the model), or bad parameters
-            self._reject(msg.rid, len(msg.prompt_ids), str(e))
+        except RequestRejected as e:  # can never fit (too long for the cache or the model), or bad parameters
+            self._reject(msg.rid, len(msg.prompt_ids), e.error)
+            return
+        except ValueError as e:  # what the model finds wrong with the prompt (its images' grids, say)
+            self._reject(msg.rid, len(msg.prompt_ids), RequestError.refused("inputs", str(e)))
             return
         except EmbeddingMissing as e:  # a bug, not the client's fault: this request fails with a 500, not the router
             logger.error("%s; the request fails", e)
-            self._reject(msg.rid, len(msg.prompt_ids), f"{ENGINE_FAILURE}: {e}")
+            self._reject(msg.rid, len(msg.prompt_ids), RequestError.server_failure(str(e)))
             return
         except Exception as e:  # anything else while admitting it: this request fails, not the router
             logger.exception("request %s could not be admitted", msg.rid)
-            self._reject(msg.rid, len(msg.prompt_ids), f"{ENGINE_FAILURE}: {type(e).__name__}: {e}")
+            self._reject(msg.rid, len(msg.prompt_ids), RequestError.server_failure(f"{type(e).__name__}: {e}"))
             return
         self._live.add(msg.rid)
 
@@ -169,8 +178,8 @@ class Router:
         except FileNotFoundError:  # its shared-memory segment was unlinked: the entry was evicted
             raise EmbeddingMissing(rid, ref.key) from None
 
-    def _reject(self, rid: str, prompt_tokens: int, error: str) -> None:
-        self._own_outputs.append(TokenOutput(rid, [], [], True, "error", prompt_tokens, 0, error=error))
+    def _reject(self, rid: str, prompt_tokens: int, error: RequestError) -> None:
+        self._own_outputs.append(RequestOutput(rid, [], [], True, "error", prompt_tokens, 0, error=error))
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -190,15 +199,15 @@ class Router:
 
         def emit(early: list[RequestOutput]) -> None:
             nonlocal own
-            batch = self._batch(own + [self._from_engine(out) for out in early])
+            batch = self._batch(own + early)
             own = []
             if batch is not None:
                 send(batch)
 
         late = self.core.step(emit if send is not None else None)
-        return self._batch(own + [self._from_engine(out) for out in late])
+        return self._batch(own + late)
 
-    def _batch(self, outputs: list[TokenOutput]) -> RouterBatch | None:
+    def _batch(self, outputs: list[RequestOutput]) -> RouterBatch | None:
         """The detokenizer's batch: these outputs, the setups of requests that arrived since the last batch (before
         any of their tokens), the requests whose images must be encoded, and the stats if they changed."""
         for out in outputs:
@@ -238,32 +247,8 @@ class Router:
             for msg in inbox.drain(0):
                 self.handle(msg)
 
-    @staticmethod
-    def _from_engine(out: RequestOutput) -> TokenOutput:
-        return TokenOutput(
-            rid=out.rid,
-            new_token_ids=list(out.new_token_ids),
-            new_logprobs=[float(x) for x in out.new_logprobs],
-            finished=out.finished,
-            finish_reason=out.finish_reason,
-            prompt_tokens=out.prompt_tokens,
-            output_tokens=out.output_tokens,
-            cached_tokens=out.cached_tokens,
-            new_top_logprobs=out.new_top_logprobs,
-            prompt_logprobs=out.prompt_logprobs,
-            error=out.error,
-        )
-
     def stats(self) -> RouterStats:
-        s = self.core.stats()
-        return RouterStats(
-            s.running,
-            s.waiting + len(self._awaiting_images),
-            s.kv_used,
-            s.kv_total,
-            s.prefix_cache_tokens,
-            s.prefix_cache_hit_tokens,
-        )
+        return RouterStats(self.core.stats(), len(self._awaiting_images))
 
     def serve(self, inbox: PullQueue, to_detok: PushQueue, parent_pid: int) -> None:
         last_log, logged = time.monotonic(), dataclasses.replace(self.core.counters)
@@ -280,6 +265,10 @@ class Router:
                 logger.info("%s; %s", self.core.counters.summary(logged, now - last_log), self.stats())
                 last_log, logged = now, dataclasses.replace(self.core.counters)
         logger.info("parent process is gone; router exits")
+
+
+def _encoding_failed(error: str) -> RequestError:
+    return RequestError.refused("inputs", f"image encoding failed: {error}")
 
 
 # ------------------------------------------------------------------------------------------------ process

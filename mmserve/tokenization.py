@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from language.request import length_error
 from language.sampling_params import SamplingParams
 from mmserve import tokenizers
 from mmserve.config import ServerConfig
@@ -57,7 +58,7 @@ class ImagePreparer(Protocol):
 
 @dataclass(frozen=True)
 class Limits:
-    max_req_total_len: int  # prompt + new tokens, from the loaded engine
+    max_req_total_len: int  # prompt + new tokens, from the loaded engine (its request_limit)
 
 
 class RequestPreparer:
@@ -159,15 +160,10 @@ class RequestPreparer:
         return images
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        limit = self.limits.max_req_total_len
-        if prompt_len >= limit:
-            raise BadRequest("inputs", f"the prompt is {prompt_len} tokens; this server allows {limit - 1} at most")
-        if prompt_len + max_new_tokens > limit:
-            raise BadRequest(
-                "parameters.max_new_tokens",
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds this server's "
-                f"limit of {limit} tokens per request",
-            )
+        """The engine's rule, checked here where the error names the client's field, before anything is queued."""
+        error = length_error(prompt_len, max_new_tokens, self.limits.max_req_total_len)
+        if error is not None:
+            raise BadRequest.of(error)
 
     def _prefix_chars(self) -> int:
         """A prompt longer than this many characters has its length checked on this prefix first."""

@@ -1,7 +1,8 @@
 """Typed one-way queues between processes over zmq PUSH/PULL on ipc:// sockets.
 
 The PULL side binds (it owns the address), any number of PUSH sides connect. Only the small dataclasses of
-`mmserve.messages` are accepted: a send of anything else fails loudly instead of pickling a tensor by accident.
+`mmserve.messages` (and the engine's plain records they carry) are accepted: a send of anything else fails loudly
+instead of pickling a tensor by accident.
 """
 
 from __future__ import annotations

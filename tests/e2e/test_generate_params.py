@@ -218,3 +218,31 @@ def test_an_image_in_a_chat_to_a_text_only_server_names_the_flag(server):
     assert error["param"] == "messages[0].content[1].image_url", error
     assert "started without --enable_multimodal" in error["message"], error
     settled(server)
+
+
+def test_refusal_bodies_are_exact(server, tokenizer):
+    """The engine's refusal (an id out of the vocabulary, checked where the model's size is known) and the length
+    refusal (checked before anything is queued) answer with the same bodies whichever process finds them."""
+    r = post(server, logit_bias={"100000": 1})
+    assert r.status_code == 400, r.text
+    vocab = r.json()["error"].rsplit("size ", 1)[-1].rstrip(")")
+    assert r.json() == {
+        "error": f"parameters.logit_bias: token id out of the vocabulary (size {vocab})",
+        "field": "parameters.logit_bias",
+    }
+    prompt_len = len(tokenizer(PROMPT).input_ids)
+    r = post(server, max_new_tokens=2048)
+    assert r.status_code == 400, r.text
+    assert r.json() == {
+        "error": f"parameters.max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens (2048) exceeds this "
+        "server's limit of 2048 tokens per request",
+        "field": "parameters.max_new_tokens",
+    }
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2048}, timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_tokens"
+    assert r.json()["error"]["message"] == (
+        f"max_tokens: prompt ({prompt_len} tokens) + max_tokens (2048) exceeds this server's limit of 2048 tokens per "
+        "request"
+    )
+    settled(server)

@@ -91,7 +91,7 @@ def test_stop_token_ids_and_abort(llm):
 
 
 def test_rejects_requests_that_can_never_fit(llm):
-    with pytest.raises(ValueError, match="exceeds the maximum request length"):
+    with pytest.raises(ValueError, match="exceeds this server's limit of"):
         llm.engine.add_request(Request("too-long", [1] * 10, SamplingParams(max_new_tokens=10**6)))
     with pytest.raises(ValueError, match="vocabulary"):
         llm.engine.add_request(Request("bad-id", [1, 10**7], SamplingParams()))

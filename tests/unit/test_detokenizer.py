@@ -6,9 +6,11 @@ import random
 
 import pytest
 
+from language.engine_stats import EngineStats
+from language.request import RequestOutput
 from mmserve.checkpoints.tokenizer import build_tokenizer
 from mmserve.detokenizer import DECODE_KWARGS, Detokenizer, IncrementalDecoder, StopMatcher
-from mmserve.messages import AbortRequest, DetokSetup, RouterBatch, RouterStats, TokenOutput
+from mmserve.messages import AbortRequest, DetokSetup, RouterBatch, RouterStats
 
 MULTIBYTE_TEXTS = [
     "Café naïve façade über smörgåsbord jalapeño",
@@ -93,14 +95,14 @@ def test_stop_matcher_without_stops_releases_everything():
 
 
 def _out(rid, ids, finished=False, reason=None, n=0):
-    return TokenOutput(rid, ids, [-1.0] * len(ids), finished, reason, 3, n)
+    return RequestOutput(rid, ids, [-1.0] * len(ids), finished, reason, 3, n)
 
 
 def test_detokenizer_stop_sequence_aborts_and_drops_late_tokens(tokenizer):
     detok = Detokenizer(tokenizer)
     text = "Hello world. The quick brown fox"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    stats = RouterStats(1, 0, 10, 100)
+    stats = RouterStats(EngineStats(1, 0, 10, 100))
     batch, aborts = detok.handle(RouterBatch([DetokSetup("r1", ("quick",), 3)], [_out("r1", ids[:2])], stats))
     assert batch.stats == stats and not aborts
     collected = [o.text for o in batch.outputs]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from language.request import RequestOutput
 from language.sampling_params import SamplingParams
 from mmserve.checkpoints.tokenizer import build_tokenizer
 from mmserve.detokenizer import Detokenizer
-from mmserve.messages import DetokSetup, RouterBatch, TokenizedRequest, TokenOutput
+from mmserve.messages import DetokSetup, RouterBatch, TokenizedRequest
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def run(tokenizer, ids: list[int], reason: str, **params) -> tuple[str, list[str
     texts, tokens = [], []
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        out = TokenOutput("r", [t], [-0.5], last, reason if last else None, 3, i + 1)
+        out = RequestOutput("r", [t], [-0.5], last, reason if last else None, 3, i + 1)
         batch, _ = detok.handle(RouterBatch(outputs=[out]))
         texts += [o.text for o in batch.outputs]
         tokens += [d.text for o in batch.outputs for d in o.tokens]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cache.shm_store import ShmEmbedReader
-from language.request import ENGINE_FAILURE, Request
+from language.request import Request
 from language.sampling_params import SamplingParams
 from mmserve.checkpoints.llama import build_llama
 from mmserve.llm import LLM
@@ -86,7 +86,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm):
         outputs += engine.step()
     failed = {o.rid: o for o in outputs if o.finish_reason == "error"}
     assert set(failed) == {"running", "broken"}
-    assert all(o.finished and o.error.startswith(ENGINE_FAILURE) for o in failed.values())
+    assert all(o.finished and o.error.status == 500 and o.error.param is None for o in failed.values())
+    assert all(o.error.message.startswith("the step that ran this request raised") for o in failed.values())
     assert running.finished and broken.finished
     _idle(llm)
     assert _alone(llm, _prompt(5)) == expected
@@ -108,6 +109,6 @@ def test_an_image_that_cannot_be_read_is_refused_alone(llm):
         batch = router.step()
         outputs += batch.outputs if batch is not None else []
     (refused,) = [o for o in outputs if o.rid == "img"]
-    assert refused.finish_reason == "error" and "no-such-key" in refused.error
+    assert refused.finish_reason == "error" and refused.error.status == 500 and "no-such-key" in refused.error.message
     assert [t for o in outputs if o.rid == "text" for t in o.new_token_ids] == expected
     _idle(llm)

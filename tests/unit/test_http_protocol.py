@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from language.request import RequestError
 from mmserve.messages import TokenDetail
+from mmserve.openai_api import _request_error
 from mmserve.protocol import BadRequest, generate_response, parse_generate_body, stream_event
 
 
@@ -80,3 +82,26 @@ def test_response_shapes():
     assert event.startswith("data:") and event.endswith("\n\n")
     data = json.loads(event[5:])
     assert data["token"]["text"] == "llo" and data["finished"] and data["generated_text"] == "Hello"
+
+
+@pytest.mark.parametrize(
+    "error,status,body,openai",
+    [
+        (RequestError(400, "parameters.logit_bias", "token id out of the vocabulary (size 9)"), 400,
+         {"error": "parameters.logit_bias: token id out of the vocabulary (size 9)", "field": "parameters.logit_bias"},
+         ("logit_bias", "logit_bias: token id out of the vocabulary (size 9)")),
+        (RequestError(400, "inputs", "image encoding failed: boom"), 400,
+         {"error": "inputs: image encoding failed: boom", "field": "inputs"},
+         ("prompt", "prompt: image encoding failed: boom")),
+        (RequestError.server_failure("the step raised X"), 500,
+         {"error": "server: the step raised X", "field": "server"}, (None, "the step raised X")),
+    ],
+)  # fmt: skip
+def test_engine_errors_become_each_routes_body(error, status, body, openai):
+    """A RequestError from the router or the engine, as /generate answers it and as /v1/completions does."""
+    refusal = BadRequest.of(error)
+    assert (refusal.status, refusal.to_json()) == (status, body)
+    response = _request_error(error, {"prompt": "x"}, chat=False)
+    reply = json.loads(response.body)["error"]
+    assert response.status_code == status and (reply["param"], reply["message"]) == openai
+    assert reply["type"] == ("server_error" if status == 500 else "invalid_request_error")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import zmq
@@ -10,6 +11,8 @@ import zmq
 from cache.shm_store import ShmEmbedReader, new_prefix
 from language.config import EngineConfig
 from language.engine import EngineCore
+from language.engine_stats import EngineStats
+from language.request import RequestError, RequestOutput, length_error
 from language.sampling_params import SamplingParams
 from mmserve import router as router_module
 from mmserve.checkpoints.llama import build_llama
@@ -57,8 +60,8 @@ def test_setup_precedes_tokens_and_slots_are_freed(router, model_dir):
     outs = outputs_of(batches, "a")
     assert sum(len(o.new_token_ids) for o in outs) == 6
     assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].output_tokens == 6
-    assert batches[-1].stats.kv_used == 0 and batches[-1].stats.running == 0
-    assert batches[-1].stats.kv_total == KV_SLOTS
+    assert batches[-1].stats.engine.kv_used == 0 and batches[-1].stats.engine.running == 0
+    assert batches[-1].stats.engine.kv_total == KV_SLOTS
     assert router.step() is None  # idle and nothing changed: nothing to send
 
 
@@ -66,13 +69,13 @@ def test_abort_of_a_running_request_frees_its_slots(router):
     router.handle(request("a", n=100))
     first = router.step()
     second = router.step()
-    assert second.stats.kv_used > 0 and second.stats.running == 1
+    assert second.stats.engine.kv_used > 0 and second.stats.engine.running == 1
     router.handle(AbortRequest("a"))
     assert router.has_work()
     batches = run_until_idle(router)
     final = outputs_of(batches, "a")[-1]
     assert final.finished and final.finish_reason == "abort"
-    assert batches[-1].stats.kv_used == 0 and batches[-1].stats.running == 0
+    assert batches[-1].stats.engine.kv_used == 0 and batches[-1].stats.engine.running == 0
     assert first.setups and not router.has_work()
     router.handle(AbortRequest("a"))  # a late duplicate abort is harmless
     assert router.step() is None
@@ -81,7 +84,7 @@ def test_abort_of_a_running_request_frees_its_slots(router):
 def test_requests_wait_for_their_images(router):
     router.handle(request("img", wait_for_images=True))
     batch = router.step()
-    assert batch.stats.waiting == 1 and batch.stats.running == 0 and not batch.outputs
+    assert batch.stats.waiting == 1 and batch.stats.engine.running == 0 and not batch.outputs
     assert not router.core.has_unfinished()
     router.handle(ImagesReady("img"))
     outs = outputs_of(run_until_idle(router), "img")
@@ -101,9 +104,10 @@ def test_failed_images_and_aborted_waiters_finish_without_running(router):
     router.handle(AbortRequest("gone"))
     batches = run_until_idle(router)
     bad, gone = outputs_of(batches, "bad")[-1], outputs_of(batches, "gone")[-1]
-    assert bad.finish_reason == "error" and "not an image" in bad.error
+    assert bad.finish_reason == "error"
+    assert bad.error == RequestError(400, "inputs", "image encoding failed: not an image")
     assert gone.finish_reason == "abort"
-    assert batches[-1].stats.waiting == 0 and batches[-1].stats.kv_used == 0
+    assert batches[-1].stats.waiting == 0 and batches[-1].stats.engine.kv_used == 0
 
 
 def test_request_that_can_never_fit_is_rejected(router):
@@ -111,8 +115,28 @@ def test_request_that_can_never_fit_is_rejected(router):
     router.handle(request("fine", n=4))
     batches = run_until_idle(router)
     huge = outputs_of(batches, "huge")
-    assert len(huge) == 1 and huge[0].finish_reason == "error" and huge[0].error
+    assert len(huge) == 1 and huge[0].finish_reason == "error"
+    limit = router.core.model_info.request_limit
+    assert huge[0].error == length_error(10, KV_SLOTS, limit) and huge[0].error.param == "parameters.max_new_tokens"
     assert outputs_of(batches, "fine")[-1].finish_reason == "length"
+
+
+def test_the_engines_records_cross_the_wire_as_they_are(router):
+    """The detokenizer gets the engine's own records (RequestOutput with its RequestError, EngineStats inside the
+    router's stats), plain values that unpickle without torch; a refusal names the parameter in its own field."""
+    vocab = router.core.model_info.vocab_size
+    router.handle(request("ok", n=3))
+    refused = dataclasses.replace(request("refused"), params=SamplingParams(logit_bias=((vocab, 1.0),)))
+    router.handle(refused)
+    batches = run_until_idle(router)
+    assert all(type(o) is RequestOutput for b in batches for o in b.outputs)
+    assert all(type(b.stats.engine) is EngineStats for b in batches)
+    assert outputs_of(batches, "refused")[-1].error == RequestError(
+        400, "parameters.logit_bias", f"token id out of the vocabulary (size {vocab})"
+    )
+    assert outputs_of(batches, "ok")[-1].error is None
+    for batch in batches:
+        assert b"torch" not in pickle.dumps(batch)
 
 
 def test_many_requests_never_exceed_the_cache(router):
@@ -120,7 +144,7 @@ def test_many_requests_never_exceed_the_cache(router):
     for i in range(8):
         router.handle(request(f"r{i}", n=40))
     batches = run_until_idle(router, limit=2000)
-    assert max(b.stats.kv_used for b in batches) <= KV_SLOTS
+    assert max(b.stats.engine.kv_used for b in batches) <= KV_SLOTS
     assert max(b.stats.waiting for b in batches) > 0
     for i in range(8):
         final = outputs_of(batches, f"r{i}")[-1]
@@ -136,7 +160,8 @@ def test_an_image_missing_from_the_cache_fails_its_request_alone(router):
     router.handle(request("fine", n=3))
     batches = run_until_idle(router)
     (lost,) = outputs_of(batches, "lost")
-    assert lost.finish_reason == "error" and "request lost" in lost.error and key in lost.error
+    assert lost.finish_reason == "error" and lost.error.status == 500 and lost.error.param is None
+    assert "request lost" in lost.error.message and key in lost.error.message
     assert outputs_of(batches, "fine")[-1].finish_reason == "length"
 
 
