@@ -174,7 +174,11 @@ def our_generation(
         items.append([MultimodalItem(off, read_embedding(prefix, f"img{i}"), f"img{i}")
                       for off, i in zip(mm.offsets, image_ids, strict=True)])  # fmt: skip
     llm = LLM(
-        model_dir, device="cpu", data_type="float32", max_total_token_num=1024, chunked_prefill_size=chunked_prefill_size
+        model_dir,
+        device="cpu",
+        data_type="float32",
+        max_total_token_num=1024,
+        chunked_prefill_size=chunked_prefill_size,
     )
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, mm_items=items)
