@@ -152,7 +152,7 @@ class ModelRunner:
         self._lp_out = PinnedStaging(device, torch.float32)
         on_gpu = device.type == "cuda"
         self.embeds = EmbedUpload(device)
-        self.graphs = DecodeGraphs(self, max_graph_batch) if use_cuda_graph and on_gpu else None
+        self.graphs = DecodeGraphs(model, kv, self.last_token, max_graph_batch) if use_cuda_graph and on_gpu else None
         self.pieces = None
         # Not under tensor parallelism yet: captured all-reduces in the pieces have not run on a multi-GPU host.
         if use_cuda_graph and on_gpu and channel is None and piecewise_max_tokens > 0:

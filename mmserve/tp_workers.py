@@ -55,7 +55,7 @@ def check_tp_split(config: ServerConfig) -> str | None:
     router and the visual process are loading as well."""
     if config.tp == 1 or config.model_dir is None:
         return None
-    from language.engine import model_config  # only for tp > 1: the decoders import the kernels
+    from language.model_builder import model_config  # only for tp > 1: the decoders import the kernels
 
     try:
         model_config(config.engine_config())
