@@ -8,7 +8,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +18,7 @@ from mmserve.drain import RETRY_AFTER_S
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.messages import TextOutput, TokenDetail
 from mmserve.metrics import CONTENT_TYPE
+from mmserve.openai_api import add_openai_routes
 from mmserve.openai_protocol import OpenAIOptions
 from mmserve.openapi import HEALTH_ROUTE, METRICS_ROUTE, generate_route
 from mmserve.protocol import (
@@ -29,7 +29,8 @@ from mmserve.protocol import (
     parse_generate_body,
     stream_event,
 )
-from mmserve.slow_clients import BodyReadTimeout, BodyTooLarge, ClientTimeouts, ClosingStreamingResponse, read_body
+from mmserve.request_io import collect_stream, read_request_body, watch_disconnect
+from mmserve.slow_clients import ClientTimeouts, ClosingStreamingResponse
 
 logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
@@ -51,8 +52,6 @@ def build_app(
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.client_timeouts = timeouts or ClientTimeouts()
-    from mmserve.openai_api import add_openai_routes  # here: it uses this module's helpers
-
     add_openai_routes(app, client, openai or OpenAIOptions())  # /v1/models, /v1/chat/completions, /v1/completions
 
     @app.get("/health", **HEALTH_ROUTE)
@@ -72,8 +71,8 @@ def build_app(
         if isinstance(streams_or_error, Response):
             return streams_or_error
         streams, params = streams_or_error
-        disconnected = _watch_disconnect(request)
-        tasks = [asyncio.ensure_future(_collect(stream, disconnected)) for stream in streams]
+        disconnected = watch_disconnect(request)
+        tasks = [asyncio.ensure_future(collect_stream(stream, disconnected)) for stream in streams]
         try:
             results = await asyncio.gather(*tasks)
         except ServerFailure as e:
@@ -115,7 +114,7 @@ def build_app(
         if isinstance(streams_or_error, Response):
             return streams_or_error
         (stream,), _ = streams_or_error
-        disconnected = _watch_disconnect(request)
+        disconnected = watch_disconnect(request)
         # Wait for the first piece before answering 200, so that a rejection or a failure that comes before any
         # token still gets its proper status code.
         try:
@@ -138,7 +137,7 @@ async def _submit(
     """Parse and submit: one stream per sequence (n / best_of fan out into that many engine requests)."""
     try:
         start = time.perf_counter()
-        raw = await _read_body(request)
+        raw = await read_request_body(request)
         read = time.perf_counter()
         body = await client.run_sync(parse_generate_body, raw)  # big bodies: parse off the loop
         parsed = time.perf_counter()
@@ -157,23 +156,6 @@ async def _submit(
         return _error(e)
     except ServerFailure as e:
         return _server_failure(e)
-
-
-async def _collect(stream: RequestStream, disconnected: asyncio.Future) -> tuple[TextOutput, str, list[TokenDetail]]:
-    """All of one sequence: (its last output, carrying the prompt's scores if the first one had them, the whole
-    text, every token)."""
-    text: list[str] = []
-    tokens: list[TokenDetail] = []
-    scores = None
-    while True:
-        out = await stream.next(disconnected)
-        if out.error is not None:
-            return out, "", []
-        text.append(out.text)
-        tokens.extend(out.tokens)
-        scores = scores or out.prompt_logprobs
-        if out.finished:
-            return replace(out, prompt_logprobs=scores), "".join(text), tokens
 
 
 def _engine_error(message: str) -> BadRequest:
@@ -231,27 +213,6 @@ async def _sse(
         disconnected.cancel()
         if not stream.finished:
             client.abort(stream.rid)
-
-
-async def _read_body(request: Request) -> bytes:
-    """The body, within --request_read_timeout; too large or too slow: a 413 / 408 naming it."""
-    try:
-        return await read_body(request, request.app.state.client_timeouts.read_s)
-    except BodyTooLarge as e:
-        raise BadRequest("body", str(e), status=413) from None
-    except BodyReadTimeout as e:
-        raise BadRequest("body", str(e), status=408) from None
-
-
-def _watch_disconnect(request: Request) -> asyncio.Future:
-    """Done when the client closes the connection (the body has been read, so the next ASGI message is the
-    disconnect)."""
-
-    async def wait() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return asyncio.ensure_future(wait())
 
 
 def _error(e: BadRequest) -> JSONResponse:

@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 from language.request import PromptLogprobs
 from mmserve.chat_templates import builtin_chat_template, model_architecture
 from mmserve.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
-from mmserve.http_server import _collect, _read_body, _watch_disconnect
 from mmserve.messages import TextOutput, TokenDetail
 from mmserve.openai_protocol import (
     OpenAIOptions,
@@ -32,6 +31,7 @@ from mmserve.openai_protocol import (
 )
 from mmserve.openapi import openai_route
 from mmserve.protocol import BadRequest, GenerateInput, json_logprob, parse_json
+from mmserve.request_io import collect_stream, read_request_body, watch_disconnect
 from mmserve.slow_clients import ClosingStreamingResponse
 
 _CLIENT_CLOSED = 499
@@ -85,7 +85,7 @@ class OpenAIServing:
         as /generate's n does (one tokenization and image encoding shared, sequence i seeded with seed + i)."""
         body = None
         try:
-            body = await self.client.run_sync(parse_json, await _read_body(request))  # big bodies: off the loop
+            body = await self.client.run_sync(parse_json, await read_request_body(request))  # big bodies: off the loop
             include_usage(body)  # checked before anything is submitted
             model = body.get("model")
             if model is not None and model != self.model_name:
@@ -108,10 +108,10 @@ class OpenAIServing:
             return result
         body, streams = result
         rid = ("chatcmpl-" if chat else "cmpl-") + streams[0].rid.split("-")[0]
-        disconnected = _watch_disconnect(request)
+        disconnected = watch_disconnect(request)
         if body.get("stream"):
             return await self._start_stream(body, streams, rid, chat, disconnected)
-        tasks = [asyncio.ensure_future(_collect(stream, disconnected)) for stream in streams]
+        tasks = [asyncio.ensure_future(collect_stream(stream, disconnected)) for stream in streams]
         try:
             results = await asyncio.gather(*tasks)
         except ServerFailure as e:
