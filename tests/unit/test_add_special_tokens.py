@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.tokenizer import build_tokenizer
-from mmserve.messages import ImageRef
-from mmserve.protocol import BadRequest, GenerateInput
-from mmserve.tokenization import Limits, PreparedPrompt, RequestPreparer
+from mmserve.http.protocol import BadRequest, GenerateInput
+from mmserve.ipc.messages import ImageRef
+from mmserve.prep.tokenization import Limits, PreparedPrompt, RequestPreparer
+from mmserve.testing.checkpoints.tokenizer import build_tokenizer
 
 TEXT = "hello world"
 

@@ -1,4 +1,4 @@
-"""The built-in chat templates (mmserve/chat_templates.py) for checkpoints without one, rendered by transformers'
+"""The built-in chat templates (mmserve/prep/chat_templates.py) for checkpoints without one, rendered by transformers'
 apply_chat_template as the OpenAI routes render them: each family's published prompt format, exactly."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from mmserve.chat_templates import (
+from mmserve.http.openai_protocol import chat_messages, render_chat
+from mmserve.http.protocol import BadRequest
+from mmserve.prep.chat_templates import (
     LLAVA_1_5,
     LLAVA_SYSTEM_PROMPT,
     QWEN2_VL,
@@ -16,9 +18,7 @@ from mmserve.chat_templates import (
     builtin_chat_template,
     model_architecture,
 )
-from mmserve.checkpoints.tokenizer import build_tokenizer
-from mmserve.openai_protocol import chat_messages, render_chat
-from mmserve.protocol import BadRequest
+from mmserve.testing.checkpoints.tokenizer import build_tokenizer
 
 IMG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 CONVERSATION = [

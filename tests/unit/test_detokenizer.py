@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from mmserve.checkpoints.tokenizer import build_tokenizer
-from mmserve.detokenizer import DECODE_KWARGS, Detokenizer, IncrementalDecoder, StopMatcher
-from mmserve.messages import AbortRequest, DetokSetup, RouterBatch, RouterStats, TokenOutput
+from mmserve.detok.detokenizer import DECODE_KWARGS, Detokenizer, IncrementalDecoder, StopMatcher
+from mmserve.ipc.messages import AbortRequest, DetokSetup, RouterBatch, RouterStats, TokenOutput
+from mmserve.testing.checkpoints.tokenizer import build_tokenizer
 
 MULTIBYTE_TEXTS = [
     "Café naïve façade über smörgåsbord jalapeño",

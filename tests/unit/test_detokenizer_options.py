@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.tokenizer import build_tokenizer
-from mmserve.detokenizer import Detokenizer
-from mmserve.messages import DetokSetup, RouterBatch, TokenizedRequest, TokenOutput
+from mmserve.detok.detokenizer import Detokenizer
+from mmserve.ipc.messages import DetokSetup, RouterBatch, TokenizedRequest, TokenOutput
+from mmserve.testing.checkpoints.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from mmserve.drain import DrainGate
+from mmserve.http.drain import DrainGate
 
 
 def make_gate() -> DrainGate:

@@ -10,10 +10,10 @@ import asyncio
 import pytest
 
 from language.sampling_params import SamplingParams
-from mmserve.engine_client import EngineClient
-from mmserve.messages import AbortRequest, DetokBatch, TextOutput, TokenizedRequest
-from mmserve.metrics import ServerMetrics
-from mmserve.protocol import GenerateInput
+from mmserve.http.engine_client import EngineClient
+from mmserve.http.metrics import ServerMetrics
+from mmserve.http.protocol import GenerateInput
+from mmserve.ipc.messages import AbortRequest, DetokBatch, TextOutput, TokenizedRequest
 
 
 class FakePreparer:

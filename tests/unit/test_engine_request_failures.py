@@ -13,10 +13,10 @@ import torch
 from cache.shm_store import ShmEmbedReader
 from language.request import ENGINE_FAILURE, Request
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.llama import build_llama
+from mmserve.ipc.messages import ImageRef, TokenizedRequest
 from mmserve.llm import LLM
-from mmserve.messages import ImageRef, TokenizedRequest
-from mmserve.router import Router
+from mmserve.router.router import Router
+from mmserve.testing.checkpoints.llama import build_llama
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 

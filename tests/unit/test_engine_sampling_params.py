@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.llama import build_llama
 from mmserve.llm import LLM
+from mmserve.testing.checkpoints.llama import build_llama
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from families import FAMILIES, FamilySpec, architectures, family, image_architectures, registered
 
 # What the engine, visual process and HTTP process call on each part (the protocols in language/models/registry.py,
-# visual/models/base.py and mmserve/multimodal/prompt.py).
+# visual/models/base.py and mmserve/prep/multimodal/prompt.py).
 METHODS = {
     "decoder": ("lm_config", "forward", "layers_only", "prepare_request", "checkpoint_name", "load_weights"),
     "vision": ("from_pretrained", "load_preprocessor", "preprocessor", "preprocess", "num_tokens", "encode"),
@@ -64,7 +64,7 @@ def test_a_family_lacking_a_part_is_found() -> None:
     llava = family("LlavaForConditionalGeneration")
     broken = {
         "vision": dataclasses.replace(llava, vision="visual.models.llava:NoSuchTower"),
-        "prompt": dataclasses.replace(llava, prompt="mmserve.multimodal.prompt:MultimodalPrompt"),
+        "prompt": dataclasses.replace(llava, prompt="mmserve.prep.multimodal.prompt:MultimodalPrompt"),
         "capability": dataclasses.replace(llava, checks_image_size=False),
         "template": dataclasses.replace(llava, chat_template=None),
         "builder": dataclasses.replace(llava, test_checkpoint=None),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mmserve.protocol import BadRequest, parse_generate_body
+from mmserve.http.protocol import BadRequest, parse_generate_body
 
 
 def params(**parameters):

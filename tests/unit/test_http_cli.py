@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from mmserve.cli import parse_config
+from mmserve.launch.cli import parse_config
 
 # LightLLM users' launch lines, with our module name
 QWEN_VL_LINE = (
@@ -83,8 +83,8 @@ def test_visual_flags_reach_the_visual_process(tmp_path):
     """--visual_infer_batch_size (LightLLM's) and --visual_batch_max_patches bound the vision tower's batches;
     --vit_att_backend (LightLLM's) picks its attention kernel; --visual_batch_wait_ms lets a batch wait for images
     still being preprocessed."""
-    from mmserve.endpoints import Endpoints
-    from mmserve.visual_link import visual_process_config
+    from mmserve.ipc.endpoints import Endpoints
+    from mmserve.prep.visual_link import visual_process_config
 
     endpoints = Endpoints(str(tmp_path), *(f"ipc://{tmp_path}/{n}" for n in ("r", "d", "h", "v", "vr")))
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")

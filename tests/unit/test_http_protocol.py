@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mmserve.messages import TokenDetail
-from mmserve.protocol import BadRequest, generate_response, parse_generate_body, stream_event
+from mmserve.http.protocol import BadRequest, generate_response, parse_generate_body, stream_event
+from mmserve.ipc.messages import TokenDetail
 
 
 def parse(body) -> object:

@@ -16,14 +16,14 @@ import torch
 from PIL import Image, ImageFile
 from transformers import AutoImageProcessor
 
-from mmserve.checkpoints.llava import build_llava_hf
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-from mmserve.cli import parse_config
-from mmserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
-from mmserve.multimodal.image_io import BadImage, ImagePolicy, load_image
-from mmserve.multimodal.preparer import MultimodalPreparer
-from mmserve.multimodal.prompt import MultimodalPrompt
-from mmserve.protocol import BadRequest
+from mmserve.http.protocol import BadRequest
+from mmserve.launch.cli import parse_config
+from mmserve.launch.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
+from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy, load_image
+from mmserve.prep.multimodal.preparer import MultimodalPreparer
+from mmserve.prep.multimodal.prompt import MultimodalPrompt
+from mmserve.testing.checkpoints.llava import build_llava_hf
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 from visual.image_decode import open_image
 from visual.models.llava import LlavaPreprocessor, LlavaVisionModel
 from visual.models.qwen2_vl import Qwen2VLVisionModel

@@ -10,11 +10,11 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from families import family
-from mmserve.checkpoints.qwen_vl import build_qwen_vl
-from mmserve.multimodal.image_io import BadImage
-from mmserve.multimodal.llava import LlavaPromptProcessor
-from mmserve.multimodal.prompt import MAX_ASPECT_RATIO, prompt_processor_class
-from mmserve.multimodal.qwen_vl import QwenVLPromptProcessor
+from mmserve.prep.multimodal.image_io import BadImage
+from mmserve.prep.multimodal.llava import LlavaPromptProcessor
+from mmserve.prep.multimodal.prompt import MAX_ASPECT_RATIO, prompt_processor_class
+from mmserve.prep.multimodal.qwen_vl import QwenVLPromptProcessor
+from mmserve.testing.checkpoints.qwen_vl import build_qwen_vl
 from visual.models.qwen_vl import QwenVLVisionModel
 from visual.preprocess import decode_and_preprocess
 

@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from mmserve.multimodal import url_fetch
-from mmserve.multimodal.image_io import BadImage, ImagePolicy, decode_base64, load_image, load_images
-from mmserve.multimodal.url_fetch import FetchPolicy
+from mmserve.prep.multimodal import url_fetch
+from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy, decode_base64, load_image, load_images
+from mmserve.prep.multimodal.url_fetch import FetchPolicy
 from tests.fake_image_host import hostile_host
 
 

@@ -13,11 +13,11 @@ from transformers import AutoProcessor, AutoTokenizer
 from cache.coordinator import CacheCoordinator
 from cache.shm_store import list_segments, new_prefix, read_embedding, unlink_all
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.llava import build_llava_hf
-from mmserve.multimodal.llava import LlavaPromptProcessor
-from mmserve.multimodal.preparer import MultimodalPreparer
-from mmserve.protocol import BadRequest, GenerateInput
-from mmserve.tokenization import Limits, RequestPreparer
+from mmserve.http.protocol import BadRequest, GenerateInput
+from mmserve.prep.multimodal.llava import LlavaPromptProcessor
+from mmserve.prep.multimodal.preparer import MultimodalPreparer
+from mmserve.prep.tokenization import Limits, RequestPreparer
+from mmserve.testing.checkpoints.llava import build_llava_hf
 from visual.encoder import VisualEncoder
 from visual.models.llava import LlavaVisionModel
 from visual.preprocess import PreprocessPool
@@ -191,8 +191,8 @@ def test_client_errors_are_400_and_hold_nothing(model_dir, vision, prompt, image
 
 
 def test_an_image_seen_before_is_not_decoded_again():
-    from mmserve.multimodal.image_io import ImagePolicy
-    from mmserve.multimodal.preparer import SeenImages, load_and_key
+    from mmserve.prep.multimodal.image_io import ImagePolicy
+    from mmserve.prep.multimodal.preparer import SeenImages, load_and_key
 
     item = image_item(37, 21, 9)
     seen = SeenImages(capacity=8)

@@ -10,8 +10,8 @@ import torch
 
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.llama import build_llama
 from mmserve.llm import LLM
+from mmserve.testing.checkpoints.llama import build_llama
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from cache.shm_store import pid_alive
-from mmserve.endpoints import Endpoints, remove_dead_ipc_dirs
+from mmserve.ipc.endpoints import Endpoints, remove_dead_ipc_dirs
 
 
 def dead_pid() -> int:

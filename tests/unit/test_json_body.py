@@ -1,4 +1,4 @@
-"""mmserve.json_body.loads: what json.loads gives and raises, for bodies with long strings cut out and put back."""
+"""mmserve.http.json_body.loads: what json.loads gives and raises, for bodies with long strings cut out and put back."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from mmserve import json_body
-from mmserve.multimodal.image_io import BadImage, decode_base64
+from mmserve.http import json_body
+from mmserve.prep.multimodal.image_io import BadImage, decode_base64
 
 LONG = json_body._LONG
 

@@ -9,9 +9,9 @@ from benchmarks.log_timeline import parse_line, timeline
 from language.config import EngineConfig
 from language.engine import EngineCore
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.llama import build_llama
-from mmserve.messages import TokenizedRequest
-from mmserve.router import Router
+from mmserve.ipc.messages import TokenizedRequest
+from mmserve.router.router import Router
+from mmserve.testing.checkpoints.llama import build_llama
 
 
 def test_the_timeline_of_a_served_request(tmp_path, caplog):

@@ -8,9 +8,9 @@ import sys
 SCRIPT = """
 import io, logging
 from PIL import Image
-from mmserve.processes import configure_logging
+from mmserve.launch.processes import configure_logging
 configure_logging("debug", "router")
-logging.getLogger("mmserve.router").debug("step timing: ours")
+logging.getLogger("mmserve.router.router").debug("step timing: ours")
 buf = io.BytesIO()
 Image.new("RGB", (4, 4)).save(buf, format="PNG")
 Image.open(io.BytesIO(buf.getvalue())).load()  # PIL's DEBUG chunk lines, if its logger were at DEBUG

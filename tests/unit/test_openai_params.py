@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.openai_protocol import completion_input, logprobs_request, sampling_params
-from mmserve.protocol import BadRequest
+from mmserve.http.openai_protocol import completion_input, logprobs_request, sampling_params
+from mmserve.http.protocol import BadRequest
 
 
 def test_n_reaches_the_sampling_params():

@@ -1,4 +1,4 @@
-"""/openapi.json's request schemas (mmserve/openapi.py) against the parsers they describe: every name the parsers
+"""/openapi.json's request schemas (mmserve/http/openapi.py) against the parsers they describe: every name the parsers
 accept has a schema, and each numeric range the schema states is the one the parser enforces, at both edges. An
 integer the schema leaves unbounded must be accepted even at 2**64: when a parser starts to refuse it, this test
 fails until the schema says so too."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from mmserve.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, sampling_params
-from mmserve.openapi import OPENAI_SCHEMAS, PARAMETER_SCHEMAS, generate_body, openai_body
-from mmserve.protocol import PARAMETER_NAMES, UNSUPPORTED_PARAMETERS, BadRequest, parse_parameters
+from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, sampling_params
+from mmserve.http.openapi import OPENAI_SCHEMAS, PARAMETER_SCHEMAS, generate_body, openai_body
+from mmserve.http.protocol import PARAMETER_NAMES, UNSUPPORTED_PARAMETERS, BadRequest, parse_parameters
 
 HUGE = 2**64
 

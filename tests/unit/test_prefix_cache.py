@@ -11,8 +11,8 @@ from language.prefix_cache import PrefixCache, cache_ids
 from language.request import MultimodalItem, PrefixNotCached, Request
 from language.sampling_params import SamplingParams
 from language.slot_allocator import SlotAllocator
-from mmserve.checkpoints.llama import build_llama
 from mmserve.llm import LLM
+from mmserve.testing.checkpoints.llama import build_llama
 
 
 def _running(tree: PrefixCache, ids: list[int]) -> Request:

@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent(
         pool._executor.submit(int).result()  # the workers are up
         pool.shutdown()
         sys.stderr.flush()
-        os._exit(0)  # as the visual process leaves (mmserve.processes.exit_now)
+        os._exit(0)  # as the visual process leaves (mmserve.launch.processes.exit_now)
     """
 )
 

@@ -12,12 +12,12 @@ from PIL import Image
 from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
 from language.models.qwen2_vl_positions import mrope_positions
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-from mmserve.checkpoints.qwen_vl import build_qwen_vl
-from mmserve.multimodal.image_io import BadImage
-from mmserve.multimodal.prompt import PromptImageMismatch, prompt_processor_class
-from mmserve.multimodal.qwen_vl import prompt_image_items
-from mmserve.tokenizers import load_tokenizer
+from mmserve.prep.multimodal.image_io import BadImage
+from mmserve.prep.multimodal.prompt import PromptImageMismatch, prompt_processor_class
+from mmserve.prep.multimodal.qwen_vl import prompt_image_items
+from mmserve.prep.tokenizers import load_tokenizer
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.checkpoints.qwen_vl import build_qwen_vl
 
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 CHAT = (

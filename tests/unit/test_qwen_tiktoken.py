@@ -10,10 +10,10 @@ import os
 import pytest
 import tiktoken
 
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl_tokenizer
-from mmserve.checkpoints.qwen_vl import build_qwen_tiktoken
-from mmserve.tokenizers import QwenTiktokenTokenizer, load_tokenizer
-from mmserve.tokenizers.qwen_tiktoken import PAT_STR, SPECIAL_TOKENS, read_ranks
+from mmserve.prep.tokenizers import QwenTiktokenTokenizer, load_tokenizer
+from mmserve.prep.tokenizers.qwen_tiktoken import PAT_STR, SPECIAL_TOKENS, read_ranks
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl_tokenizer
+from mmserve.testing.checkpoints.qwen_vl import build_qwen_tiktoken
 
 TEXT = "Which two cities are shown in these pictures? 北京 and 重庆, café 🙂\n\n  tabs\tand 12345"
 

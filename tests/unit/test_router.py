@@ -11,11 +11,11 @@ from cache.shm_store import ShmEmbedReader, new_prefix
 from language.config import EngineConfig
 from language.engine import EngineCore
 from language.sampling_params import SamplingParams
-from mmserve import router as router_module
-from mmserve.checkpoints.llama import build_llama
-from mmserve.messages import AbortRequest, ImageRef, ImagesReady, RouterBatch, TokenizedRequest
-from mmserve.router import Router
-from mmserve.zmq_queue import PullQueue, PushQueue
+from mmserve.ipc.messages import AbortRequest, ImageRef, ImagesReady, RouterBatch, TokenizedRequest
+from mmserve.ipc.zmq_queue import PullQueue, PushQueue
+from mmserve.router.router import Router
+from mmserve.router import router as router_module
+from mmserve.testing.checkpoints.llama import build_llama
 
 KV_SLOTS = 256
 

@@ -1,4 +1,4 @@
-"""Semaphores named after their server, and the sweep of a dead server's (mmserve/semaphores.py)."""
+"""Semaphores named after their server, and the sweep of a dead server's (mmserve/launch/semaphores.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from mmserve.semaphores import name_semaphores_after, remove_dead_semaphores
+from mmserve.launch.semaphores import name_semaphores_after, remove_dead_semaphores
 
 
 def dead_pid() -> int:

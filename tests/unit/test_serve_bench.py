@@ -286,9 +286,9 @@ def test_later_qwen_family_prompts(family: str) -> None:
 def tiny_qwen_vl(tmp_path_factory):
     """Tiny random checkpoints of the Qwen2-VL generations (CPU, float32)."""
     pytest.importorskip("transformers")
-    from mmserve.checkpoints.qwen2_5_vl import build_qwen2_5_vl
-    from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-    from mmserve.checkpoints.qwen3_vl import build_qwen3_vl
+    from mmserve.testing.checkpoints.qwen2_5_vl import build_qwen2_5_vl
+    from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+    from mmserve.testing.checkpoints.qwen3_vl import build_qwen3_vl
 
     root = tmp_path_factory.mktemp("qwen_vl")
     return {

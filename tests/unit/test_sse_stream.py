@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from mmserve.engine_client import RequestStream, ServerFailure
-from mmserve.http_server import _sse
-from mmserve.messages import TextOutput, TokenDetail
+from mmserve.http.engine_client import RequestStream, ServerFailure
+from mmserve.http.server import _sse
+from mmserve.ipc.messages import TextOutput, TokenDetail
 
 
 def _out(i: int, finished: bool = False) -> TextOutput:

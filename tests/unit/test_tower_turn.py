@@ -13,10 +13,10 @@ import zmq
 from language.config import EngineConfig
 from language.engine import EngineCore
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.llama import build_llama
-from mmserve.messages import TokenizedRequest
-from mmserve.router import Router
-from mmserve.zmq_queue import PullQueue, PushQueue
+from mmserve.ipc.messages import TokenizedRequest
+from mmserve.ipc.zmq_queue import PullQueue, PushQueue
+from mmserve.router.router import Router
+from mmserve.testing.checkpoints.llama import build_llama
 from visual import tower_turn
 from visual.shm_segments import list_segments, new_prefix, unlink_all
 from visual.tower_turn import TowerTurn

@@ -10,9 +10,9 @@ from benchmarks.ttft_stages import burst_stages, bursts, prompt_step_host_gaps, 
 
 def _request(rid: str, start: float, read: float, wait: float, arrived: float, first_ms: float) -> list[str]:
     return [
-        f"2026-11-23 09:05:21,434 mmserve.multimodal.preparer DEBUG image request timing: rid={rid} images=1 "
+        f"2026-11-23 09:05:21,434 mmserve.prep.multimodal.preparer DEBUG image request timing: rid={rid} images=1 "
         f"load_hash_ms=23.8 prompt_ms=15.4 encode_wait_ms={wait} total_ms=107.7",
-        f"2026-11-23 09:05:21,435 mmserve.http_server DEBUG request timing: rid={rid} bytes=452915 read_ms={read} "
+        f"2026-11-23 09:05:21,435 mmserve.http.server DEBUG request timing: rid={rid} bytes=452915 read_ms={read} "
         f"parse_ms=2.0 prepare_ms=111.2 total_ms=118.8 start={start}",
         f"2026-11-23 09:05:21,500 router DEBUG router timing: rid={rid} arrived={arrived} first_token_ms={first_ms} "
         "cached=0",
@@ -26,8 +26,8 @@ LINES = [
     "2026-11-23 09:05:21,501 router DEBUG step timing: launched=100.21 collected=100.25 prefill_tokens=249 decode=0",
     "2026-11-23 09:05:21,502 router DEBUG step timing: launched=100.26 collected=100.27 prefill_tokens=0 decode=1",
     "2026-11-23 09:05:21,503 router DEBUG step timing: launched=100.31 collected=100.44 prefill_tokens=249 decode=1",
-    "2026-11-23 09:05:21,504 mmserve.http_server INFO 127.0.0.1 POST /generate_stream 200",
-    "2026-11-23 09:05:21,505 mmserve.http_server DEBUG request timing: rid=text bytes=9 read_ms=1 parse_ms=1 "
+    "2026-11-23 09:05:21,504 mmserve.http.server INFO 127.0.0.1 POST /generate_stream 200",
+    "2026-11-23 09:05:21,505 mmserve.http.server DEBUG request timing: rid=text bytes=9 read_ms=1 parse_ms=1 "
     "prepare_ms=1 total_ms=3 start=100.05",  # never reached the router: left out
 ]
 

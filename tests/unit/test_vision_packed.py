@@ -15,7 +15,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 from visual.attention_backend import set_vit_att_backend, vit_att_backend
 from visual.models.fused_layers import LinearPatchEmbed, PackedVisionAttention, QuickGELU
 from visual.models.packed_attention import call_varlen, can_use_varlen, dense_attention, pack_index, sdpa_per_segment

@@ -11,10 +11,10 @@ import zmq
 from PIL import Image
 
 from cache.shm_store import list_segments, new_prefix, read_embedding, unlink_all
-from mmserve.checkpoints.llava import build_llava_hf
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-from mmserve.processes import spawn_child, stop_children, wait_ready
-from mmserve.visual_link import run_visual_process
+from mmserve.launch.processes import spawn_child, stop_children, wait_ready
+from mmserve.prep.visual_link import run_visual_process
+from mmserve.testing.checkpoints.llava import build_llava_hf
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 from visual.encoder import VisualEncoder, consecutive_view
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.llava import LlavaVisionModel

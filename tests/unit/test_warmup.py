@@ -11,7 +11,7 @@ def test_shapes_cover_each_reachable_class():
 
 
 def test_warmup_frees_everything(tmp_path):
-    from mmserve.checkpoints.llama import build_llama
+    from mmserve.testing.checkpoints.llama import build_llama
 
     llm = LLM(build_llama(str(tmp_path / "m")), max_total_token_num=1024, device="cpu")
     engine = llm.engine
