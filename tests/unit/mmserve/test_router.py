@@ -13,8 +13,8 @@ from language.engine import EngineCore
 from language.sampling_params import SamplingParams
 from mmserve.ipc.messages import AbortRequest, ImageRef, ImagesReady, RouterBatch, TokenizedRequest
 from mmserve.ipc.zmq_queue import PullQueue, PushQueue
-from mmserve.router.router import Router
 from mmserve.router import router as router_module
+from mmserve.router.router import Router
 from mmserve.testing.checkpoints.llama import build_llama
 
 KV_SLOTS = 256

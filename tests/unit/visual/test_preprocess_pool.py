@@ -71,7 +71,7 @@ def test_the_pool_stop_leaves_no_leaked_semaphores(tmp_path):
     clean up at shutdown" at every server stop."""
     script = tmp_path / "pool_stop.py"
     script.write_text(SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     # communicate() reads stderr to its end: the resource tracker, which inherits it, has exited by then
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
@@ -93,7 +93,7 @@ def test_the_fork_server_preload_imports_every_family_without_docstring_generati
         assert len(towers) >= 5 and towers <= set(sys.modules), towers - set(sys.modules)
         """
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr

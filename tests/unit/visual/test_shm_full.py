@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # root may mount in a new mount namespace; anyone else needs a user namespace too (where the kernel allows them)
 UNSHARE = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--user", "--map-root-user"])
 SMALL_SHM = "mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "

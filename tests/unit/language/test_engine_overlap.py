@@ -1,7 +1,7 @@
 """The overlapped engine loop on a real tiny model (CPU): step() launches step N+1 before it returns step N's
 tokens, yet a request never runs after the step that finished it, and an abort mid-flight frees exactly its
 slots. (The prefix cache is off here: with it, an aborted request's written slots stay in the tree;
-tests/unit/test_prefix_cache.py covers that.)"""
+tests/unit/language/test_prefix_cache.py covers that.)"""
 
 from __future__ import annotations
 
