@@ -173,3 +173,24 @@ def test_imports_flow_one_way() -> None:
         if target.split(".")[0] in FORBIDDEN.get(module.split(".")[0], set())
     ]
     assert not wrong, "imports against the package rule:\n" + "\n".join(wrong)
+
+
+def top_level_imports(directory: Path) -> Iterator[tuple[Path, str, int]]:
+    """(file, top-level package, line) for every import in every .py under `directory`."""
+    for path in sorted(directory.rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for name, line in imported_names(module, path, path.name == "__init__.py"):
+            yield path, name.split(".")[0], line
+
+
+def test_tests_and_benchmarks_do_not_import_each_other() -> None:
+    """What both need (checkpoint builders, the server harness, test images) lives in mmserve/testing/. Only the
+    tests of the benchmark scripts' own logic (tests/unit/benchmarks/) import benchmarks/."""
+    allowed = ROOT / "tests" / "unit" / "benchmarks"
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {package}"
+        for directory, package in ((ROOT / "benchmarks", "tests"), (ROOT / "tests", "benchmarks"))
+        for path, imported, line in top_level_imports(directory)
+        if imported == package and allowed not in path.parents
+    ]
+    assert not wrong, "\n".join(wrong)
