@@ -18,7 +18,7 @@ from language.config import EngineConfig
 from language.engine import EngineCore
 from language.request import Request
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.llama import build_llama
+from mmserve.testing.checkpoints.llama import build_llama
 
 COPY_BANDWIDTH = 3.0e12  # bytes/s, H100 device-to-device copy (measured; docs/performance.md, Anchors)
 

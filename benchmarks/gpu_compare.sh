@@ -17,9 +17,9 @@
 #   --family F        qwen2_vl (default), qwen2_5_vl or qwen3_vl: serve_bench's --family and the default checkpoint
 #   --loads LIST      server loads (default all); --hf_loads LIST
 #   --ckpt DIR        default per family: /tmp/q2vl7b (Qwen2-VL-7B-shaped, .lightllm/make_qwen2vl_7b.py when carried,
-#                     else mmserve.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
-#                     python3 -m mmserve.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
-#                     python3 -m mmserve.checkpoints.qwen3_vl --shape 8b); built when DIR has no config.json
+#                     else mmserve.testing.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
+#                     python3 -m mmserve.testing.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
+#                     python3 -m mmserve.testing.checkpoints.qwen3_vl --shape 8b); built when DIR has no config.json
 #   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, whose
 #                     own CPU bounds the 896 px and 256-request loads)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
@@ -80,16 +80,16 @@ echo "{\"commit\": \"$commit\"," \
 
 if [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen2_5_vl ]; then
   say "building a Qwen2.5-VL-7B-shaped checkpoint in $ckpt"
-  python3 -m mmserve.checkpoints.qwen2_5_vl --out "$ckpt" --shape 7b >&2 || exit 1
+  python3 -m mmserve.testing.checkpoints.qwen2_5_vl --out "$ckpt" --shape 7b >&2 || exit 1
 elif [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen3_vl ]; then
   say "building a Qwen3-VL-8B-shaped checkpoint in $ckpt"
-  python3 -m mmserve.checkpoints.qwen3_vl --out "$ckpt" --shape 8b >&2 || exit 1
+  python3 -m mmserve.testing.checkpoints.qwen3_vl --out "$ckpt" --shape 8b >&2 || exit 1
 elif [ ! -f "$ckpt/config.json" ]; then
   say "building a Qwen2-VL-7B-shaped checkpoint in $ckpt"
   if [ -f .lightllm/make_qwen2vl_7b.py ]; then  # the layout both servers and HF read
     python3 .lightllm/make_qwen2vl_7b.py "$ckpt" >&2 || exit 1
   else
-    python3 -m mmserve.checkpoints.qwen2_vl --out "$ckpt" --shape 7b >&2 || exit 1
+    python3 -m mmserve.testing.checkpoints.qwen2_vl --out "$ckpt" --shape 7b >&2 || exit 1
   fi
 fi
 

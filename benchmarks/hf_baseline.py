@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from benchmarks.loads import Load, RequestSpec, requests_for
-from mmserve.tokenizers import load_tokenizer
+from mmserve.prep.tokenizers import load_tokenizer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # per-token model inputs, left-padded like input_ids when requests are batched

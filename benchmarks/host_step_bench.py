@@ -19,7 +19,7 @@ from language.model_runner import InflightStep
 from language.request import Request
 from language.sampling_params import SamplingParams
 from language.step_inputs import stage
-from mmserve.checkpoints.llama import build_llama
+from mmserve.testing.checkpoints.llama import build_llama
 
 
 def _time(fn, repeats: int) -> float:

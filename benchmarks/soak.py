@@ -29,10 +29,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `python benchmarks/soak.py` from anywhere
 
-from mmserve.checkpoints.llama import build_llama  # noqa: E402
-from mmserve.checkpoints.llava import build_llava_hf  # noqa: E402
-from tests.e2e.images import picture, png_b64  # noqa: E402
-from tests.e2e.server_proc import ServerProcess, child_pids  # noqa: E402
+from mmserve.testing.checkpoints.llama import build_llama  # noqa: E402
+from mmserve.testing.checkpoints.llava import build_llava_hf  # noqa: E402
+from mmserve.testing.images import picture, png_b64  # noqa: E402
+from mmserve.testing.server_proc import ServerProcess, child_pids  # noqa: E402
 
 PROMPT = "USER: <image>\nDescribe the picture. ASSISTANT:"
 

@@ -3,7 +3,7 @@
     python benchmarks/tower_bench.py                    # tiny + 7B-shaped towers, bf16
     python benchmarks/tower_bench.py --shapes tiny --iters 3
 
-For each tower shape (random weights from mmserve/checkpoints/qwen2_vl.py's specs, built in memory, no files):
+For each tower shape (random weights from mmserve/testing/checkpoints/qwen2_vl.py's specs, built in memory, no files):
 1. torch's varlen flash kernel and ours (`visual/kernels/varlen_attention.py`, on CUDA) against per-image SDPA on
    packed random q/k/v of mixed sizes (the attention function alone; ours crosses partial key tiles here), then both
    timed on batches of one size (TFLOP/s);
@@ -30,8 +30,8 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/tower_bench.py` from anywhere
 
-from mmserve.checkpoints.qwen2_vl import CLIP_MEAN, CLIP_STD, qwen2_vl_config, vision_tensor_specs  # noqa: E402
-from mmserve.checkpoints.writer import make_tensor  # noqa: E402
+from mmserve.testing.checkpoints.qwen2_vl import CLIP_MEAN, CLIP_STD, qwen2_vl_config, vision_tensor_specs  # noqa: E402
+from mmserve.testing.checkpoints.writer import make_tensor  # noqa: E402
 from visual.kernels.varlen_attention import head_dim_parts, varlen_attention  # noqa: E402
 from visual.models.base import ImageInput  # noqa: E402
 from visual.models.packed_attention import (  # noqa: E402

@@ -45,7 +45,7 @@ echo "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet
 
 if [ ! -f "$ckpt/config.json" ]; then
   say "building a Qwen2-VL-$shape-shaped ${shape/72b/config-only }checkpoint in $ckpt"
-  python3 -m mmserve.checkpoints.qwen2_vl --out "$ckpt" --shape "$shape" >&2 || exit 1
+  python3 -m mmserve.testing.checkpoints.qwen2_vl --out "$ckpt" --shape "$shape" >&2 || exit 1
 fi
 
 bench() {  # bench NAME ARGS...: serve_bench starting its own server, JSON lines collected, stderr in a log

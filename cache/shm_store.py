@@ -71,5 +71,5 @@ class ShmEmbedReader:
 
     shm_prefix: str
 
-    def __call__(self, ref):  # ref: mmserve.messages.ImageRef (cache sits below mmserve in the import flow)
+    def __call__(self, ref):  # ref: mmserve.ipc.messages.ImageRef (cache sits below mmserve in the import flow)
         return read_embedding(self.shm_prefix, ref.key)

@@ -26,7 +26,7 @@ class FamilySpec:
     config_reader: str  # (model_dir, raw config.json) -> LMConfig
     test_checkpoint: str | None  # builds a tiny random checkpoint of the family: (out_dir, ...) -> model dir
     vision: str | None = None  # the vision tower + projector (`visual.models.base.VisionModel`); None: text only
-    prompt: str | None = None  # the prompt processor (`mmserve.multimodal.prompt.PromptProcessor`), with `vision`
+    prompt: str | None = None  # the prompt processor (`mmserve.prep.multimodal.prompt.PromptProcessor`), with `vision`
     chat_template: str | None = None  # the published template, for a checkpoint folder without one
     # Optional capabilities:
     checks_image_size: bool = False  # prompt processor's `check_image_size(w, h)`: a refused size is a 400

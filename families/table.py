@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from families.spec import FamilySpec
 
-_QWEN2_VL_PROMPT = "mmserve.multimodal.qwen2_vl:Qwen2VLPromptProcessor"  # also Qwen2.5-VL's and Qwen3-VL's
+_QWEN2_VL_PROMPT = "mmserve.prep.multimodal.qwen2_vl:Qwen2VLPromptProcessor"  # also Qwen2.5-VL's and Qwen3-VL's
 
 
 def _decoder(module: str, cls: str) -> dict:
@@ -18,36 +18,36 @@ def _decoder(module: str, cls: str) -> dict:
 
 FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec("llama", ("LlamaForCausalLM", "MistralForCausalLM"), **_decoder("llama", "LlamaForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.llama:build_llama"),
+               test_checkpoint="mmserve.testing.checkpoints.llama:build_llama"),
     FamilySpec("qwen2", ("Qwen2ForCausalLM",), **_decoder("llama", "Qwen2ForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.llama:build_qwen2"),
+               test_checkpoint="mmserve.testing.checkpoints.llama:build_qwen2"),
     FamilySpec("qwen_vl", ("QWenLMHeadModel",), **_decoder("qwen", "QWenForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.qwen_vl:build_qwen_vl",
+               test_checkpoint="mmserve.testing.checkpoints.qwen_vl:build_qwen_vl",
                vision="visual.models.qwen_vl:QwenVLVisionModel",
-               prompt="mmserve.multimodal.qwen_vl:QwenVLPromptProcessor",
-               chat_template="mmserve.chat_templates:QWEN_VL_CHAT", images_in_prompt=True),
+               prompt="mmserve.prep.multimodal.qwen_vl:QwenVLPromptProcessor",
+               chat_template="mmserve.prep.chat_templates:QWEN_VL_CHAT", images_in_prompt=True),
     FamilySpec("llava_hf", ("LlavaForConditionalGeneration",), **_decoder("llava", "LlavaHFForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.llava:build_llava_hf",
+               test_checkpoint="mmserve.testing.checkpoints.llava:build_llava_hf",
                vision="visual.models.llava:LlavaVisionModel",
-               prompt="mmserve.multimodal.llava:LlavaPromptProcessor",
-               chat_template="mmserve.chat_templates:LLAVA_1_5", checks_image_size=True),
+               prompt="mmserve.prep.multimodal.llava:LlavaPromptProcessor",
+               chat_template="mmserve.prep.chat_templates:LLAVA_1_5", checks_image_size=True),
     FamilySpec("llava_original", ("LlavaLlamaForCausalLM",), **_decoder("llava", "LlavaOriginalForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.llava:build_llava_original",
+               test_checkpoint="mmserve.testing.checkpoints.llava:build_llava_original",
                vision="visual.models.llava:LlavaVisionModel",
-               prompt="mmserve.multimodal.llava:LlavaPromptProcessor",
-               chat_template="mmserve.chat_templates:LLAVA_1_5", checks_image_size=True),
+               prompt="mmserve.prep.multimodal.llava:LlavaPromptProcessor",
+               chat_template="mmserve.prep.chat_templates:LLAVA_1_5", checks_image_size=True),
     FamilySpec("qwen2_vl", ("Qwen2VLForConditionalGeneration",), **_decoder("qwen2_vl", "Qwen2VLForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.qwen2_vl:build_qwen2_vl",
+               test_checkpoint="mmserve.testing.checkpoints.qwen2_vl:build_qwen2_vl",
                vision="visual.models.qwen2_vl:Qwen2VLVisionModel", prompt=_QWEN2_VL_PROMPT,
-               chat_template="mmserve.chat_templates:QWEN2_VL", checks_image_size=True, dummy_vision_weights=True),
+               chat_template="mmserve.prep.chat_templates:QWEN2_VL", checks_image_size=True, dummy_vision_weights=True),
     FamilySpec("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), **_decoder("qwen2_5_vl", "Qwen2_5_VLForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.qwen2_5_vl:build_qwen2_5_vl",
+               test_checkpoint="mmserve.testing.checkpoints.qwen2_5_vl:build_qwen2_5_vl",
                vision="visual.models.qwen2_5_vl:Qwen2_5_VLVisionModel", prompt=_QWEN2_VL_PROMPT,
-               chat_template="mmserve.chat_templates:QWEN2_VL", checks_image_size=True, dummy_vision_weights=True),
+               chat_template="mmserve.prep.chat_templates:QWEN2_VL", checks_image_size=True, dummy_vision_weights=True),
     FamilySpec("qwen3_vl", ("Qwen3VLForConditionalGeneration",), **_decoder("qwen3_vl", "Qwen3VLForCausalLM"),
-               test_checkpoint="mmserve.checkpoints.qwen3_vl:build_qwen3_vl",
+               test_checkpoint="mmserve.testing.checkpoints.qwen3_vl:build_qwen3_vl",
                vision="visual.models.qwen3_vl:Qwen3VLVisionModel", prompt=_QWEN2_VL_PROMPT,
-               chat_template="mmserve.chat_templates:QWEN3_VL", checks_image_size=True, dummy_vision_weights=True),
+               chat_template="mmserve.prep.chat_templates:QWEN3_VL", checks_image_size=True, dummy_vision_weights=True),
 )  # fmt: skip
 
 _registered: list[FamilySpec] = []  # added by `registered` (tests), in this process only

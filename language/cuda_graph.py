@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from language.forward_batch import ForwardBatch
 from language.kernels.precompile import compile_only
+from language.kv_cache import KVCache
 from language.progress import progress
 from language.sampler import sample_greedy
 from language.step_inputs import DecodeRows
-
-if TYPE_CHECKING:
-    from language.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +34,13 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, graph_max_batch_size: int):
-        self.model = runner.model
-        self.kv = kv = runner.kv
-        self.last_token = runner.last_token
+    def __init__(self, model: torch.nn.Module, kv: KVCache, last_token: torch.Tensor, graph_max_batch_size: int):
+        """last_token: the runner's per-row buffer of the previous step's sample, which the graphs read and write."""
+        self.model = model
+        self.kv = kv
+        self.last_token = last_token
         self.sizes = graph_batch_sizes(min(graph_max_batch_size, kv.num_free_rows()))
-        n, dev = self.sizes[-1], runner.device
+        n, dev = self.sizes[-1], last_token.device
         self._host = [torch.empty((n, 4), dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._turn = 0
         self.static = torch.empty((n, 4), dtype=torch.int64, device=dev)  # [max_bs, 4]

@@ -152,7 +152,7 @@ class ModelRunner:
         self._lp_out = PinnedStaging(device, torch.float32)
         on_gpu = device.type == "cuda"
         self.embeds = EmbedUpload(device)
-        self.graphs = DecodeGraphs(self, graph_max_batch_size) if cuda_graph and on_gpu else None
+        self.graphs = DecodeGraphs(model, kv, self.last_token, graph_max_batch_size) if cuda_graph and on_gpu else None
         self.pieces = None
         # Not under tensor parallelism yet: captured all-reduces in the pieces have not run on a multi-GPU host.
         if cuda_graph and on_gpu and channel is None and piecewise_cuda_graph_max_tokens > 0:

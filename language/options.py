@@ -17,12 +17,12 @@ DTYPE_NAMES = {
     "auto": "auto",
 }
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-# Their --help groups (mmserve/cli.py orders them)
+# Their --help groups (mmserve/launch/cli.py orders them)
 _MODEL, _KV, _PARALLEL = "model", "KV cache and scheduling", "parallelism"
 
 
 def option(default, group: str, help: str, **cli):
-    """A field that is also a command-line flag: mmserve/cli.py makes `--<field name>` of it (or `cli["flag"]`),
+    """A field that is also a command-line flag: mmserve/launch/cli.py makes `--<field name>` of it (or `cli["flag"]`),
     in the --help group `group`, with this default, help and the field's type. `cli` may also name `aliases`
     (vLLM's spelling of the flag), `choices` and `nargs`."""
     return field(default=default, metadata={"group": group, "help": help, **cli})

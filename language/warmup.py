@@ -7,20 +7,43 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from language.kernels.precompile import compile_only
+from language.kv_cache import KVCache
+from language.prefix_cache import PrefixCache
 from language.progress import progress
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from language.engine import EngineCore
-
+from language.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class _Shapes(Protocol):
+    mm_embed_width: int
+    dtype: torch.dtype
+    device: torch.device
+    max_req_total_len: int
+
+
+class WarmedEngine(Protocol):
+    """What warm-up drives: language.engine.EngineCore, which calls warmup(self) and so is not imported here."""
+
+    model: Any  # the decoder (its position_dims)
+    model_info: _Shapes
+    kv: KVCache
+    prefix: PrefixCache | None
+    scheduler: Scheduler
+    counters: Any
+
+    def add_request(self, req: Request) -> None: ...
+
+    def step(self) -> Any: ...
+
+    def has_unfinished(self) -> bool: ...
 
 
 def _kind(x: int) -> int:
@@ -39,7 +62,7 @@ def warmup_shapes() -> list[list[int]]:
     return list(found.values())
 
 
-def _request(engine: EngineCore, rid: str, length: int, new_tokens: int, with_image: bool) -> Request:
+def _request(engine: WarmedEngine, rid: str, length: int, new_tokens: int, with_image: bool) -> Request:
     req = Request(rid, [0] * length, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     if with_image:  # the splice kernel too; made-up images keep plain positions
         embeds = torch.zeros(length, engine.model_info.mm_embed_width, dtype=engine.model_info.dtype)
@@ -49,7 +72,7 @@ def _request(engine: EngineCore, rid: str, length: int, new_tokens: int, with_im
     return req
 
 
-def _run(engine: EngineCore, waves: list[list[Request]]) -> None:
+def _run(engine: WarmedEngine, waves: list[list[Request]]) -> None:
     """Add each wave one step after the previous one, then step until all have finished."""
     for wave in waves:
         for r in wave:
@@ -60,7 +83,7 @@ def _run(engine: EngineCore, waves: list[list[Request]]) -> None:
 
 
 @torch.inference_mode()
-def warmup(engine: EngineCore) -> None:
+def warmup(engine: WarmedEngine) -> None:
     """Every shape class once: first with launches that only compile (all variants at once, in parallel; what
     those steps compute is garbage, so the prefix cache forgets it), then for real, each variant compiled."""
     with compile_only("kernel warm-up"):
@@ -71,7 +94,7 @@ def warmup(engine: EngineCore) -> None:
     engine.counters = type(engine.counters)()  # the figures start with the first real request
 
 
-def _warm(engine: EngineCore) -> None:
+def _warm(engine: WarmedEngine) -> None:
     free = engine.kv.slots.num_free
     shapes = warmup_shapes()
     for i, lens in progress(enumerate(shapes), len(shapes), "warming up kernels", logger):

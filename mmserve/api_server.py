@@ -1,5 +1,5 @@
 """`python -m mmserve.api_server` / `mmserve`: start the router and detokenizer processes, wait until the model is
-loaded, then serve HTTP until SIGINT/SIGTERM (a drain: see mmserve.drain; or a child dies, then exit non-zero).
+loaded, then serve HTTP until SIGINT/SIGTERM (a drain: see mmserve.http.drain; or a child dies, then exit non-zero).
 Every child is stopped on the way out, and the server's sockets and shared memory are removed."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from cache.shm_store import new_prefix, remove_dead_segments, unlink_all
-from mmserve.children import spawn_detokenizer, spawn_router, spawn_visual
-from mmserve.cli import parse_config
-from mmserve.config import ServerConfig
-from mmserve.demo import demo_for, ensure_demo_checkpoint
-from mmserve.endpoints import Endpoints, remove_dead_ipc_dirs
-from mmserve.preflight import CannotStart, bind_http_sockets, check_model_dir
-from mmserve.processes import (
+from mmserve.ipc.endpoints import Endpoints, remove_dead_ipc_dirs
+from mmserve.launch.children import spawn_detokenizer, spawn_router, spawn_visual
+from mmserve.launch.cli import parse_config
+from mmserve.launch.config import ServerConfig
+from mmserve.launch.demo import demo_for, ensure_demo_checkpoint
+from mmserve.launch.preflight import CannotStart, bind_http_sockets, check_model_dir
+from mmserve.launch.processes import (
     SHUTDOWN_SIGNALS,
     ChildProcess,
     ChildStartError,
@@ -28,11 +28,11 @@ from mmserve.processes import (
     hurry_stop,
     stop_children,
 )
-from mmserve.semaphores import name_semaphores_after, remove_dead_semaphores
-from mmserve.tp_workers import check_tp_split, serve_worker_node, spawn_tp_workers
+from mmserve.launch.semaphores import name_semaphores_after, remove_dead_semaphores
+from mmserve.launch.tp_workers import check_tp_split, serve_worker_node, spawn_tp_workers
 
 # Light imports only (the spawned children import this module again): the HTTP side's heavy ones (FastAPI,
-# transformers, torch) wait in mmserve.frontend until the children are on their way.
+# transformers, torch) wait in mmserve.launch.frontend until the children are on their way.
 logger = logging.getLogger("mmserve")
 
 
@@ -116,7 +116,7 @@ def serve(config: ServerConfig) -> int:
         if shm_prefix:
             children.append(spawn_visual(config, endpoints, shm_prefix))
         children += spawn_tp_workers(config)  # this host's ranks other than 0 (rank 0 is the router)
-        from mmserve.frontend import run_frontend  # FastAPI, transformers, torch: while the children load
+        from mmserve.launch.frontend import run_frontend  # FastAPI, transformers, torch: while the children load
 
         return run_frontend(config, endpoints, shm_prefix, children, listeners)
     except ChildStartError as e:

@@ -1,5 +1,5 @@
 """In-process generation: the engine without any server, for tests, examples and offline batch jobs. It lives in
-`mmserve/` because it tokenizes (`mmserve.tokenizers`): imports flow mmserve -> language."""
+`mmserve/` because it tokenizes (`mmserve.prep.tokenizers`): imports flow mmserve -> language."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from language.config import EngineConfig
 from language.engine import EngineCore
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
-from mmserve.tokenizers import load_tokenizer  # HF tokenizers, or Qwen-VL's qwen.tiktoken
+from mmserve.prep.tokenizers import load_tokenizer  # HF tokenizers, or Qwen-VL's qwen.tiktoken
 
 
 @dataclass

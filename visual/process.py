@@ -4,7 +4,7 @@ process until its parent goes away.
     jobs:    HTTP --EncodeJob--> visual  (zmq PULL, bound here at `jobs_addr`)
     results: visual --EncodeDone/EncodeFailed--> HTTP  (zmq PUSH, connects to `results_addr`)
 
-`start_visual_process` loads it; the server runs it as a child process (`mmserve.visual_link.run_visual_process`,
+`start_visual_process` loads it; the server runs it as a child process (`mmserve.prep.visual_link.run_visual_process`,
 spawned like the other children), whose ready payload is a `VisualReady` (the HTTP process keys the cache with its
 `cache_salt`).
 """
@@ -187,7 +187,7 @@ def _receive_jobs(encoder: VisualEncoder, jobs: zmq.Socket, stop: threading.Even
 def start_visual_process(cfg: VisualProcessConfig) -> tuple[VisualReady, Callable[[Callable[[], bool]], None]]:
     """Load the encoder and open the sockets: the ready payload, and the loop that serves jobs while `alive()`
     holds. The process plumbing around it (signals, logging, the ready handshake, exiting with the parent) is the
-    server's: `mmserve.visual_link.run_visual_process`."""
+    server's: `mmserve.prep.visual_link.run_visual_process`."""
     encoder, info = load_encoder(cfg)
     if info.device.startswith("cuda"):
         torch.set_num_threads(1)  # its CPU work is in the pool; spare threads would only contend with the router

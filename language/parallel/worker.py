@@ -9,7 +9,7 @@ import logging
 import torch
 
 from language.config import EngineConfig, resolve_device
-from language.engine import build_kv_cache, load_model, model_config
+from language.model_builder import build_kv_cache, load_model, model_config
 from language.model_runner import ModelRunner
 from language.parallel import step_sync
 from language.parallel.group import init_tp

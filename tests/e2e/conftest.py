@@ -1,6 +1,6 @@
 import pytest
 
-from mmserve.checkpoints.llama import build_llama
+from mmserve.testing.checkpoints.llama import build_llama
 
 
 @pytest.fixture(scope="session")

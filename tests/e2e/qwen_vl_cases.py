@@ -12,8 +12,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests.e2e.images import picture, png_b64
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.images import picture, png_b64
+from mmserve.testing.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.server_proc import ServerProcess, serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

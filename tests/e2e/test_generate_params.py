@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 from transformers import AutoTokenizer
 
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.server_proc import ServerProcess, serving
 
 PROMPT = "A chat between a curious human and an artificial intelligence assistant. USER: Describe Beijing."
 BOS, EOS = 1, 2
@@ -169,7 +169,7 @@ def test_client_leaving_aborts_every_sequence(server):
 
 @pytest.fixture(scope="module")
 def mm_server(tmp_path_factory):
-    from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+    from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 
     model_dir = build_qwen2_vl(str(tmp_path_factory.mktemp("qwen2_vl")))
     log = str(tmp_path_factory.mktemp("log") / "server.log")

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.server_proc import ServerProcess
+from mmserve.testing.server_proc import ServerProcess
 
 PROMPT = "A chat between a curious human and an artificial intelligence assistant. USER: Describe Beijing."
 

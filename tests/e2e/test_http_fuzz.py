@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.server_proc import ServerProcess, serving
 
 POST_ROUTES = ["/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions"]
 TOKEN_BUDGETS = {"max_new_tokens", "max_tokens", "max_completion_tokens", "min_new_tokens"}
@@ -47,7 +47,7 @@ def body_schemas(server) -> dict[str, dict]:
 
 
 def from_schema(schema: dict, name: str = "") -> st.SearchStrategy:
-    """Values valid under `schema` (the subset of JSON Schema that mmserve/openapi.py writes)."""
+    """Values valid under `schema` (the subset of JSON Schema that mmserve/http/openapi.py writes)."""
     if name in TOKEN_BUDGETS:
         return st.integers(0 if name == "min_new_tokens" else 1, 3)  # keeps each request to a few steps
     if "anyOf" in schema:

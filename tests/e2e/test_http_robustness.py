@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.server_proc import ServerProcess, serving
 
 POST_ROUTES = ["/generate", "/generate_stream", "/v1/chat/completions", "/v1/completions"]
 CONTEXT = 1024  # --max_req_total_len: a 10 MB prompt is ~10,000 times too long

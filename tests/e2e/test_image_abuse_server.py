@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-from mmserve.checkpoints.qwen2_vl_demo import CHAT_TEMPLATE
-from tests.e2e.server_proc import ServerProcess, child_pids
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.checkpoints.qwen2_vl_demo import CHAT_TEMPLATE
+from mmserve.testing.server_proc import ServerProcess, child_pids
 from tests.fake_image_host import hostile_host, wait_for_requests
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

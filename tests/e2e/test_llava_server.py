@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
-from mmserve.checkpoints.llava import SYSTEM_PROMPT, build_llava_hf, build_llava_original
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.checkpoints.llava import SYSTEM_PROMPT, build_llava_hf, build_llava_original
+from mmserve.testing.server_proc import ServerProcess, serving
 from tests.models.test_llava import IMAGES, hf_llava_from_original, noise_image, pad_processor
 
 NEW_TOKENS = 16

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.checkpoints.qwen2_vl_demo import CHAT_TEMPLATE
-from mmserve.demo import DEMO_DIR_ENV, MULTIMODAL_DEMO, ensure_demo_checkpoint
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.launch.demo import DEMO_DIR_ENV, MULTIMODAL_DEMO, ensure_demo_checkpoint
+from mmserve.testing.checkpoints.qwen2_vl_demo import CHAT_TEMPLATE
+from mmserve.testing.server_proc import ServerProcess, serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture.<|im_end|>\n<|im_start|>assistant\n"  # noqa: E501

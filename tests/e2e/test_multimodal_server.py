@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmserve.checkpoints.llava import build_llava_hf
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.checkpoints.llava import build_llava_hf
+from mmserve.testing.server_proc import ServerProcess, serving
 
 PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
 LONG_STEP_SEQUENCES = 6  # n of one request with a ~3900-token prompt: a prefill step of seconds on a CPU

@@ -25,11 +25,11 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
-from mmserve.checkpoints.qwen2_vl_demo import build_qwen2_vl_demo
-from mmserve.openai_protocol import render_chat
-from mmserve.protocol import BadRequest
-from tests.e2e.images import picture, png_b64
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.http.openai_protocol import render_chat
+from mmserve.http.protocol import BadRequest
+from mmserve.testing.checkpoints.qwen2_vl_demo import build_qwen2_vl_demo
+from mmserve.testing.images import picture, png_b64
+from mmserve.testing.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
-from mmserve.checkpoints.llava import LLAVA_HF_CHAT_TEMPLATE, build_llava_hf
-from mmserve.openai_protocol import find_chat_template, render_chat
-from tests.e2e.images import png_b64
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.http.openai_protocol import find_chat_template, render_chat
+from mmserve.testing.checkpoints.llava import LLAVA_HF_CHAT_TEMPLATE, build_llava_hf
+from mmserve.testing.images import png_b64
+from mmserve.testing.server_proc import ServerProcess, serving
 from tests.e2e.test_openai_api import hf_messages, openai_messages, picture
 from tests.models.hf_reference import hf_greedy
 

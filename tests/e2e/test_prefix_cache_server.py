@@ -31,10 +31,10 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
-from mmserve.checkpoints.llava import SYSTEM_PROMPT, build_llava_hf
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
-from tests.e2e.images import picture, png_b64
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.checkpoints.llava import SYSTEM_PROMPT, build_llava_hf
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.images import picture, png_b64
+from mmserve.testing.server_proc import ServerProcess, serving
 from tests.models.hf_reference import hf_greedy
 
 NEW_TOKENS = 10

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
 
-from mmserve.checkpoints.qwen2_5_vl import build_qwen2_5_vl
+from mmserve.testing.checkpoints.qwen2_5_vl import build_qwen2_5_vl
 from tests.e2e import qwen_vl_cases as cases
 from tests.models.qwen_vl_harness import VISION, QwenVLFamily
 

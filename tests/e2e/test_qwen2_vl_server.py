@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.images import picture
 from tests.e2e import qwen_vl_cases as cases
-from tests.e2e.images import picture
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 
 FAMILY = QwenVLFamily("qwen2_vl", "Qwen2VLForConditionalGeneration", build_qwen2_vl, Qwen2VLForConditionalGeneration,

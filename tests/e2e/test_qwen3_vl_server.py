@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-from mmserve.checkpoints.qwen3_vl import build_qwen3_vl
+from mmserve.testing.checkpoints.qwen3_vl import build_qwen3_vl
 from tests.e2e import qwen_vl_cases as cases
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 

@@ -23,12 +23,12 @@ from PIL import Image
 import visual.models.qwen_vl  # noqa: F401  (registers the architecture)
 from language.request import MultimodalItem
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.qwen_vl import build_qwen_vl
 from mmserve.llm import LLM
-from mmserve.multimodal.prompt import prompt_processor_class
-from mmserve.tokenizers import load_tokenizer
-from tests.e2e.images import picture, png_b64
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.prep.multimodal.prompt import prompt_processor_class
+from mmserve.prep.tokenizers import load_tokenizer
+from mmserve.testing.checkpoints.qwen_vl import build_qwen_vl
+from mmserve.testing.images import picture, png_b64
+from mmserve.testing.server_proc import ServerProcess, serving
 from visual.models.base import vision_model_class
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from language.sampling_params import SamplingParams
-from mmserve.detokenizer import DECODE_KWARGS
+from mmserve.detok.detokenizer import DECODE_KWARGS
 from mmserve.llm import LLM
-from tests.e2e.server_proc import ServerProcess
+from mmserve.testing.server_proc import ServerProcess
 
 KV_SLOTS = 512
 PROMPTS = [

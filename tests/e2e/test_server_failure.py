@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server_proc import ServerProcess
+from mmserve.testing.server_proc import ServerProcess
 
 
 def comm(pid: int) -> str:

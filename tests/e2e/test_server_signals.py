@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
-from mmserve.checkpoints.llava import build_llava_hf
-from tests.e2e.images import picture, png_b64
-from tests.e2e.server_proc import ServerProcess, descendants, pid_alive
+from mmserve.testing.checkpoints.llava import build_llava_hf
+from mmserve.testing.images import picture, png_b64
+from mmserve.testing.server_proc import ServerProcess, descendants, pid_alive
 
 PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
 

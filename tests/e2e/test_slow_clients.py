@@ -13,7 +13,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.server_proc import ServerProcess, serving
+from mmserve.testing.server_proc import ServerProcess, serving
 
 KV_SLOTS = 4096
 

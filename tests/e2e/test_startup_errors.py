@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.e2e.server_proc import free_port
+from mmserve.testing.server_proc import free_port
 
 _LIMIT_S = 15.0  # the checks run before any child starts: well under it, even on a loaded 2-core CI machine
 

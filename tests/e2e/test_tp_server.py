@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mmserve.checkpoints.llava import build_llava_hf
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.checkpoints.llava import build_llava_hf
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.server_proc import ServerProcess, free_port, serving
 from tests.e2e import qwen_vl_cases
 from tests.e2e import test_llava_server as llava
-from tests.e2e.server_proc import ServerProcess, free_port, serving
 from tests.e2e.test_qwen2_vl_server import FAMILY as QWEN2_VL
 from tests.e2e.test_server_failure import kill_child_mid_load
 from tests.models.hf_reference import hf_greedy

@@ -26,7 +26,7 @@ VISION = "<|vision_start|><|image_pad|><|vision_end|>"
 class QwenVLFamily:
     name: str  # the checkpoint folder's name
     arch: str  # HF architectures[0]
-    build: Callable[..., str]  # mmserve.checkpoints builder: (out_dir, dialect=...) -> model dir
+    build: Callable[..., str]  # mmserve.testing.checkpoints builder: (out_dir, dialect=...) -> model dir
     hf_class: type  # transformers' *ForConditionalGeneration
     processor_class: type  # transformers' *Processor
     video_processor_class: type  # the processor wants one, though we refuse video
@@ -122,8 +122,8 @@ def check_mrope_positions(family: QwenVLFamily, published_dir: str, hf_model, si
 
 
 def check_video_placeholder_refused(family: QwenVLFamily, published_dir: str) -> None:
-    from mmserve.multimodal.prompt import prompt_processor_class
-    from mmserve.protocol import BadRequest
+    from mmserve.http.protocol import BadRequest
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
 
     tokenizer = AutoTokenizer.from_pretrained(published_dir)
     prompter = prompt_processor_class(family.arch).from_pretrained(published_dir, tokenizer)
@@ -139,7 +139,7 @@ def check_generation(family: QwenVLFamily, model_dir: str, hf_model, device: str
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
     from mmserve.llm import LLM
-    from mmserve.multimodal.prompt import prompt_processor_class
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
     from tests.models.hf_reference import hf_greedy
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -16,7 +16,7 @@ from transformers import (
     LlavaImageProcessor,
 )
 
-from mmserve.checkpoints.llava import build_llava_hf, build_llava_original, clip_preprocessor_config
+from mmserve.testing.checkpoints.llava import build_llava_hf, build_llava_original, clip_preprocessor_config
 from visual.models.llava import LlavaVisionModel
 from visual.models.weights import load_prefixed_tensors
 
@@ -160,7 +160,7 @@ def our_generation(
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
     from mmserve.llm import LLM
-    from mmserve.multimodal.prompt import prompt_processor_class
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = prompt_processor_class(architecture).from_pretrained(model_dir, tokenizer)

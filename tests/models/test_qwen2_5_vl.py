@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
 
-from mmserve.checkpoints.qwen2_5_vl import build_qwen2_5_vl, qwen2_5_vl_config
+from mmserve.testing.checkpoints.qwen2_5_vl import build_qwen2_5_vl, qwen2_5_vl_config
 from tests.models import qwen_vl_harness as vl
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 from visual.models.base import vision_model_class
@@ -60,8 +60,8 @@ def test_7b_config_shapes() -> None:
     # The tensors `--shape 7b` writes: Qwen2.5-VL-7B-Instruct's 8.29B parameters (without writing 16 GB here).
     import math
 
-    from mmserve.checkpoints.llama import llama_tensor_specs
-    from mmserve.checkpoints.qwen2_5_vl import vision_tensor_specs
+    from mmserve.testing.checkpoints.llama import llama_tensor_specs
+    from mmserve.testing.checkpoints.qwen2_5_vl import vision_tensor_specs
 
     raw = qwen2_5_vl_config("7b", torch.bfloat16)
     specs = llama_tensor_specs(raw, bias=True) + vision_tensor_specs(raw["vision_config"], "visual.")
@@ -98,7 +98,7 @@ def test_v5_dialect_generation_matches_hf(published_dir: str, hf_model, tmp_path
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
     from mmserve.llm import LLM
-    from mmserve.multimodal.prompt import prompt_processor_class
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
     from tests.models.hf_reference import hf_greedy
 
     model_dir = build_qwen2_5_vl(str(tmp_path), dialect="v5")

@@ -8,7 +8,7 @@ import pytest
 from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
 import visual.models.qwen2_vl  # noqa: F401  (registers the architecture)
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 from tests.models import qwen_vl_harness as vl
 from tests.models.qwen_vl_harness import QwenVLFamily
 

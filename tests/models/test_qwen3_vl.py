@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-from mmserve.checkpoints.qwen3_vl import build_qwen3_vl, qwen3_vl_config
+from mmserve.testing.checkpoints.qwen3_vl import build_qwen3_vl, qwen3_vl_config
 from tests.models import qwen_vl_harness as vl
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 from visual.models.base import vision_model_class
@@ -58,7 +58,7 @@ def test_8b_config_shapes() -> None:
     Qwen3-VL-8B-Instruct's 8.77B parameters (without writing 17 GB here)."""
     from transformers import Qwen3VLConfig
 
-    from mmserve.checkpoints.qwen3_vl import text_tensor_specs, vision_tensor_specs
+    from mmserve.testing.checkpoints.qwen3_vl import text_tensor_specs, vision_tensor_specs
 
     raw = qwen3_vl_config("8b", torch.bfloat16)
     config = Qwen3VLConfig(**raw)
@@ -99,8 +99,8 @@ def test_video_placeholder_is_refused(published_dir: str) -> None:
 def test_images_obey_the_pixel_bounds(published_dir: str) -> None:
     """min_pixels / max_pixels of preprocessor_config.json: a tiny image is scaled up to at least min_pixels, a large
     one down to at most max_pixels, in the prompt's token count and in the tower's input alike."""
-    from mmserve.checkpoints.qwen3_vl import TINY_MAX_PIXELS, TINY_MIN_PIXELS
-    from mmserve.multimodal.prompt import prompt_processor_class
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
+    from mmserve.testing.checkpoints.qwen3_vl import TINY_MAX_PIXELS, TINY_MIN_PIXELS
 
     prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, AutoTokenizer.from_pretrained(published_dir))
     vision = vision_model_class(ARCH).from_pretrained(published_dir, torch.device("cpu"), torch.float32)
@@ -128,7 +128,7 @@ def test_deepstack_changes_the_answer(published_dir: str, hf_model) -> None:
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
     from mmserve.llm import LLM
-    from mmserve.multimodal.prompt import prompt_processor_class
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
 
     prompter = prompt_processor_class(ARCH).from_pretrained(published_dir, AutoTokenizer.from_pretrained(published_dir))
     vision = vision_model_class(ARCH).from_pretrained(published_dir, torch.device("cpu"), torch.float32)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 import visual.models.qwen_vl  # noqa: F401  (registers the architecture)
-from mmserve.checkpoints.qwen_vl import build_qwen_vl
+from mmserve.testing.checkpoints.qwen_vl import build_qwen_vl
 from visual.models.base import vision_model_class
 from visual.models.weights import load_prefixed_tensors
 
@@ -153,8 +153,8 @@ def test_engine_with_images_equals_hf_qwen2_on_spliced_embeddings(model_dir: str
     from language.request import MultimodalItem
     from language.sampling_params import SamplingParams
     from mmserve.llm import LLM
-    from mmserve.multimodal.prompt import prompt_processor_class
-    from mmserve.tokenizers import load_tokenizer
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
+    from mmserve.prep.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     prompter = prompt_processor_class("QWenLMHeadModel").from_pretrained(model_dir, tokenizer)

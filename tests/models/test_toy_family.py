@@ -13,8 +13,8 @@ import pytest
 from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
 from families import family, registered
-from mmserve.chat_templates import QWEN2_VL, builtin_chat_template
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl
+from mmserve.prep.chat_templates import QWEN2_VL, builtin_chat_template
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 from tests.models import qwen_vl_harness as vl
 from tests.models.qwen_vl_harness import QwenVLFamily
 

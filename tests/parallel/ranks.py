@@ -7,7 +7,7 @@ import queue
 import traceback
 from collections.abc import Callable
 
-from tests.e2e.server_proc import free_port
+from mmserve.testing.server_proc import free_port
 
 WORLD = 2
 

@@ -10,8 +10,8 @@ import torch
 from language.models.hf_config import lm_config_from_hf
 from language.parallel.sharding import check_divisible, make_shard
 from language.sampling_params import SamplingParams
-from mmserve.checkpoints.qwen2_vl import build_qwen2_vl, qwen2_vl_config
 from mmserve.llm import LLM
+from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl, qwen2_vl_config
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 

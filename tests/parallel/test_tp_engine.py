@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mmserve.checkpoints.llama import build_llama
+from mmserve.testing.checkpoints.llama import build_llama
 from tests.models.hf_reference import hf_greedy
 from tests.parallel.ranks import run_ranks
 

@@ -1,0 +1,1 @@
+"""The detokenizer process: token ids to text, with stop strings."""

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible API, as vLLM shapes it: GET /v1/models, POST /v1/chat/completions and POST /v1/completions
+(streaming or not). Each request becomes the server's own GenerateInput (`openai_protocol.py`) and goes through the
+same engine client as /generate: tokenization, image checks and fetch rules, the embedding cache, the detokenizer
+and its stop handling. Errors come in OpenAI's shape {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from language.request import PromptLogprobs, RequestError
+from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
+from mmserve.http.openai_protocol import (
+    OpenAIOptions,
+    chat_input,
+    completion_input,
+    completion_prompt,
+    find_chat_template,
+    include_usage,
+    logprobs_request,
+    openai_param,
+)
+from mmserve.http.openapi import openai_route
+from mmserve.http.protocol import BadRequest, GenerateInput, json_logprob, parse_json
+from mmserve.http.request_io import collect_stream, read_request_body, watch_disconnect
+from mmserve.http.slow_clients import ClosingStreamingResponse
+from mmserve.ipc.messages import TextOutput, TokenDetail
+from mmserve.prep.chat_templates import builtin_chat_template, model_architecture
+
+_CLIENT_CLOSED = 499
+
+
+def openai_error(message: str, status: int = 400, param: str | None = None, kind: str | None = None) -> JSONResponse:
+    if kind is None:
+        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
+            status, "server_error" if status >= 500 else "invalid_request_error"
+        )
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def _bad_request(e: BadRequest, body: dict | None, prompt_field: str) -> JSONResponse:
+    param, message = openai_param(e, body, prompt_field)
+    return openai_error(message, e.status, param)
+
+
+def _request_error(e: RequestError, body: dict, chat: bool) -> JSONResponse:
+    """A request the router or the engine refused (named by the client's own fields) or failed (naming none)."""
+    if e.param is None:
+        return openai_error(e.message, e.status)
+    return _bad_request(BadRequest.of(e), body, "messages" if chat else "prompt")
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, options: OpenAIOptions):
+        self.client = client
+        self.tokenizer = client.preparer.tokenizer
+        # The server's --model_dir: not every tokenizer knows where it was loaded from (Qwen-VL's tiktoken one).
+        self.model_dir = options.model_dir or getattr(self.tokenizer, "name_or_path", None) or ""
+        folder_name = os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "mmserve"
+        self.model_name = options.served_model_name or folder_name
+        if options.chat_template is not None:  # --chat_template overrides the checkpoint's own
+            with open(options.chat_template) as f:
+                self.template = f.read()
+        else:
+            # the checkpoint's own, else the family's built-in (chat_templates.py)
+            self.template = find_chat_template(self.tokenizer, self.model_dir) or builtin_chat_template(
+                model_architecture(self.model_dir)
+            )
+        self.created = int(time.time())
+        self.image_dir = options.image_dir
+        self.multimodal = client.preparer.images is not None  # --enable_multimodal
+
+    @property
+    def max_len(self) -> int:
+        return self.client.preparer.limits.max_req_total_len
+
+    def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mmserve",
+                "root": self.model_dir, "parent": None, "max_model_len": self.max_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    async def submit(self, request: Request, parse: Callable[[dict, int], GenerateInput], prompt_field: str):
+        """-> (body, one RequestStream per choice) or an error response. A chat with no max_tokens may fill the
+        context, as vLLM's (`fill_context`: the preparer sizes it once the prompt is tokenized). n > 1 fans out
+        as /generate's n does (one tokenization and image encoding shared, sequence i seeded with seed + i)."""
+        body = None
+        try:
+            body = await self.client.run_sync(parse_json, await read_request_body(request))  # big bodies: off the loop
+            include_usage(body)  # checked before anything is submitted
+            model = body.get("model")
+            if model is not None and model != self.model_name:
+                return openai_error(f"The model `{model}` does not exist.", 404, "model")
+            req = await self.client.run_sync(parse, body, self.max_len)
+            return body, await self.client.submit_group(req, req.params.num_sequences)
+        except BadRequest as e:
+            return _bad_request(e, body, prompt_field)
+        except ServerFailure as e:
+            return openai_error(f"server failure: {e}", 503)
+
+    def _parse_chat(self, body: dict, default_max: int) -> GenerateInput:
+        return chat_input(body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal)
+
+    async def respond(self, request: Request, kind: str) -> Response:
+        chat = kind == "chat"
+        parse = self._parse_chat if chat else completion_input
+        result = await self.submit(request, parse, "messages" if chat else "prompt")
+        if isinstance(result, Response):
+            return result
+        body, streams = result
+        rid = ("chatcmpl-" if chat else "cmpl-") + streams[0].rid.split("-")[0]
+        disconnected = watch_disconnect(request)
+        if body.get("stream"):
+            return await self._start_stream(body, streams, rid, chat, disconnected)
+        tasks = [asyncio.ensure_future(collect_stream(stream, disconnected)) for stream in streams]
+        try:
+            results = await asyncio.gather(*tasks)
+        except ServerFailure as e:
+            return openai_error(f"server failure: {e}", 503)
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+        finally:
+            disconnected.cancel()
+            for task in tasks:
+                task.cancel()
+            self._abort_unfinished(streams)
+        for out, _, _ in results:
+            if out.error is not None:
+                return _request_error(out.error, body, chat)
+        echo = await self._echo(body, results[0][0].prompt_logprobs) if body.get("echo") else None
+        k = logprobs_request(body, chat)  # alternatives per position; None: no logprobs
+        choices = []
+        for index, (out, text, tokens) in enumerate(results):
+            lp = None
+            if k is not None:
+                lp = _logprobs((echo.entries if echo else []) + _entries(tokens), chat, k)
+            if echo is not None:
+                text = echo.text + text
+            if chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                          "finish_reason": out.finish_reason}  # fmt: skip
+            else:
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+            choices.append(choice)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": choices, "usage": _usage([out for out, _, _ in results]),
+        })  # fmt: skip
+
+    async def _echo(self, body: dict, scores: PromptLogprobs | None) -> Echo:
+        """The prompt to echo; with its scores (echo with logprobs), each prompt token and alternative decoded alone
+        (in the tokenizer pool), the first token without a logprob."""
+        if scores is None:
+            return Echo(completion_prompt(body), [])
+        top = scores.top or [[] for _ in scores.logprobs]
+        ids = [[i] for i in scores.token_ids] + [[i] for alts in top for i, _ in alts]
+        texts = iter(await self.client.run_sync(self._decode_each, ids))
+        prompt = [next(texts) for _ in scores.token_ids]
+        entries: list[Entry] = [(prompt[0], None, None)]
+        for i, (lp, alts) in enumerate(zip(scores.logprobs, top, strict=True)):
+            entries.append((prompt[i + 1], lp, [(next(texts), alp) for _, alp in alts]))
+        return Echo(completion_prompt(body), entries)
+
+    def _decode_each(self, ids: list[list[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+
+    def _abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.client.abort(stream.rid)
+
+    async def _start_stream(self, body, streams, rid, chat, disconnected) -> Response:
+        tasks = [asyncio.ensure_future(stream.next(disconnected)) for stream in streams]
+        try:  # a rejection before any token still gets its status code
+            firsts = await asyncio.gather(*tasks)
+        except (ServerFailure, ClientDisconnected) as e:
+            for task in tasks:
+                task.cancel()
+            disconnected.cancel()
+            self._abort_unfinished(streams)
+            if isinstance(e, ServerFailure):
+                return openai_error(f"server failure: {e}", 503)
+            return Response(status_code=_CLIENT_CLOSED)
+        for first in firsts:
+            if first.error is not None:
+                disconnected.cancel()
+                self._abort_unfinished(streams)
+                return _request_error(first.error, body, chat)
+        events = self._events(body, streams, firsts, rid, chat, disconnected)
+        return ClosingStreamingResponse(events, media_type="text/event-stream")
+
+    async def _events(self, body, streams, firsts, rid, chat, disconnected) -> AsyncIterator[str]:
+        created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        usage, k = include_usage(body), logprobs_request(body, chat)
+        logprobs = k is not None
+        echo = await self._echo(body, firsts[0].prompt_logprobs) if body.get("echo") else None
+        offsets = [0] * len(streams)  # completions' text_offset, per choice
+
+        def chunk(choices: list, **extra) -> str:
+            event = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            return f"data: {json.dumps({**event, **extra}, ensure_ascii=False)}\n\n"
+
+        def choice(index: int, out: TextOutput | Echo | None, finish_reason: str | None = None,
+                   role: bool = False) -> dict:  # fmt: skip
+            text = out.text if out is not None else ""
+            lp = None
+            if logprobs and out is not None:
+                entries = out.entries if isinstance(out, Echo) else _entries(out.tokens)
+                lp = _logprobs(entries, chat, k, offsets[index])
+                offsets[index] += sum(len(text) for text, _, _ in entries)
+            if not chat:
+                return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+        finals: list[TextOutput | None] = [None] * len(streams)
+        merged = _merge(streams, firsts, disconnected)
+        try:
+            for index in range(len(streams)):
+                if chat:
+                    yield chunk([choice(index, None, role=True)])
+                elif echo is not None:  # the prompt first, as vLLM streams echo
+                    yield chunk([choice(index, echo)])
+            async for index, out in merged:
+                if out.text or (logprobs and out.tokens):
+                    yield chunk([choice(index, out)])
+                if out.finished:
+                    finals[index] = out
+                    yield chunk([choice(index, None, out.finish_reason)])
+            if usage:
+                yield chunk([], usage=_usage(finals))
+            yield "data: [DONE]\n\n"
+        except ServerFailure as e:
+            error = {"message": f"server failure: {e}", "type": "server_error", "param": None, "code": 503}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+        except ClientDisconnected:
+            return
+        finally:
+            await merged.aclose()
+            disconnected.cancel()
+            self._abort_unfinished(streams)
+
+
+async def _merge(streams: list[RequestStream], firsts: list[TextOutput], disconnected) -> AsyncIterator[tuple]:
+    """(choice index, output) of every stream as they arrive, until each has finished; a stream's ServerFailure or
+    ClientDisconnected is raised here."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream, out: TextOutput) -> None:
+        try:
+            while True:
+                queue.put_nowait((index, out))
+                if out.finished:
+                    return
+                out = await stream.next(disconnected)
+        except (ServerFailure, ClientDisconnected) as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
+    try:
+        left = len(streams)
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                left -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+# One position of a logprobs answer: (token text, its log-probability or None (a prompt's first token), the
+# alternatives there as (text, log-probability), or None).
+Entry = tuple[str, float | None, list[tuple[str, float]] | None]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """/v1/completions' echo: the prompt text put before the completion, and its positions' logprobs (when asked)."""
+
+    text: str
+    entries: list[Entry]
+
+
+def _entries(tokens: list[TokenDetail]) -> list[Entry]:
+    """A choice's tokens -> logprobs entries. A token's text is the text it completed (TokenDetail.text: "" for the
+    first bytes of a multi-byte character), so the tokens join to the generated text before any stop cut; each
+    alternative is its token decoded alone."""
+    return [(t.text, t.logprob, [(text, lp) for _, text, lp in t.top]) for t in tokens]
+
+
+def _logprobs(entries: list[Entry], chat: bool, k: int, offset: int = 0) -> dict:
+    """OpenAI's logprobs of a choice (or of a chunk's tokens). Chat: each token with its k alternatives; completions
+    (legacy shape): tokens, token_logprobs, text_offset, and top_logprobs as one {text: logprob} per position (the
+    chosen token and its k alternatives; null where k is 0)."""
+    floor = json_logprob
+    if chat:
+        content = [{"token": text, "logprob": floor(lp), "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": a, "logprob": floor(alp), "bytes": list(a.encode())}
+                                     for a, alp in top or ()]}
+                   for text, lp, top in entries]  # fmt: skip
+        return {"content": content}
+    text_offset, tops = [], []
+    for text, lp, top in entries:
+        text_offset.append(offset)
+        offset += len(text)
+        if lp is None:
+            tops.append(None)
+        else:
+            ranked = {text: floor(lp)}
+            for a, alp in top or ():
+                ranked.setdefault(a, floor(alp))
+            tops.append(ranked)
+    return {"tokens": [text for text, _, _ in entries], "token_logprobs": [floor(lp) for _, lp, _ in entries],
+            "top_logprobs": tops if k else None, "text_offset": text_offset}  # fmt: skip
+
+
+def _usage(finals: list[TextOutput]) -> dict:
+    """The prompt counted once, the completion tokens of every choice summed (as OpenAI's n)."""
+    prompt, completion = finals[0].prompt_tokens, sum(out.output_tokens for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens}}  # fmt: skip
+
+
+def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> None:
+    serving: list[OpenAIServing] = []  # built on first use: the tokenizer is there, the event loop is running
+
+    def get() -> OpenAIServing:
+        if not serving:
+            serving.append(OpenAIServing(client, options))
+        return serving[0]
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(get().models())
+
+    @app.post("/v1/chat/completions", **openai_route("chat"))
+    async def chat_completions(request: Request) -> Response:
+        return await get().respond(request, "chat")
+
+    @app.post("/v1/completions", **openai_route("completion"))
+    async def completions(request: Request) -> Response:
+        return await get().respond(request, "completion")

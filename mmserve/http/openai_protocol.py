@@ -1,0 +1,292 @@
+"""The OpenAI API's request side, as vLLM shapes it: chat messages and completion bodies -> the server's own
+`GenerateInput` (prompt text, `SamplingParams`, `multimodal_params`), so that every request runs the one pipeline
+that /generate runs. Chat prompts are rendered by transformers' `apply_chat_template` from the checkpoint's own
+template; image parts become `multimodal_params.images` entries in prompt order."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+
+from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
+from mmserve.http.protocol import BadRequest, GenerateInput
+from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy
+from mmserve.prep.multimodal.qwen_vl import read_allowed_path
+
+SAMPLING_NAMES = frozenset(
+    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+     "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
+     "ignore_eos", "user", "model"}
+)  # fmt: skip
+CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"}
+COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
+ROLES = frozenset({"system", "user", "assistant"})
+
+
+def check_names(body: dict, allowed: frozenset) -> None:
+    for name in body:
+        if name not in allowed:
+            raise BadRequest(name, "unknown or unsupported field")
+
+
+def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+    """OpenAI's sampling fields -> SamplingParams (validated); n > 1 fans out as /generate's n does."""
+    n = body.get("n")
+    max_tokens = body.get(max_tokens_field(body))
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop", "must be a non-empty string or a list of non-empty strings")
+    kwargs = {
+        "do_sample": isinstance(temperature, (int, float)) and temperature > 0,
+        "temperature": temperature,
+        "max_new_tokens": default_max_tokens if max_tokens is None else max_tokens,
+        "stop_sequences": tuple(stop),
+        "return_details": True,
+        "n": 1 if n is None else n,
+    }
+    for name in ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
+        if body.get(name) is not None:
+            kwargs[name] = body[name]
+    try:
+        return SamplingParams(**kwargs).validate()
+    except InvalidParams as e:  # named as the pipeline names it: openai_param maps it to the client's field
+        raise BadRequest(e.field, e.message) from None
+
+
+def max_tokens_field(body: dict) -> str:
+    """The field that sets the completion's length: max_completion_tokens (OpenAI's newer name) wins over
+    max_tokens when both are given."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+# The shared pipeline's names (/generate's `parameters` and SamplingParams' fields) that an OpenAI request sets under
+# another name. Every error on the OpenAI routes goes through openai_param, so the client hears the name it sent.
+_OPENAI_NAMES = {"stop_sequences": "stop", "prompt_logprobs": "logprobs", "do_sample": "temperature"}
+_PIPELINE_NAME = re.compile(r"\b(" + "|".join(["max_new_tokens", *_OPENAI_NAMES]) + r")\b")
+
+
+def openai_param(e: BadRequest, body: dict | None, prompt_field: str) -> tuple[str, str]:
+    """A pipeline error (named as /generate names it) -> (param, message) named by the OpenAI request's fields: the
+    prompt (`inputs`) and its images are `prompt_field` (messages or prompt), max_new_tokens is the max_tokens or
+    max_completion_tokens the client sent, and the message says so too."""
+    names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_field(body or {})}
+    field = e.field.removeprefix("parameters.")
+    if e.field == "inputs" or e.field.startswith("multimodal_params"):
+        param = prompt_field
+    else:
+        param = names.get(field, field)
+    message = _PIPELINE_NAME.sub(lambda m: names[m.group(1)], e.message)
+    if e.field.startswith("multimodal_params"):  # which image: image[i], in prompt order
+        return param, f"{e.field.replace('multimodal_params.images', 'image')}: {message}"
+    return param, f"{param}: {message}"
+
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
+
+
+def logprobs_request(body: dict, chat: bool) -> int | None:
+    """How many alternatives each generated token's logprobs carry, or None for no logprobs. Chat: `logprobs: true`
+    with `top_logprobs` k in [0, 20] (default 0); completions: `logprobs: k` in [0, 5]."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise BadRequest("logprobs", "must be a boolean")
+        if top is not None:
+            if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise BadRequest("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+            if not logprobs:
+                raise BadRequest("top_logprobs", "requires logprobs: true")
+        return (top or 0) if logprobs else None
+    if top is not None:
+        raise BadRequest("top_logprobs", "is a chat field: /v1/completions takes logprobs (an integer)")
+    if logprobs is None:
+        return None
+    if not _is_int(logprobs) or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise BadRequest("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
+    return logprobs
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options", "must be an object")
+    if not body.get("stream"):
+        raise BadRequest("stream_options", "is only allowed with stream: true")
+    return bool(options.get("include_usage"))
+
+
+# ------------------------------------------------------------------------------------------------- chat
+
+
+def image_item(url: object, param: str, image_dir: str | None) -> dict:
+    """An `image_url.url` -> a `multimodal_params.images` entry, under the same rules as /generate's images:
+    data: URLs carry base64, http(s) URLs are fetched under the server's fetch rules, and a local path is read only
+    from inside --image_dir."""
+    if not isinstance(url, str) or not url:
+        raise BadRequest(param, "must be a non-empty string")
+    if url.startswith("data:"):
+        header, sep, data = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise BadRequest(param, "a data: URL must be data:<mime>;base64,<data>")
+        return {"type": "base64", "data": data}
+    if url.startswith(("http://", "https://")):
+        return {"type": "url", "data": url}
+    path = url.removeprefix("file://")
+    try:
+        data = read_allowed_path(path, image_dir, ImagePolicy().max_bytes)  # the limit of sent images
+    except BadImage as e:
+        raise BadRequest(param, str(e)) from None
+    return {"type": "base64", "data": base64.b64encode(data).decode()}
+
+
+def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -> tuple[list[dict], list[dict]]:
+    """OpenAI messages -> (messages for apply_chat_template, image entries in prompt order). Image parts become
+    {"type": "image"} parts, which every published VLM template turns into its family's placeholder. A server
+    without --enable_multimodal refuses an image part before anything is read or rendered, as /generate does."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages", "must be a non-empty list")
+    messages, images = [], []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise BadRequest(where, "must be an object")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or role not in ROLES:  # a list or object is unhashable
+            raise BadRequest(f"{where}.role", f"must be one of {sorted(ROLES)}")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            messages.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"{where}.content", "must be a string or a list of content parts")
+        parts = []
+        for j, part in enumerate(content):
+            at = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(f"{at}.text", "must be a string")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                if not multimodal:
+                    raise BadRequest(f"{at}.image_url", "this server was started without --enable_multimodal")
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                images.append(image_item(url, f"{at}.image_url.url", image_dir))
+                parts.append({"type": "image"})
+            else:
+                raise BadRequest(f"{at}.type", "must be 'text' or 'image_url'")
+        messages.append({"role": role, "content": parts})
+    return messages, images
+
+
+@dataclass(frozen=True)
+class OpenAIOptions:
+    """The server flags the OpenAI routes read."""
+
+    image_dir: str | None = None  # the only folder local image paths may be read from
+    served_model_name: str | None = None  # the model id; None: the model folder's name
+    chat_template: str | None = None  # a Jinja template file that overrides the checkpoint's
+    model_dir: str | None = None  # the served checkpoint (its folder names the model; its config, the family)
+
+
+def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
+    """The checkpoint's own template: tokenizer_config.json's (as the tokenizer loaded it), else chat_template.jinja
+    or chat_template.json (the processor's)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        return template
+    if model_dir and os.path.isdir(model_dir):
+        jinja = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja) as f:
+                return f.read()
+        path = os.path.join(model_dir, "chat_template.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                template = json.load(f).get("chat_template")
+            if isinstance(template, str) and template:
+                return template
+    return None
+
+
+# A template that loops over a message's content parts (llava-hf's, Qwen2-VL's) expects them as a list; some (llava-hf)
+# render a plain string content as nothing. vLLM detects this ("openai" content format) and passes such a message's
+# string as one text part; so does render_chat.
+_LOOPS_OVER_PARTS = re.compile(r"for\s+\w+\s+in\s+message\[['\"]content['\"]\]")
+
+
+def render_chat(tokenizer, template: str | None, messages: list[dict], body: dict) -> str:
+    if template is not None and _LOOPS_OVER_PARTS.search(template):
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
+                    for m in messages]  # fmt: skip
+    if template is None:
+        raise BadRequest("messages", "this model has no chat template (none in tokenizer_config.json, "
+                         "chat_template.jinja or chat_template.json); use /v1/completions with a prompt")  # fmt: skip
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs", "must be an object")
+    reserved = sorted(set(kwargs) & {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages"})
+    if reserved:
+        raise BadRequest("chat_template_kwargs", f"may not set {reserved}")
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            **kwargs,
+        )
+    except Exception as e:  # jinja errors, raise_exception() in the template
+        raise BadRequest("messages", f"the chat template could not render these messages: {e}") from None
+
+
+def chat_input(
+    body: dict, tokenizer, template: str | None, image_dir: str | None, default_max: int, multimodal: bool = True
+) -> GenerateInput:
+    """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering and file reads are slow)."""
+    check_names(body, CHAT_NAMES)
+    params = sampling_params(body, default_max)
+    params = replace(params, top_logprobs=logprobs_request(body, chat=True) or 0)
+    messages, images = chat_messages(body.get("messages"), image_dir, multimodal)
+    prompt = render_chat(tokenizer, template, messages, body)
+    unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)
+
+
+def completion_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt", "must be a non-empty string (one prompt per request)")
+    return prompt
+
+
+def completion_input(body: dict, default_max: int) -> GenerateInput:
+    """A completion body -> GenerateInput; max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions.
+    `echo` with logprobs scores the prompt too (prompt_logprobs with as many alternatives)."""
+    check_names(body, COMPLETION_NAMES)
+    if not isinstance(body.get("echo", False), bool):
+        raise BadRequest("echo", "must be a boolean")
+    prompt = completion_prompt(body)
+    params = sampling_params(body, min(16, default_max))
+    k = logprobs_request(body, chat=False)
+    params = replace(params, top_logprobs=k or 0, prompt_logprobs=k if body.get("echo") else None)
+    return GenerateInput(prompt, params)

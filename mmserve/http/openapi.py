@@ -1,0 +1,278 @@
+"""What /openapi.json says about each route: request bodies and answers as JSON schemas.
+
+The routes parse their bodies by hand (protocol.py, openai_protocol.py: multi-MB image bodies stay off pydantic), so
+FastAPI sees no body model; these schemas are handed to it through `openapi_extra` and `responses`. The field names
+come from the parsers' own tables (PARAMETER_NAMES, CHAT_NAMES, ...) and each must have a schema here: a name added
+to a table without one fails the app's construction, so the description cannot fall behind the parser.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import PlainTextResponse, Response
+
+from language.sampling_params import (
+    MAX_DECAY_FACTOR,
+    MAX_REPETITION_PENALTY,
+    MAX_SEQUENCES,
+    MAX_TOKEN_ID,
+    MAX_TOP_K,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+    MIN_TOP_P,
+)
+from mmserve.http.drain import RETRY_AFTER_S
+from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS, ROLES
+from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES, UNSUPPORTED_PARAMETERS
+from mmserve.http.slow_clients import MAX_BODY_BYTES
+
+
+class EventStream(Response):
+    """Documents a server-sent-events answer (the routes return their own StreamingResponse)."""
+
+    media_type = "text/event-stream"
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(low: float, high: float, exclusive_low: bool = False) -> dict:
+    low_key = "exclusiveMinimum" if exclusive_low else "minimum"
+    return {"type": "number", low_key: low, "maximum": high}
+
+
+_BOOL = {"type": "boolean"}
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
+_TOKEN_IDS = {"type": "array", "items": _TOKEN_ID}
+_TOP_P = _number(MIN_TOP_P, 1)
+_REPETITION_PENALTY = _number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+_STRING = {"type": "string", "minLength": 1}
+_STOP = _nullable({"anyOf": [_STRING, {"type": "array", "items": _STRING}]})
+_SEQUENCES = _nullable({"type": "integer", "minimum": 1, "maximum": MAX_SEQUENCES})
+
+# /generate's `parameters` (LightLLM's names; ranges as SamplingParams.validate checks them).
+PARAMETER_SCHEMAS: dict[str, dict] = {
+    "do_sample": _BOOL,
+    "temperature": _number(0, 100),
+    "top_p": _TOP_P,
+    "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K, "description": "-1 or 0: no top-k cut"},
+    "max_new_tokens": {"type": "integer", "minimum": 1, "description": "prompt + max_new_tokens <= the context"},
+    "stop_sequences": _STOP,
+    "stop_token_ids": _TOKEN_IDS,
+    "ignore_eos": _BOOL,
+    "repetition_penalty": _REPETITION_PENALTY,
+    "frequency_penalty": _number(-2, 2),
+    "presence_penalty": _number(-2, 2),
+    "seed": _nullable({"type": "integer", "minimum": 0, "exclusiveMaximum": 2**63}),  # exact as a float, too
+    "return_details": _BOOL,
+    "disable_prompt_cache": _BOOL,
+    "n": _SEQUENCES,
+    "best_of": {**_SEQUENCES, "description": ">= n; the n most likely of best_of sequences are returned"},
+    "min_new_tokens": {**_nullable({"type": "integer", "minimum": 0}), "description": "<= max_new_tokens"},
+    "allowed_token_ids": _nullable({**_TOKEN_IDS, "minItems": 1}),
+    "logit_bias": _nullable(
+        {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": _number(-100, 100)}
+    ),  # fmt: skip
+    "exponential_decay_length_penalty": _nullable(
+        {
+            "type": "array",
+            "minItems": 2,
+            "maxItems": 2,
+            "description": "[start_index, decay_factor]",
+            "prefixItems": [{"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}, _number(1, MAX_DECAY_FACTOR)],
+        }
+    ),  # fmt: skip
+    "input_penalty": _BOOL,
+    "skip_special_tokens": _BOOL,
+    "add_special_tokens": _nullable(_BOOL),
+    "add_spaces_between_special_tokens": _BOOL,
+    "print_eos_token": _BOOL,
+    "image_max_patch_num": {**_nullable({"type": "integer", "minimum": -1}), "description": "accepted, ignored"},
+    "group_request_id": {**_nullable({"type": "integer"}), "description": "accepted, ignored"},
+    "prompt_logprobs": _nullable({"anyOf": [_BOOL, {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}]}),
+}
+_REFUSED = {"enum": [None, False], "description": "not supported: only null or false is accepted"}
+
+_IMAGE = {
+    "type": "object",
+    "required": ["type", "data"],
+    "properties": {
+        "type": {"enum": ["url", "base64"]},
+        "data": {"type": "string", "description": "an http(s) URL, or the image file's bytes in base64"},
+    },
+}
+_GENERATE_FIELDS: dict[str, dict] = {
+    "inputs": {"type": "string", "minLength": 1, "description": "the prompt, with the model's image placeholders"},
+    "input": {"type": "string", "minLength": 1, "description": "another name for inputs"},
+    "parameters": {"type": "object", "additionalProperties": False},  # properties filled in by generate_body()
+    "multimodal_params": _nullable({"type": "object", "additionalProperties": False,
+                                    "properties": {"images": _nullable({"type": "array", "items": _IMAGE})}}),
+}  # fmt: skip
+
+
+def generate_body() -> dict:
+    parameters = {name: PARAMETER_SCHEMAS[name] for name in sorted(PARAMETER_NAMES)}
+    parameters |= {name: _REFUSED for name in sorted(UNSUPPORTED_PARAMETERS)}
+    _check_covered(PARAMETER_SCHEMAS, PARAMETER_NAMES, "PARAMETER_SCHEMAS")
+    fields = {name: _GENERATE_FIELDS[name] for name in sorted(TOP_LEVEL_NAMES)}
+    _check_covered(_GENERATE_FIELDS, TOP_LEVEL_NAMES, "_GENERATE_FIELDS")
+    fields["parameters"] = _nullable({**fields["parameters"], "properties": parameters})
+    return {"type": "object", "additionalProperties": False, "properties": fields,
+            "anyOf": [{"required": ["inputs"]}, {"required": ["input"]}]}  # fmt: skip
+
+
+# The OpenAI routes' fields (as openai_protocol.py reads them).
+_PART = {"anyOf": [
+    {"type": "object", "required": ["type", "text"],
+     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
+                                                      "properties": {"url": {"type": "string", "minLength": 1}}}]},
+    }},
+]}  # fmt: skip
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": sorted(ROLES)},
+        "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}),
+    },
+}
+_MAX_TOKENS = _nullable({"type": "integer", "minimum": 1})
+OPENAI_SCHEMAS: dict[str, dict] = {
+    "model": {"type": "string", "description": "the served model's id (GET /v1/models), or absent"},
+    "max_tokens": _MAX_TOKENS,
+    "max_completion_tokens": _MAX_TOKENS,
+    "temperature": _nullable(_number(0, 100)),
+    "top_p": _nullable(_TOP_P),
+    "top_k": _nullable(PARAMETER_SCHEMAS["top_k"]),
+    "seed": PARAMETER_SCHEMAS["seed"],
+    "stop": _STOP,
+    "n": _SEQUENCES,
+    "stream": _nullable(_BOOL),
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL},
+                                 "description": "only with stream: true"}),  # fmt: skip
+    "presence_penalty": _nullable(_number(-2, 2)),
+    "frequency_penalty": _nullable(_number(-2, 2)),
+    "repetition_penalty": _nullable(_REPETITION_PENALTY),
+    "ignore_eos": _nullable(_BOOL),
+    "user": {"type": "string"},
+    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+    "chat_template_kwargs": _nullable({"type": "object"}),
+    "add_generation_prompt": _BOOL,
+    "prompt": {"anyOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
+    "echo": _BOOL,
+}  # fmt: skip
+_LOGPROBS = {
+    "chat": {"logprobs": _nullable(_BOOL),
+             "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS})},
+    "completion": {"logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS}),
+                   "top_logprobs": {"type": "null", "description": "a chat field"}},
+}  # fmt: skip
+
+
+def openai_body(kind: str) -> dict:
+    names = CHAT_NAMES if kind == "chat" else COMPLETION_NAMES
+    schemas = OPENAI_SCHEMAS | _LOGPROBS[kind]
+    _check_covered(schemas, names, "OPENAI_SCHEMAS")
+    required = ["messages"] if kind == "chat" else ["prompt"]
+    properties = {name: schemas[name] for name in sorted(names)}
+    return {"type": "object", "additionalProperties": False, "required": required, "properties": properties}
+
+
+def _check_covered(schemas: dict, names: frozenset, table: str) -> None:
+    missing = sorted(set(names) - set(schemas))
+    if missing:
+        raise KeyError(f"{table} has no schema for {missing}: describe each field the parser accepts")
+
+
+# ------------------------------------------------------------------------------------------------- answers
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string"}, "field": {"type": "string", "description": "the offending field"}},
+}
+OPENAI_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": _nullable({"type": "string"}),
+        "code": {"type": "integer"}}}},
+}  # fmt: skip
+_ERRORS = {
+    400: "the body or a field is invalid (the answer names it)",
+    408: "the body did not arrive within --request_read_timeout",
+    413: f"the body is larger than {MAX_BODY_BYTES >> 20} MiB",
+    503: f"the server cannot serve now (a process is down, or it is draining): retry after {RETRY_AFTER_S} s",
+}
+_RETRY_AFTER = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
+
+
+def _errors(schema: dict, extra: dict[int, str] | None = None) -> dict:
+    out = {}
+    for status, text in (_ERRORS | (extra or {})).items():
+        out[status] = {"description": text, "content": {"application/json": {"schema": schema}}}
+        if status == 503:
+            out[status]["headers"] = _RETRY_AFTER
+    return out
+
+
+_GENERATED = {
+    "type": "object",
+    "properties": {
+        "generated_text": {"type": "array", "items": {"type": "string"}},
+        "count_output_tokens": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "integer"}}]},
+        "finish_reason": {"description": "stop or length (a list with n > 1)"},
+        "prompt_tokens": {"type": "integer"},
+        "tokens": {"type": "array", "description": "with return_details"},
+    },
+}
+_SSE = {"type": "string", "description": "server-sent events, `data:{...}`; the last has finished: true"}
+
+
+def _body(schema: dict) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def generate_route(stream: bool) -> dict:
+    """Keyword arguments for the /generate and /generate_stream decorators."""
+    ok = {"content": {"text/event-stream": {"schema": _SSE}}} if stream else {
+        "content": {"application/json": {"schema": _GENERATED}}}  # fmt: skip
+    return {
+        "openapi_extra": _body(generate_body()),
+        "responses": {200: {"description": "the generated text", **ok}, **_errors(ERROR)},
+        **({"response_class": EventStream} if stream else {}),
+    }
+
+
+def openai_route(kind: str) -> dict:
+    """Keyword arguments for /v1/chat/completions and /v1/completions."""
+    sse = {**_SSE, "description": "with stream: true; ends with data: [DONE]"}
+    ok = {"application/json": {"schema": {"type": "object", "description": "OpenAI's (chat) completion object"}},
+          "text/event-stream": {"schema": sse}}  # fmt: skip
+    return {
+        "openapi_extra": _body(openai_body(kind)),
+        "responses": {
+            200: {"description": "the completion", "content": ok},
+            **_errors(OPENAI_ERROR, {404: "`model` names another model"}),
+        },  # fmt: skip
+    }
+
+
+HEALTH_ROUTE = {
+    "responses": {
+        200: {"description": "serving (degraded: text is served, images are not)", "content": {"application/json": {
+            "schema": {"type": "object", "properties": {"status": {"enum": ["ok", "degraded"]},
+                                                        "error": {"type": "string"}}}}}},
+        503: {"description": "a process is down", "content": {"application/json": {
+            "schema": {"type": "object", "properties": {"status": {"const": "unhealthy"},
+                                                        "error": {"type": "string"}}}}}},
+    }
+}  # fmt: skip
+METRICS_ROUTE = {
+    "response_class": PlainTextResponse,
+    "responses": {200: {"description": "Prometheus text exposition format"}},
+}

@@ -1,0 +1,54 @@
+"""Request plumbing that the /generate routes and the OpenAI routes share: reading a body within the read timeout,
+noticing that the client left, gathering one sequence's whole output."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from fastapi import Request
+
+from mmserve.http.engine_client import RequestStream
+from mmserve.http.protocol import BadRequest
+from mmserve.http.slow_clients import BodyReadTimeout, BodyTooLarge, read_body
+from mmserve.ipc.messages import TextOutput, TokenDetail
+
+
+async def read_request_body(request: Request) -> bytes:
+    """The body, within --request_read_timeout; too large or too slow: a 413 / 408 naming it."""
+    try:
+        return await read_body(request, request.app.state.client_timeouts.read_s)
+    except BodyTooLarge as e:
+        raise BadRequest("body", str(e), status=413) from None
+    except BodyReadTimeout as e:
+        raise BadRequest("body", str(e), status=408) from None
+
+
+def watch_disconnect(request: Request) -> asyncio.Future:
+    """Done when the client closes the connection (the body has been read, so the next ASGI message is the
+    disconnect)."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return asyncio.ensure_future(wait())
+
+
+async def collect_stream(
+    stream: RequestStream, disconnected: asyncio.Future
+) -> tuple[TextOutput, str, list[TokenDetail]]:
+    """All of one sequence: (its last output, carrying the prompt's scores if the first one had them, the whole
+    text, every token)."""
+    text: list[str] = []
+    tokens: list[TokenDetail] = []
+    scores = None
+    while True:
+        out = await stream.next(disconnected)
+        if out.error is not None:
+            return out, "", []
+        text.append(out.text)
+        tokens.extend(out.tokens)
+        scores = scores or out.prompt_logprobs
+        if out.finished:
+            return replace(out, prompt_logprobs=scores), "".join(text), tokens

@@ -1,0 +1,1 @@
+"""Starting, supervising and stopping the server's processes, from the command line's config."""

@@ -1,0 +1,143 @@
+"""The server's configuration: built once from the command line, frozen, and handed to every process. Its options
+are the engine's (language/options.py), the visual process's (visual/options.py) and the server's own, below;
+mmserve/launch/cli.py makes the command line of all three."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from language.options import EngineOptions, option
+from visual.options import VisualOptions
+
+# Image caps. LightLLM's --max_image_pixels defaults to 3686400 (2560x1440) and downsizes larger images; here an
+# image over the cap is refused with a 400, so the default is higher: 2**25 px takes 8K UHD frames and 24-30 MP
+# camera photos (an RGB decode of at most 100 MB), and everything above it is refused before decoding.
+DEFAULT_MAX_IMAGE_PIXELS = 1 << 25
+DEFAULT_MAX_IMAGES_PER_REQUEST = 16
+
+
+# Their --help groups (mmserve/launch/cli.py orders them)
+_SERVING, _MODEL, _VISION, _PARALLEL, _LIMITS = "serving", "model", "vision", "parallelism", "limits and timeouts"
+
+
+@dataclass(frozen=True)
+class ServerConfig(EngineOptions, VisualOptions):
+    # serving
+    host: str = option("127.0.0.1", _SERVING, "address to serve HTTP on (a name binds every address it resolves to)")
+    port: int = option(8000, _SERVING, "HTTP port")
+    served_model_name: str | None = option(
+        None, _SERVING, "model id in the OpenAI API; omitted: the model folder's name", aliases=("--served-model-name",)
+    )
+    chat_template: str | None = option(
+        None, _SERVING, "a Jinja chat template file; omitted: the checkpoint's", aliases=("--chat-template",)
+    )
+    log_level: str = option(
+        "info", _SERVING, "log level of every process", choices=["debug", "info", "warning", "error"]
+    )
+    tokenizer_workers: int = option(2, _SERVING, "threads that tokenize prompts (off the event loop)")
+    # model
+    model_dir: str | None = option(None, _MODEL, "HF checkpoint folder; omitted: a random-weight demo model")
+    # vision
+    enable_multimodal: bool = option(False, _VISION, "accept images (visual process + cache)")
+    cache_capacity: int = option(200, _VISION, "images held in the embedding cache")
+    allow_private_urls: bool = option(False, _VISION, "let image URLs resolve to loopback/private/link-local addresses")
+    image_dir: str | None = option(
+        None, _VISION, "directory from which image paths in prompts may be read; omitted: none"
+    )
+    # Per decode-only step, how long the router may hold back while the vision tower runs a batch (its turn on the
+    # shared GPU, visual/tower_turn.py)
+    tower_turn_ms: float = option(
+        20.0,
+        _VISION,
+        "how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
+    )
+    # parallelism: across hosts, LightLLM's flags: the ranks are spread evenly over nnodes hosts (host k runs ranks
+    # [k * tp / nnodes, (k + 1) * tp / nnodes)), and meet at tcp://nccl_host:nccl_port (node 0's address).
+    nnodes: int = option(1, _PARALLEL, "hosts the --tp ranks are spread over (tp / nnodes each)")
+    node_rank: int = option(0, _PARALLEL, "this host's index; 0 serves HTTP, the others only ranks")
+    nccl_host: str = option("127.0.0.1", _PARALLEL, "node 0's address, where the ranks meet")
+    nccl_port: int = option(28765, _PARALLEL, "port on --nccl_host where the ranks meet")
+    # LightLLM's data-parallel vision towers; one replicated tower (on GPU 0) is what we run
+    visual_dp: int = option(1, _PARALLEL, "data-parallel vision towers (only 1: one tower)")
+    # limits and timeouts
+    max_image_pixels: int = option(
+        DEFAULT_MAX_IMAGE_PIXELS,
+        _LIMITS,
+        "most pixels (width * height) of one image, checked from its header before decoding; larger: a 400",
+    )
+    max_images_per_request: int = option(
+        DEFAULT_MAX_IMAGES_PER_REQUEST, _LIMITS, "most images in one request; more: a 400"
+    )
+    graceful_timeout: float = option(
+        30.0, _LIMITS, "on SIGTERM/SIGINT: seconds in-flight requests may take to finish while new ones get 503"
+    )
+    request_read_timeout: float = option(
+        60.0, _LIMITS, "seconds a request body may take to arrive in full; slower uploads get a 408 (0: no limit)"
+    )
+    stream_write_timeout: float = option(
+        30.0,
+        _LIMITS,
+        "seconds a response may wait on a client that does not read; then the connection is dropped and the request "
+        "aborted, freeing its KV slots (0: no limit)",
+    )
+    visual_max_restarts: int = option(
+        3,
+        _LIMITS,
+        "restarts of a visual process that keeps dying (in a row, with backoff) before the server exits non-zero",
+    )
+    startup_timeout_s: float = 600.0  # model load limit for the child processes (no flag)
+
+    def __post_init__(self) -> None:
+        EngineOptions.__post_init__(self)
+        VisualOptions.__post_init__(self)
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("--nnodes must be >= 1 and --node_rank in 0..nnodes-1")
+        if self.tp % self.nnodes:
+            raise ValueError(f"--tp {self.tp} must be a multiple of --nnodes {self.nnodes} (the same ranks per host)")
+        if not 0 < self.nccl_port < 65536:
+            raise ValueError("--nccl_port must be in 1..65535")
+        if self.visual_dp != 1:
+            raise ValueError(
+                "--visual_dp: data-parallel vision towers are not implemented; the vision tower runs once, in the "
+                "visual process on the first GPU, and its embeddings reach every rank. Use --visual_dp 1"
+            )
+        if self.cache_capacity < 1:
+            raise ValueError("--cache_capacity must be >= 1")
+        if self.max_image_pixels < 1:
+            raise ValueError("--max_image_pixels must be >= 1")
+        if self.max_images_per_request < 1:
+            raise ValueError("--max_images_per_request must be >= 1")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat_template: no such file {self.chat_template!r}")
+        if self.graceful_timeout < 0:
+            raise ValueError("--graceful_timeout must be >= 0")
+        if self.request_read_timeout < 0 or self.stream_write_timeout < 0:
+            raise ValueError("--request_read_timeout and --stream_write_timeout must be >= 0")
+        if self.visual_max_restarts < 0:
+            raise ValueError("--visual_max_restarts must be >= 0")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The tensor-parallel ranks this host runs (rank 0, the engine, is node 0's router process)."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
+    def engine_config(self):
+        """The language engine's config for this server (imported here: the HTTP process never builds one)."""
+        from language.config import EngineConfig
+
+        if self.model_dir is None:
+            raise ValueError("model_dir is not set (the demo checkpoint is resolved before the engine starts)")
+        engine_options = {f.name: getattr(self, f.name) for f in fields(EngineOptions)}
+        return EngineConfig(
+            **engine_options,
+            model_dir=self.model_dir,
+            dist_init_method=f"tcp://{self.nccl_host}:{self.nccl_port}",
+            ranks_per_node=self.ranks_per_node,
+        )

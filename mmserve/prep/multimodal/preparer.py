@@ -1,0 +1,289 @@
+"""The HTTP process's image support, as one object the request preparer calls (`prep.tokenization.ImagePreparer`):
+load and check the request's images, expand the prompt, hold the images' cache entries until they are encoded, and
+release them when the request ends.
+
+    preparer = MultimodalPreparer(prompt_processor, coordinator, cache_salt, ImagePolicy(...), image_executor)
+    prepared = await preparer.prepare(rid, prompt, multimodal_params, run_sync)   # BadRequest on any client error
+    preparer.release(rid)                                                         # finished / aborted / failed
+
+The request reaches the router only after its images are in the cache, with one exception: with `defer` (the
+prefix cache is on for the request), an image seen before but evicted from the embedding cache since is not encoded
+at once. Its ImageRef says `embedded=False`, and the router first tries the request on the prefix cache: when that
+holds the KV of the whole prompt up to past the image (a follow-up turn), the image is never encoded. Otherwise the
+router asks for it (`encode_deferred`), and the request goes on once it is in the cache.
+
+Latency: each image is decoded, checked and hashed in one call on `image_executor` (threads: PNG/JPEG decoding and
+xxhash release the GIL, so they scale with cores; the tokenizer pool stays free for prompts), and each new image's
+EncodeJob leaves before the prompt is tokenized, so tokenizing overlaps the encoding. With DEBUG logging on, one
+`image request timing:` line per request gives the stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import xxhash
+
+from cache.coordinator import CacheCoordinator, EncoderUnavailable, ImageEncodeError, MissingImageData
+from cache.index import CacheCapacityError, CacheEntry
+from cache.key import cache_key
+from mmserve.http.protocol import BadRequest, ServerFailure
+from mmserve.ipc.messages import ImageRef
+from mmserve.prep.multimodal.image_io import (
+    BadImage,
+    ImagePolicy,
+    LoadedImage,
+    fetch_item,
+    load_image_bytes,
+    open_header,
+)
+from mmserve.prep.multimodal.prompt import MultimodalPrompt, PromptImageMismatch, PromptProcessor
+from mmserve.prep.multimodal.url_fetch import UrlFetcher
+from mmserve.prep.tokenization import PreparedPrompt, RunSync
+
+FIELD = "multimodal_params.images"
+logger = logging.getLogger(__name__)
+SizeCheck = Callable[[int, int], None]  # (width, height) -> None, or BadImage: a size the family cannot take
+
+
+class SeenImages:
+    """Images already decoded and checked: (cache key, width, height) by cache key and by a fingerprint of the
+    base64 text they came in. The same image again (a follow-up turn, another question about one picture) then
+    costs a hash of its text: no base64 decoding and no image decoding, which hold the GIL for ~10 ms per 896 px
+    PNG and were most of the HTTP side's time under such loads. Bounded: it forgets everything when full. Used
+    from the image threads (single dict operations are atomic)."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._seen: dict[str, tuple[str, int, int]] = {}
+
+    def get(self, name: str) -> tuple[str, int, int] | None:
+        return self._seen.get(name)
+
+    def add(self, names: list[str], value: tuple[str, int, int]) -> None:
+        if len(self._seen) + len(names) > self.capacity:
+            self._seen = {}
+        for name in names:
+            self._seen[name] = value
+
+
+def _fingerprint(item: object) -> str | None:
+    """A name for a base64 entry's text (None for other entries)."""
+    if isinstance(item, dict) and item.get("type") == "base64" and isinstance(item.get("data"), str):
+        return "b64:" + xxhash.xxh3_128_hexdigest(item["data"].encode("utf-8", "surrogatepass"))
+    return None
+
+
+def load_and_key(
+    item: object, policy: ImagePolicy, salt: str, seen: SeenImages | None = None, check_size: SizeCheck | None = None
+):
+    """One image entry (a URL entry already downloaded: its bytes) -> (the checked image, its cache key), in one
+    thread-pool hop. An image seen before comes back without its bytes (data None): the cache is expected to hold it
+    (see MultimodalPreparer._acquire)."""
+    fingerprint = _fingerprint(item) if seen is not None else None
+    hit = seen.get(fingerprint) if fingerprint is not None else None
+    if hit is not None:
+        key, width, height = hit
+        return LoadedImage(None, None, width, height), key
+    data = load_image_bytes(item, policy)
+    key = cache_key(data, salt)
+    hit = seen.get(key) if seen is not None else None
+    if hit is not None:  # the same bytes sent another way (URL, data: URL)
+        width, height = hit[1], hit[2]
+    else:
+        # The header is all the prompt needs; the visual process decodes the pixels (a corrupt file fails there,
+        # as a 400 all the same). Decoding here too would hold the GIL for ~15 ms per 896 px PNG and slow a burst
+        # of new images on their way to the vision tower.
+        width, height = open_header(data, policy.max_pixels).size
+        if check_size is not None:
+            check_size(width, height)
+    if seen is not None:
+        seen.add([key] + ([fingerprint] if fingerprint else []), (key, width, height))
+    return LoadedImage(data, None, width, height), key
+
+
+class MultimodalPreparer:
+    def __init__(self, prompt_processor: PromptProcessor, coordinator: CacheCoordinator, cache_salt: str,
+                 policy: ImagePolicy | None = None, image_executor: Executor | None = None, *,
+                 check_size: SizeCheck | None = None, images_in_prompt: bool = False):  # fmt: skip
+        """check_size, images_in_prompt: the prompt processor's optional capabilities its family declares
+        (families/spec.py), e.g. Qwen2-VL's aspect-ratio bound checked from each image's header before anything is
+        sent or tokenized, and Qwen-VL's images named inside the prompt."""
+        self.prompt_processor = prompt_processor
+        self.image_executor = image_executor  # None: the event loop's default executor
+        self.coordinator = coordinator
+        self.cache_salt = cache_salt
+        self.policy = policy or ImagePolicy()
+        self.fetcher = UrlFetcher(self.policy.fetch)
+        self._check_size = check_size
+        self._images_in_prompt = images_in_prompt
+        if images_in_prompt:  # Qwen-VL reads allowed paths itself: the same size limit
+            prompt_processor.max_image_bytes = self.policy.max_bytes
+        self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
+        self._seen = SeenImages()
+        # rid -> (its image entries, keys, bytes so far, the keys deferred): images not encoded unless the router
+        # asks (see the module's docstring)
+        self._deferred: dict[str, tuple[list, list[str], list[bytes | None], set[str]]] = {}
+        self.encodes_skipped = 0  # deferred images the router never asked for: their KV was in the prefix cache
+        self._encoding: set[str] = set()  # rids in encode_deferred (release drops them: it must not hold after)
+
+    async def prepare(
+        self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync, defer: bool = False
+    ) -> PreparedPrompt:
+        start = time.perf_counter()
+        items = multimodal_params.get("images") or []
+        self._check_image_count(len(items) if isinstance(items, list) else 0)
+        if self._images_in_prompt:  # Qwen-VL: images named inside <img>...</img>
+            self._check_image_count(self.prompt_processor.count_images(prompt))  # before reading any of them
+            items = await self._prompt_image_items(prompt, items, run_sync)
+        expected = self.prompt_processor.count_images(prompt)
+        if expected != len(items):
+            raise BadRequest(FIELD, str(PromptImageMismatch(
+                f"the prompt has {expected} image placeholder(s) but {len(items)} image(s) were sent; "
+                "each placeholder stands for one image, in order")))  # fmt: skip
+        loaded = await self._load(items)
+        images, keys = [im for im, _ in loaded], [key for _, key in loaded]
+        t_load = time.perf_counter()
+        # Send the new images to the visual process first, then tokenize while they encode.
+        acquire = asyncio.ensure_future(self._acquire(rid, items, keys, [im.data for im in images], defer))
+        try:
+            mm_prompt: MultimodalPrompt = await run_sync(
+                self.prompt_processor.encode, prompt, [(im.width, im.height) for im in images]
+            )
+            t_prompt = time.perf_counter()
+            await acquire
+        except PromptImageMismatch as e:
+            await self._cancel(rid, acquire)
+            raise BadRequest(FIELD, str(e)) from None
+        except BaseException:
+            await self._cancel(rid, acquire)
+            raise
+        if logger.isEnabledFor(logging.DEBUG):
+            now = time.perf_counter()
+            logger.debug("image request timing: rid=%s images=%d load_hash_ms=%.1f prompt_ms=%.1f encode_wait_ms=%.1f "
+                         "total_ms=%.1f", rid, len(images), (t_load - start) * 1e3, (t_prompt - t_load) * 1e3,
+                         (now - t_prompt) * 1e3, (now - start) * 1e3)  # fmt: skip
+        deferred = self._deferred[rid][3] if rid in self._deferred else set()
+        refs = tuple(
+            ImageRef(key, offset, n, mm_prompt.grid_thw[i] if mm_prompt.grid_thw else None, key not in deferred)
+            for i, (key, offset, n) in enumerate(zip(keys, mm_prompt.offsets, mm_prompt.num_tokens, strict=True))
+        )
+        return PreparedPrompt(mm_prompt.token_ids, refs, False)  # images are ready (or deferred): no wait
+
+    async def encode_deferred(self, rid: str) -> None:
+        """The router found that the prefix cache does not cover `rid`'s deferred images: encode them now (held
+        like the others until release). Raises as prepare would (BadRequest, ServerFailure)."""
+        deferred = self._deferred.pop(rid, None)
+        if deferred is None:
+            return
+        items, keys, data, missing = deferred
+        self._encoding.add(rid)
+        try:
+            data = await self._fill_bytes(items, keys, data, missing)
+            wanted = [(key, blob) for key, blob in zip(keys, data, strict=True) if key in missing]
+            entries = await self._guarded_acquire(wanted)
+        except BaseException:
+            self._encoding.discard(rid)
+            raise
+        if rid not in self._encoding:  # the request ended meanwhile (its client went away)
+            self.coordinator.release(entries)
+            return
+        self._encoding.discard(rid)
+        self._held[rid] = self._held.get(rid, []) + entries
+
+    def _check_image_count(self, count: int) -> None:
+        if count > self.policy.max_images:
+            raise BadRequest(FIELD, f"{count} images in one request, more than the limit of "
+                                    f"{self.policy.max_images} (--max_images_per_request)")  # fmt: skip
+
+    def release(self, rid: str) -> None:
+        self._encoding.discard(rid)
+        deferred = self._deferred.pop(rid, None)
+        if deferred is not None:  # never asked for: the prefix cache held them (or the request ended before)
+            self.encodes_skipped += len(deferred[3])
+        entries = self._held.pop(rid, None)
+        if entries:
+            self.coordinator.release(entries)
+
+    async def _prompt_image_items(self, prompt: str, sent: list, run_sync: RunSync) -> list:
+        try:
+            return await run_sync(self.prompt_processor.image_items, prompt, sent)
+        except (BadImage, PromptImageMismatch) as e:
+            raise BadRequest(FIELD, str(e)) from None
+
+    async def aclose(self) -> None:
+        await self.fetcher.aclose()
+
+    async def _load_one(self, item: object, seen: SeenImages | None) -> tuple[LoadedImage, str]:
+        """A URL is downloaded on the event loop (waiting on a host holds no thread), then the bytes are decoded,
+        checked and hashed on image_executor."""
+        item = await fetch_item(item, self.fetcher, self.policy.max_bytes)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.image_executor, load_and_key, item, self.policy, self.cache_salt, seen, self._check_size
+        )
+
+    async def _load(self, items: list) -> list[tuple[LoadedImage, str]]:
+        results = await asyncio.gather(*(self._load_one(item, self._seen) for item in items), return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, BadImage):
+                raise BadRequest(f"{FIELD}[{index}]", str(result))
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def _fill_bytes(self, items: list, keys: list[str], data: list, wanted: set[str]) -> list[bytes | None]:
+        data = list(data)
+        for i, key in enumerate(keys):
+            if data[i] is None and key in wanted:
+                loaded, _ = await self._load_one(items[i], None)
+                data[i] = loaded.data
+        return data
+
+    async def _cancel(self, rid: str, acquire: asyncio.Future) -> None:
+        """Undo an acquire that is no longer wanted: nothing stays held (cancelling it releases its entries)."""
+        acquire.cancel()
+        await asyncio.gather(acquire, return_exceptions=True)
+        self._deferred.pop(rid, None)
+        self.release(rid)
+
+    async def _acquire(
+        self, rid: str, items: list, keys: list[str], data: list[bytes | None], defer: bool = False
+    ) -> None:
+        if not keys:
+            return
+        pairs = list(zip(keys, data, strict=True))
+        missing: set[str] = set()
+        while True:
+            try:
+                entries = await self._guarded_acquire([(k, d) for k, d in pairs if k not in missing])
+                break
+            except MissingImageData as e:  # seen before, but evicted since
+                if not defer:  # decode them after all
+                    data = await self._fill_bytes(items, keys, data, set(e.keys))
+                    pairs = list(zip(keys, data, strict=True))
+                    continue
+                missing |= set(e.keys)  # left to the router (see the module's docstring); the rest is held
+        if missing:
+            self._deferred[rid] = (items, keys, data, missing)
+        self._held[rid] = entries
+
+    async def _guarded_acquire(self, images: list[tuple[str, bytes | None]]) -> list[CacheEntry]:
+        """coordinator.acquire, its errors as the client should see them (MissingImageData passes through)."""
+        try:
+            return await self.coordinator.acquire(images)
+        except CacheCapacityError as e:
+            raise BadRequest(FIELD, str(e)) from None
+        except EncoderUnavailable as e:
+            raise ServerFailure(
+                f"images cannot be encoded now ({e}); the server is restarting its visual process: "
+                "retry shortly (text requests and cached images are still served)"
+            ) from None
+        except ImageEncodeError as e:
+            if e.bad_image:
+                raise BadRequest(FIELD, str(e)) from None
+            # Not the image's fault (a preprocessing worker killed, shared memory full, ...): a 503, to retry.
+            raise ServerFailure(f"the visual process failed to encode an image ({e.error}); retry shortly") from None

@@ -1,0 +1,47 @@
+"""benchmarks/ttft_stages.py on lines in the formats the server writes at --log_level debug (taken from a server's
+log): two requests of one burst, a lone request a few seconds later, and the router's steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.ttft_stages import burst_stages, bursts, prompt_step_host_gaps, requests_and_steps
+
+
+def _request(rid: str, start: float, read: float, wait: float, arrived: float, first_ms: float) -> list[str]:
+    return [
+        f"2026-11-23 09:05:21,434 mmserve.prep.multimodal.preparer DEBUG image request timing: rid={rid} images=1 "
+        f"load_hash_ms=23.8 prompt_ms=15.4 encode_wait_ms={wait} total_ms=107.7",
+        f"2026-11-23 09:05:21,435 mmserve.http.server DEBUG request timing: rid={rid} bytes=452915 read_ms={read} "
+        f"parse_ms=2.0 prepare_ms=111.2 total_ms=118.8 start={start}",
+        f"2026-11-23 09:05:21,500 router DEBUG router timing: rid={rid} arrived={arrived} first_token_ms={first_ms} "
+        "cached=0",
+    ]
+
+
+LINES = [
+    *_request("a", 100.0, 5.0, 60.0, 100.2, 50.0),
+    *_request("b", 100.1, 7.0, 80.0, 100.3, 150.0),
+    *_request("c", 105.0, 6.0, 70.0, 105.1, 40.0),
+    "2026-11-23 09:05:21,501 router DEBUG step timing: launched=100.21 collected=100.25 prefill_tokens=249 decode=0",
+    "2026-11-23 09:05:21,502 router DEBUG step timing: launched=100.26 collected=100.27 prefill_tokens=0 decode=1",
+    "2026-11-23 09:05:21,503 router DEBUG step timing: launched=100.31 collected=100.44 prefill_tokens=249 decode=1",
+    "2026-11-23 09:05:21,504 mmserve.http.server INFO 127.0.0.1 POST /generate_stream 200",
+    "2026-11-23 09:05:21,505 mmserve.http.server DEBUG request timing: rid=text bytes=9 read_ms=1 parse_ms=1 "
+    "prepare_ms=1 total_ms=3 start=100.05",  # never reached the router: left out
+]
+
+
+def test_stages_of_a_burst() -> None:
+    reqs, steps = requests_and_steps(LINES)
+    assert sorted(reqs) == ["a", "b", "c"]
+    first, lone = bursts(reqs)
+    assert len(first) == 2 and len(lone) == 1
+    stages = burst_stages(first)
+    assert stages["start"] == pytest.approx([0.0, 0.1])
+    assert stages["read+parse"] == pytest.approx([0.007, 0.009])
+    assert stages["image+prompt"] == pytest.approx([0.0392, 0.0392])
+    assert stages["encode wait"] == pytest.approx([0.06, 0.08])
+    assert stages["first token"] == pytest.approx([0.25, 0.45])  # arrival in the router + its first token
+    # prompt steps only, each from the previous step's read-back: 100.27 -> 100.31
+    assert prompt_step_host_gaps(steps, 100.0, 100.5) == pytest.approx([0.04])

@@ -1,0 +1,1 @@
+"""Unit tests of language/ (the engine, driven in-process)."""

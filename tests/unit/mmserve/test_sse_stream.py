@@ -1,0 +1,46 @@
+"""/generate_stream's event generator: outputs already queued leave in one write, with exactly the bytes they would
+have had one by one; an output that arrives later gets a write of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from mmserve.http.engine_client import RequestStream, ServerFailure
+from mmserve.http.server import _sse
+from mmserve.ipc.messages import TextOutput, TokenDetail
+
+
+def _out(i: int, finished: bool = False) -> TextOutput:
+    return TextOutput("r", f"t{i}", [TokenDetail(i, f"t{i}", -0.5)], finished, "length" if finished else None, 3, i + 1)
+
+
+def _events(chunk: str) -> list[dict]:
+    return [json.loads(e.removeprefix("data:")) for e in chunk.split("\n\n") if e]
+
+
+async def _writes(stream: RequestStream, first: TextOutput, later: list[TextOutput | ServerFailure]) -> list[str]:
+    disconnected = asyncio.get_running_loop().create_future()
+    writes = []
+    async for chunk in _sse(None, stream, first, disconnected):
+        writes.append(chunk)
+        if later:  # the next output arrives only after this write
+            stream.queue.put_nowait(later.pop(0))
+    return writes
+
+
+def test_queued_outputs_leave_in_one_write():
+    stream = RequestStream("r", return_details=False)
+    for i in range(1, 4):
+        stream.queue.put_nowait(_out(i, finished=i == 3))
+    writes = asyncio.run(_writes(stream, _out(0), []))
+    assert len(writes) == 1
+    events = _events(writes[0])
+    assert [e["token"]["text"] for e in events] == ["t0", "t1", "t2", "t3"]
+    assert events[-1]["finished"] and events[-1]["generated_text"] == "t0t1t2t3"
+
+
+def test_outputs_that_arrive_one_by_one_are_written_one_by_one():
+    stream = RequestStream("r", return_details=False)
+    writes = asyncio.run(_writes(stream, _out(0), [_out(1), _out(2, finished=True)]))
+    assert [[e["token"]["text"] for e in _events(w)] for w in writes] == [["t0"], ["t1"], ["t2"]]
