@@ -40,12 +40,12 @@ def test_no_row_asking_computes_nothing():
 
 def test_full_path_alternatives_come_from_the_distribution_the_token_was_chosen_from():
     """Penalties, bias and masks shape the distribution; temperature and top-p do not enter the logprobs."""
-    logits = torch.randn(4, V) * 2
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 2
     params = [
         SamplingParams(top_logprobs=5, repetition_penalty=1.5, frequency_penalty=0.5),
         SamplingParams(),  # asks for none: computed anyway (one topk for the batch), never read
         SamplingParams(do_sample=True, temperature=0.7, top_p=0.9, seed=3, top_logprobs=20),
-        SamplingParams(top_logprobs=3, logit_bias=((9, 5.0),), allowed_token_ids=tuple(range(8, 40))),
+        SamplingParams(top_logprobs=3, logit_bias=((9, 50.0),), allowed_token_ids=tuple(range(8, 40))),
     ]
     reqs = _reqs(*params)
     for r in reqs:
@@ -59,7 +59,7 @@ def test_full_path_alternatives_come_from_the_distribution_the_token_was_chosen_
     torch.testing.assert_close(out.top_logprobs, values, rtol=0, atol=1e-5)
     chosen = torch.log_softmax(shaped, -1).gather(1, out.ids[:, None])[:, 0]
     torch.testing.assert_close(out.logprobs, chosen, rtol=0, atol=1e-5)
-    # the allowed set (32 ids) leaves the rest at -inf: those never rank above an allowed id
+    # the allowed set (32 ids) leaves the rest at -inf: those never rank above an allowed id; the bias puts 9 first
     assert set(out.top_ids[3, :3].tolist()) <= set(range(8, 40)) and out.top_ids[3, 0].item() == 9
 
 
