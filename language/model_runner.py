@@ -139,7 +139,7 @@ class ModelRunner:
     ):
         """channel: under tensor parallelism, where rank 0 sends each step and the other ranks receive it.
         piecewise_cuda_graph_max_tokens: eager steps of up to this many tokens replay piecewise graphs (on GPU, with
-        CUDA graphs on, without tensor parallelism); 0: none."""
+        CUDA graphs on); 0: none."""
         self.model = model
         self.kv = kv
         self.device = device
@@ -154,8 +154,9 @@ class ModelRunner:
         self.embeds = EmbedUpload(device)
         self.graphs = DecodeGraphs(model, kv, self.last_token, graph_max_batch_size) if cuda_graph and on_gpu else None
         self.pieces = None
-        # Not under tensor parallelism yet: captured all-reduces in the pieces have not run on a multi-GPU host.
-        if cuda_graph and on_gpu and channel is None and piecewise_cuda_graph_max_tokens > 0:
+        # Under tensor parallelism too: every rank captures the pieces in the same order, and the followers replay
+        # the graph rank 0 chose from the step's size (its row-parallel all-reduces are captured in them).
+        if cuda_graph and on_gpu and piecewise_cuda_graph_max_tokens > 0:
             self.pieces = PiecewiseGraphs(model, kv, device, piecewise_cuda_graph_max_tokens)
 
     @torch.inference_mode()

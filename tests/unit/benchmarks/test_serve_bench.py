@@ -326,14 +326,20 @@ def test_hf_baseline_batched_equals_alone_with_mrope(family: str, tiny_qwen_vl: 
         assert len(deltas) == 2 and all(d < 0 for d in deltas)  # images take fewer positions than tokens
 
 
-def test_tp_parity_compare_counts_divergences() -> None:
-    """tp_parity's line: identical answers, equal tokens (also after a divergence) and where each differing answer
-    first differs, with each run's log-probability of its own choice there."""
-    from benchmarks.tp_parity import compare
+def test_tp_parity_judges_divergences_by_the_logprob_rule() -> None:
+    """tp_parity's line: identical answers, equal tokens (also after a divergence), where each differing answer first
+    differs, and vLLM's rule there: each side's token among the other's top 5, with the larger of the two gaps."""
+    from benchmarks.tp_parity import Position, compare
 
-    a = [[(5, -0.1), (6, -0.7), (7, -0.2)], [(1, -0.5), (2, -0.3), (3, -0.1)]]
-    b = [[(5, -0.1), (9, -0.69), (7, -0.2)], [(1, -0.5), (2, -0.3), (3, -0.1)]]
+    def pos(token: str, logprob: float, **others: float) -> Position:
+        return Position(token, logprob, {token: logprob, **others})
+
+    a = [[pos("x", -0.1), pos("y", -0.7, z=-0.72), pos("w", -0.2)], [pos("p", -0.5), pos("q", -0.3)]]
+    b = [[pos("x", -0.1), pos("z", -0.69, y=-0.70), pos("w", -0.2)], [pos("p", -0.5), pos("q", -0.3)]]
     line = compare("tp1 vs tp2", a, b)
     assert (line["identical_answers"], line["first_divergence"]) == (1, [1])
-    assert line["divergence_logprobs"] == [[-0.7, -0.69]]
-    assert line["equal_token_fraction"] == 5 / 6 and compare("same", a, a)["first_divergence"] == []
+    assert line["logprob_rule_holds"] == 2 and line["worst_gap"] == line["divergence_gaps"][0] == 0.02
+    assert line["equal_token_fraction"] == 4 / 5 and compare("same", a, a)["first_divergence"] == []
+    c = [[pos("x", -0.1), pos("v", -0.05), pos("w", -0.2)], [pos("p", -0.5), pos("q", -0.3)]]  # y is not in c's top
+    broken = compare("tp1 vs tp2", a, c)
+    assert broken["logprob_rule_holds"] == 1 and broken["divergence_gaps"] == [None] and broken["worst_gap"] is None
