@@ -13,11 +13,10 @@ check errs towards keeping. Servers in other pid namespaces that share this /dev
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
-from visual.pids import pid_alive
+from visual.pids import dead_owners_entries
 from visual.shm_segments import (
     list_segments,
     new_prefix,
@@ -47,15 +46,8 @@ _OWNER = re.compile(r"mmsv_(\d+)_")  # the start of every name new_prefix() make
 def remove_dead_segments() -> list[str]:
     """Unlink the segments of mmserve servers that are no longer running (named by new_prefix() with a pid that is
     not alive); returns their names. Segments of live servers, other users' and anything not ours stay."""
-    try:
-        names = os.listdir(_SHM_DIR)
-    except OSError:
-        return []
     removed = []
-    for name in sorted(names):
-        owner = _OWNER.match(name)
-        if owner is None or pid_alive(int(owner.group(1))):
-            continue
+    for name in dead_owners_entries(_SHM_DIR, _OWNER):
         try:
             if unlink_segment(name):
                 removed.append(name)

@@ -1,8 +1,10 @@
-"""Whether a process is still there, by pid (shared by the shared-memory sweep and the preprocessing workers)."""
+"""Whether a process is still there, by pid (shared by the sweeps of dead servers' leftovers and the preprocessing
+workers)."""
 
 from __future__ import annotations
 
 import os
+import re
 
 
 def pid_alive(pid: int) -> bool:
@@ -16,3 +18,13 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, another user's
         return True
     return True
+
+
+def dead_owners_entries(directory: str, owner: re.Pattern[str]) -> list[str]:
+    """The names in `directory`, sorted, that `owner` matches with a pid (its first group) no longer running: what a
+    server killed outright left there, named after its pid. [] when the directory cannot be read."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [name for name in sorted(names) if (m := owner.match(name)) is not None and not pid_alive(int(m.group(1)))]

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from cache.shm_store import pid_alive
+from visual.pids import dead_owners_entries
 
 _IPC_PREFIX = "mmserve-ipc-"
 _IPC_OWNER = re.compile(re.escape(_IPC_PREFIX) + r"(\d+)-")  # mmserve-ipc-<pid of the server>-<random>
@@ -43,16 +43,9 @@ def remove_dead_ipc_dirs(parent: str | None = None) -> list[str]:
     running, as `cache.shm_store.remove_dead_segments` does for /dev/shm; returns their paths. A live server's,
     another user's and anything not named by Endpoints.create stay."""
     parent = parent or tempfile.gettempdir()
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
     removed = []
-    for name in sorted(names):
-        owner = _IPC_OWNER.match(name)
+    for name in dead_owners_entries(parent, _IPC_OWNER):
         path = os.path.join(parent, name)
-        if owner is None or pid_alive(int(owner.group(1))):
-            continue
         try:
             if not os.path.isdir(path) or os.path.islink(path) or os.stat(path).st_uid != os.getuid():
                 continue

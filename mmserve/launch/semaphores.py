@@ -12,7 +12,7 @@ import multiprocessing.process
 import os
 import re
 
-from cache.shm_store import pid_alive
+from visual.pids import dead_owners_entries
 
 _SEM_DIR = "/dev/shm"  # where glibc keeps a named semaphore `/name`, as the file `sem.name`
 _OWNER = re.compile(r"sem\.mp-mmsv_(\d+)-")
@@ -28,15 +28,8 @@ def remove_dead_semaphores(sem_dir: str = _SEM_DIR) -> list[str]:
     """Unlink the semaphores of mmserve servers no longer running; returns their file names. A live server's,
     another user's and any not named by name_semaphores_after stay. Processes that still hold one open (none, once
     its server is gone) keep using it: unlinking only removes the name."""
-    try:
-        names = os.listdir(sem_dir)
-    except OSError:
-        return []
     removed = []
-    for name in sorted(names):
-        owner = _OWNER.match(name)
-        if owner is None or pid_alive(int(owner.group(1))):
-            continue
+    for name in dead_owners_entries(sem_dir, _OWNER):
         path = os.path.join(sem_dir, name)
         try:
             if os.stat(path).st_uid != os.getuid():

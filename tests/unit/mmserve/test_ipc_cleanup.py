@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from cache.shm_store import pid_alive
 from mmserve.ipc.endpoints import Endpoints, remove_dead_ipc_dirs
+from visual.pids import pid_alive
 
 
 def dead_pid() -> int:

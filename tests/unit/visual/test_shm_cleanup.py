@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from cache.shm_store import list_segments, new_prefix, pid_alive, remove_dead_segments, unlink_all, write_embedding
+from cache.shm_store import list_segments, new_prefix, remove_dead_segments, unlink_all, write_embedding
+from visual.pids import pid_alive
 from visual.shared_pixels import share_tensor
 
 
