@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from mmserve.testing.server_proc import ServerProcess
+from mmserve.testing.server_proc import ServerProcess, serving
 
 PROMPT = "A chat between a curious human and an artificial intelligence assistant. USER: Describe Beijing."
 
@@ -19,13 +19,8 @@ def server(e2e_model_dir, tmp_path_factory):
     srv = ServerProcess(
         e2e_model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num", "2048"
     )
-    try:
-        srv.wait_healthy()
+    with serving(srv):  # stopped cleanly: exit 0, no child or segment left
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, srv.log()
-        assert srv.leftover_children() == [], "child processes outlived the server"
 
 
 def strict_json(text: str):
