@@ -29,7 +29,7 @@ from mmserve.http.openai_protocol import (
 )
 from mmserve.http.openapi import openai_route
 from mmserve.http.protocol import BadRequest, GenerateInput, json_logprob, parse_json
-from mmserve.http.request_io import collect_stream, read_request_body, watch_disconnect
+from mmserve.http.request_io import collect_streams, read_request_body, watch_disconnect
 from mmserve.http.slow_clients import ClosingStreamingResponse
 from mmserve.ipc.messages import TextOutput, TokenDetail
 from mmserve.prep.chat_templates import builtin_chat_template, model_architecture
@@ -118,18 +118,12 @@ class OpenAIServing:
         disconnected = watch_disconnect(request)
         if body.get("stream"):
             return await self._start_stream(body, streams, rid, chat, disconnected)
-        tasks = [asyncio.ensure_future(collect_stream(stream, disconnected)) for stream in streams]
         try:
-            results = await asyncio.gather(*tasks)
+            results = await collect_streams(self.client, streams, disconnected)
         except ServerFailure as e:
             return openai_error(f"server failure: {e}", 503)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
-        finally:
-            disconnected.cancel()
-            for task in tasks:
-                task.cancel()
-            self._abort_unfinished(streams)
         for out, _, _ in results:
             if out.error is not None:
                 return _request_error(out.error, body, chat)

@@ -1,5 +1,5 @@
 """Request plumbing that the /generate routes and the OpenAI routes share: reading a body within the read timeout,
-noticing that the client left, gathering one sequence's whole output."""
+noticing that the client left, gathering each sequence's whole output."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from fastapi import Request
 
-from mmserve.http.engine_client import RequestStream
+from mmserve.http.engine_client import EngineClient, RequestStream
 from mmserve.http.protocol import BadRequest
 from mmserve.http.slow_clients import BodyReadTimeout, BodyTooLarge, read_body
 from mmserve.ipc.messages import TextOutput, TokenDetail
@@ -52,3 +52,20 @@ async def collect_stream(
         scores = scores or out.prompt_logprobs
         if out.finished:
             return replace(out, prompt_logprobs=scores), "".join(text), tokens
+
+
+async def collect_streams(
+    client: EngineClient, streams: list[RequestStream], disconnected: asyncio.Future
+) -> list[tuple[TextOutput, str, list[TokenDetail]]]:
+    """collect_stream of every sequence of one request, together; raises ServerFailure or ClientDisconnected. Either
+    way, the sequences that have not finished are aborted and the disconnect watch is stopped."""
+    tasks = [asyncio.ensure_future(collect_stream(stream, disconnected)) for stream in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        disconnected.cancel()
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            if not stream.finished:
+                client.abort(stream.rid)

@@ -27,7 +27,7 @@ from mmserve.http.protocol import (
     parse_generate_body,
     stream_event,
 )
-from mmserve.http.request_io import collect_stream, read_request_body, watch_disconnect
+from mmserve.http.request_io import collect_streams, read_request_body, watch_disconnect
 from mmserve.http.slow_clients import ClientTimeouts, ClosingStreamingResponse
 from mmserve.ipc.messages import TextOutput, TokenDetail
 
@@ -71,20 +71,12 @@ def build_app(
             return streams_or_error
         streams, params = streams_or_error
         disconnected = watch_disconnect(request)
-        tasks = [asyncio.ensure_future(collect_stream(stream, disconnected)) for stream in streams]
         try:
-            results = await asyncio.gather(*tasks)
+            results = await collect_streams(client, streams, disconnected)
         except ServerFailure as e:
             return _server_failure(e)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
-        finally:
-            disconnected.cancel()
-            for task in tasks:
-                task.cancel()
-            for stream in streams:
-                if not stream.finished:
-                    client.abort(stream.rid)
         for out, _, _ in results:
             if out.error is not None:
                 return _error(BadRequest.of(out.error))
