@@ -25,6 +25,21 @@ MIN_TEMPERATURE = 1e-5  # below it, sampling is greedy (vLLM's epsilon): logits 
 MIN_REPETITION_PENALTY = 0.01  # logit / penalty and logit * penalty stay finite (a 5e-324 penalty is 0 in float32)
 MAX_REPETITION_PENALTY = 10.0
 MAX_DECAY_FACTOR = 10.0  # exponential_decay_length_penalty's; the EOS boost is capped as well (LogitProcessors)
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar longer than 1 MiB of text is refused before compiling
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output that xgrammar compiles into a token mask, whatever the client called it
+    (OpenAI's response_format, vLLM's structured_outputs / guided_*, LightLLM's guided_json / guided_grammar).
+
+    kind: "json" (spec: a JSON schema as text), "json_object" (any JSON object; spec ""), "regex", "choice" (spec: a
+    JSON list of the allowed strings), "grammar" (EBNF/GBNF text) or "structural_tag" (xgrammar's JSON)."""
+
+    kind: str
+    spec: str = ""
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,7 @@ class SamplingParams:
     # for the prompt (None: off) each prompt token's own plus that many alternatives (vLLM's prompt_logprobs).
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None  # the output follows this grammar (a token mask at every step)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -84,6 +100,7 @@ class SamplingParams:
             or self.allowed_token_ids is not None
             or bool(self.logit_bias)
             or self.exponential_decay_length_penalty is not None
+            or self.structured is not None
         )
 
     @property
@@ -163,6 +180,12 @@ class SamplingParams:
                 raise InvalidParams("best_of", f"must be an integer in [1, {MAX_SEQUENCES}]")
             if self.best_of < self.n:
                 raise InvalidParams("best_of", "must be >= n")
+        so = self.structured
+        if so is not None:
+            if not isinstance(so, StructuredOutput) or so.kind not in StructuredOutput.KINDS:
+                raise InvalidParams("structured", f"kind must be one of {', '.join(StructuredOutput.KINDS)}")
+            if not isinstance(so.spec, str) or len(so.spec) > MAX_CONSTRAINT_CHARS:
+                raise InvalidParams("structured", f"must be text of at most {MAX_CONSTRAINT_CHARS} characters")
         return self
 
 
