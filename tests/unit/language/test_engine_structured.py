@@ -95,7 +95,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    # On a GPU host the same tests run on CUDA, where decode steps replay CUDA graphs and masks go through pinned memory.
+    # On a GPU host these run on CUDA: decode steps replay CUDA graphs, masks go through pinned memory.
     return LLM(model_dir, max_total_token_num=4096, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
