@@ -208,8 +208,10 @@ class EngineCore:
             ("allowed_token_ids", p.allowed_token_ids or ()),
             ("logit_bias", [t for t, _ in p.logit_bias]),
         ):
-            if any(t < 0 or t >= info.vocab_size for t in ids):
-                _refuse(f"parameters.{name}", f"token id out of the vocabulary (size {info.vocab_size})")
+            vocab = info.vocab_size
+            outside = sorted({t for t in ids if t < 0 or t >= vocab})
+            if outside:
+                _refuse(f"parameters.{name}", f"token ids {outside[:8]} are out of the vocabulary (size {vocab})")
         if p.min_new_tokens and p.allowed_token_ids is not None:
             masked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(info.eos_token_ids))
             if set(p.allowed_token_ids) <= masked:

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, replace
 
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
+from mmserve.http.openai_extras import EXTRA_NAMES, check_batch_size, completion_prompts, extra_kwargs
 from mmserve.http.protocol import BadRequest, GenerateInput
 from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy
 from mmserve.prep.multimodal.qwen_vl import read_allowed_path
@@ -20,7 +21,7 @@ SAMPLING_NAMES = frozenset(
     {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
      "ignore_eos", "user", "model"}
-)  # fmt: skip
+) | EXTRA_NAMES  # fmt: skip
 CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"}
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
 ROLES = frozenset({"system", "user", "assistant"})
@@ -56,10 +57,14 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     for name in ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
         if body.get(name) is not None:
             kwargs[name] = body[name]
+    kwargs.update(extra_kwargs(body))
     try:
-        return SamplingParams(**kwargs).validate()
+        params = SamplingParams(**kwargs).validate()
     except InvalidParams as e:  # named as the pipeline names it: openai_param maps it to the client's field
         raise BadRequest(e.field, e.message) from None
+    if body.get("stream") and params.num_sequences > params.n:
+        raise BadRequest("best_of", "must equal n with stream: true (the best sequences are known only at the end)")
+    return params
 
 
 def max_tokens_field(body: dict) -> str:
@@ -70,7 +75,13 @@ def max_tokens_field(body: dict) -> str:
 
 # The shared pipeline's names (/generate's `parameters` and SamplingParams' fields) that an OpenAI request sets under
 # another name. Every error on the OpenAI routes goes through openai_param, so the client hears the name it sent.
-_OPENAI_NAMES = {"stop_sequences": "stop", "prompt_logprobs": "logprobs", "do_sample": "temperature"}
+_OPENAI_NAMES = {
+    "stop_sequences": "stop",
+    "prompt_logprobs": "logprobs",
+    "do_sample": "temperature",
+    "min_new_tokens": "min_tokens",
+    "add_spaces_between_special_tokens": "spaces_between_special_tokens",
+}
 _PIPELINE_NAME = re.compile(r"\b(" + "|".join(["max_new_tokens", *_OPENAI_NAMES]) + r")\b")
 
 
@@ -79,6 +90,9 @@ def openai_param(e: BadRequest, body: dict | None, prompt_field: str) -> tuple[s
     prompt (`inputs`) and its images are `prompt_field` (messages or prompt), max_new_tokens is the max_tokens or
     max_completion_tokens the client sent, and the message says so too."""
     names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_field(body or {})}
+    for sent in ("prompt_logprobs", "do_sample"):  # vLLM's and LightLLM's own fields, when the client sent them
+        if (body or {}).get(sent) is not None:
+            names[sent] = sent
     field = e.field.removeprefix("parameters.")
     if e.field == "inputs" or e.field.startswith("multimodal_params"):
         param = prompt_field
@@ -128,6 +142,12 @@ def include_usage(body: dict) -> bool:
     if not body.get("stream"):
         raise BadRequest("stream_options", "is only allowed with stream: true")
     return bool(options.get("include_usage"))
+
+
+def continuous_usage(body: dict) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its choice's usage so
+    far too."""
+    return include_usage(body) and bool(body["stream_options"].get("continuous_usage_stats"))
 
 
 # ------------------------------------------------------------------------------------------------- chat
@@ -184,11 +204,12 @@ def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -
                     raise BadRequest(f"{at}.text", "must be a string")
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url":
+                image_url = part.get("image_url")
+                if not isinstance(image_url, dict):  # as vLLM and OpenAI: {"url": ...}, never a bare string
+                    raise BadRequest(f"{at}.image_url", 'must be an object {"url": ...}')
                 if not multimodal:
                     raise BadRequest(f"{at}.image_url", "this server was started without --enable_multimodal")
-                image_url = part.get("image_url")
-                url = image_url.get("url") if isinstance(image_url, dict) else image_url
-                images.append(image_item(url, f"{at}.image_url.url", image_dir))
+                images.append(image_item(image_url.get("url"), f"{at}.image_url.url", image_dir))
                 parts.append({"type": "image"})
             else:
                 raise BadRequest(f"{at}.type", "must be 'text' or 'image_url'")
@@ -270,23 +291,25 @@ def chat_input(
     return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)
 
 
-def completion_prompt(body: dict) -> str:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("prompt", "must be a non-empty string (one prompt per request)")
-    return prompt
-
-
-def completion_input(body: dict, default_max: int) -> GenerateInput:
-    """A completion body -> GenerateInput; max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions.
-    `echo` with logprobs scores the prompt too (prompt_logprobs with as many alternatives)."""
+def completion_inputs(body: dict, default_max: int, tokenizer) -> list[GenerateInput]:
+    """A completion body -> one GenerateInput per prompt (a token-id prompt carries its ids, and their text for
+    echo); max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions. `echo` with logprobs scores the
+    prompt too (prompt_logprobs with at least as many alternatives). Runs in the tokenizer pool."""
     check_names(body, COMPLETION_NAMES)
     if not isinstance(body.get("echo", False), bool):
         raise BadRequest("echo", "must be a boolean")
-    prompt = completion_prompt(body)
+    prompts = completion_prompts(body, len(tokenizer))
     params = sampling_params(body, min(16, default_max))
+    check_batch_size(len(prompts), params.num_sequences)
     k = logprobs_request(body, chat=False)
-    params = replace(params, top_logprobs=k or 0, prompt_logprobs=k if body.get("echo") else None)
-    return GenerateInput(prompt, params)
+    scored = params.prompt_logprobs
+    if body.get("echo") and k is not None:
+        scored = max(k, scored or 0)
+    params = replace(params, top_logprobs=k or 0, prompt_logprobs=scored)
+    return [_completion_input(p, params, tokenizer) for p in prompts]
+
+
+def _completion_input(prompt: str | tuple[int, ...], params: SamplingParams, tokenizer) -> GenerateInput:
+    if isinstance(prompt, str):
+        return GenerateInput(prompt, params)
+    return GenerateInput(tokenizer.decode(list(prompt), skip_special_tokens=False), params, prompt_ids=prompt)

@@ -21,6 +21,12 @@ from language.sampling_params import (
     MIN_TOP_P,
 )
 from mmserve.http.drain import RETRY_AFTER_S
+from mmserve.http.openai_extras import (
+    DETOKENIZE_NAMES,
+    MAX_BATCH_SEQUENCES,
+    TOKENIZE_CHAT_NAMES,
+    TOKENIZE_NAMES,
+)
 from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS, ROLES
 from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES, UNSUPPORTED_PARAMETERS
 from mmserve.http.slow_clients import MAX_BODY_BYTES
@@ -127,8 +133,8 @@ _PART = {"anyOf": [
      "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
     {"type": "object", "required": ["type", "image_url"], "properties": {
         "type": {"const": "image_url"},
-        "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
-                                                      "properties": {"url": {"type": "string", "minLength": 1}}}]},
+        "image_url": {"type": "object", "required": ["url"],
+                      "properties": {"url": {"type": "string", "minLength": 1}}},
     }},
 ]}  # fmt: skip
 _MESSAGE = {
@@ -151,8 +157,11 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "stop": _STOP,
     "n": _SEQUENCES,
     "stream": _nullable(_BOOL),
-    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL},
-                                 "description": "only with stream: true"}),  # fmt: skip
+    "stream_options": _nullable({"type": "object", "properties": {
+        "include_usage": _BOOL,
+        "continuous_usage_stats": {**_BOOL, "description": "with include_usage: each chunk carries its choice's "
+                                                            "usage so far"}},
+        "description": "only with stream: true"}),  # fmt: skip
     "presence_penalty": _nullable(_number(-2, 2)),
     "frequency_penalty": _nullable(_number(-2, 2)),
     "repetition_penalty": _nullable(_REPETITION_PENALTY),
@@ -161,9 +170,27 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "chat_template_kwargs": _nullable({"type": "object"}),
     "add_generation_prompt": _BOOL,
-    "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                         {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
+    "prompt": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": _STRING}, {**_TOKEN_IDS, "minItems": 1},
+                         {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}],
+               "description": "a string, a list of strings, a token-id list or a list of token-id lists (ids in the "
+                              "tokenizer's vocabulary); choice i * n + j answers prompt i; prompts x best_of (or n) "
+                              f"<= {MAX_BATCH_SEQUENCES}"},
     "echo": _BOOL,
+}  # fmt: skip
+# vLLM's extra sampling fields (and LightLLM's do_sample), as /generate's parameters run them (openai_extras.py)
+OPENAI_EXTRA_SCHEMAS: dict[str, dict] = {
+    "logit_bias": PARAMETER_SCHEMAS["logit_bias"],
+    "best_of": {**_SEQUENCES, "description": ">= n (equal with stream); the n most likely of best_of are returned"},
+    "stop_token_ids": _nullable(_TOKEN_IDS),
+    "min_tokens": {**_nullable({"type": "integer", "minimum": 0}), "description": "EOS and stop ids held off until "
+                                                                                  "this many tokens; <= max_tokens"},
+    "allowed_token_ids": PARAMETER_SCHEMAS["allowed_token_ids"],
+    "prompt_logprobs": {**_nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
+                        "description": "each prompt token's logprob and this many alternatives (not with stream)"},
+    "do_sample": {**_nullable(_BOOL), "description": "LightLLM's: false is greedy whatever the temperature"},
+    "skip_special_tokens": _nullable(_BOOL),
+    "spaces_between_special_tokens": _nullable(_BOOL),
+    "add_special_tokens": _nullable(_BOOL),
 }  # fmt: skip
 _LOGPROBS = {
     "chat": {"logprobs": _nullable(_BOOL),
@@ -175,7 +202,7 @@ _LOGPROBS = {
 
 def openai_body(kind: str) -> dict:
     names = CHAT_NAMES if kind == "chat" else COMPLETION_NAMES
-    schemas = OPENAI_SCHEMAS | _LOGPROBS[kind]
+    schemas = OPENAI_SCHEMAS | OPENAI_EXTRA_SCHEMAS | _LOGPROBS[kind]
     _check_covered(schemas, names, "OPENAI_SCHEMAS")
     required = ["messages"] if kind == "chat" else ["prompt"]
     properties = {name: schemas[name] for name in sorted(names)}
@@ -261,6 +288,43 @@ def openai_route(kind: str) -> dict:
         },  # fmt: skip
     }
 
+
+_TOKENIZE_FIELDS = {
+    "model": OPENAI_SCHEMAS["model"],
+    "prompt": {"type": "string"},
+    "messages": OPENAI_SCHEMAS["messages"],
+    "add_special_tokens": {**_BOOL, "description": "default: true for a prompt, false for messages"},
+    "return_token_strs": _BOOL,
+    "add_generation_prompt": _BOOL,
+    "chat_template_kwargs": OPENAI_SCHEMAS["chat_template_kwargs"],
+    "tokens": _TOKEN_IDS,
+}
+
+
+def _tokenizer_route(names: frozenset, answer: dict, summary: str, **body_extra) -> dict:
+    _check_covered(_TOKENIZE_FIELDS, names, "_TOKENIZE_FIELDS")
+    return {"summary": summary, "responses": {
+        200: {"description": summary, "content": {"application/json": {"schema": answer}}},
+        **_errors(OPENAI_ERROR, {404: "`model` names another model"})},
+        "openapi_extra": _body({"type": "object", "additionalProperties": False, **body_extra,
+                                "properties": {name: _TOKENIZE_FIELDS[name] for name in sorted(names)}})}  # fmt: skip
+
+
+TOKENIZE_ROUTE = _tokenizer_route(
+    TOKENIZE_NAMES | TOKENIZE_CHAT_NAMES,
+    {"type": "object", "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                                      "tokens": _TOKEN_IDS, "token_strs": _nullable({"type": "array"})}},
+    "a prompt, or messages rendered by the chat template, as token ids (vLLM's /tokenize)",
+    oneOf=[{"required": ["prompt"]}, {"required": ["messages"]}],
+)  # fmt: skip
+DETOKENIZE_ROUTE = _tokenizer_route(
+    DETOKENIZE_NAMES, {"type": "object", "properties": {"prompt": {"type": "string"}}},
+    "token ids as text (vLLM's /detokenize)", required=["tokens"],
+)  # fmt: skip
+MODEL_ROUTE = {"responses": {
+    200: {"description": "the model card, as in GET /v1/models", "content": {"application/json": {
+        "schema": {"type": "object"}}}},
+    404: {"description": "another model", "content": {"application/json": {"schema": OPENAI_ERROR}}}}}  # fmt: skip
 
 HEALTH_ROUTE = {
     "responses": {

@@ -89,6 +89,9 @@ class GenerateInput:
     # No max_new_tokens given (an OpenAI chat without max_tokens): generate up to what the context leaves, which only
     # the preparer knows once the prompt (with its images) is tokenized.
     fill_context: bool = False
+    # A prompt sent as token ids (OpenAI's /v1/completions): run as they are, never tokenized; `prompt` then holds
+    # their text (for echo, and the image placeholder check of a multimodal server).
+    prompt_ids: tuple[int, ...] | None = None
 
 
 def parse_json(raw: bytes) -> dict:

@@ -27,8 +27,9 @@ from mmserve.http.protocol import (
     parse_generate_body,
     stream_event,
 )
-from mmserve.http.request_io import collect_streams, read_request_body, watch_disconnect
+from mmserve.http.request_io import collect_streams, most_likely, read_request_body, watch_disconnect
 from mmserve.http.slow_clients import ClientTimeouts, ClosingStreamingResponse
+from mmserve.http.tokenize_api import add_tokenize_routes
 from mmserve.ipc.messages import TextOutput, TokenDetail
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def build_app(
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.client_timeouts = timeouts or ClientTimeouts()
-    add_openai_routes(app, client, openai or OpenAIOptions())  # /v1/models, /v1/chat/completions, /v1/completions
+    serving = add_openai_routes(app, client, openai or OpenAIOptions())  # /v1/models, /v1/chat/completions, ...
+    add_tokenize_routes(app, serving)  # /tokenize, /detokenize, /v1/models/{model}
 
     @app.get("/health", **HEALTH_ROUTE)
     async def health() -> Response:
@@ -80,9 +82,7 @@ def build_app(
         for out, _, _ in results:
             if out.error is not None:
                 return _error(BadRequest.of(out.error))
-        if len(results) > params.n:  # best_of: the n sequences with the highest cumulative log-probability
-            ranked = sorted(range(len(results)), key=lambda i: -sum(t.logprob for t in results[i][2]))
-            results = [results[i] for i in sorted(ranked[: params.n])]
+        results = most_likely(results, params.n)  # best_of
         if len(results) == 1:
             out, text, tokens = results[0]
             body = generate_response(
