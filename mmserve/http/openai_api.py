@@ -9,13 +9,15 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from language.request import PromptLogprobs, RequestError
+from mmserve.http.chat_output import ChatOutputPlan, chat_message, output_plan
+from mmserve.http.chat_output import finish_reason as choice_finish_reason
 from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.http.openai_protocol import (
     OpenAIOptions,
@@ -74,6 +76,7 @@ class OpenAIServing:
                 model_architecture(self.model_dir)
             )
         self.created = int(time.time())
+        self.options = options
         self.image_dir = options.image_dir
         self.multimodal = client.preparer.images is not None  # --enable_multimodal
 
@@ -87,9 +90,10 @@ class OpenAIServing:
         return {"object": "list", "data": [card]}
 
     async def submit(self, request: Request, parse: Callable[[dict, int], GenerateInput], prompt_field: str):
-        """-> (body, one RequestStream per choice) or an error response. A chat with no max_tokens may fill the
-        context, as vLLM's (`fill_context`: the preparer sizes it once the prompt is tokenized). n > 1 fans out
-        as /generate's n does (one tokenization and image encoding shared, sequence i seeded with seed + i)."""
+        """-> (body, the GenerateInput, one RequestStream per choice) or an error response. A chat with no
+        max_tokens may fill the context, as vLLM's (`fill_context`: the preparer sizes it once the prompt is
+        tokenized). n > 1 fans out as /generate's n does (one tokenization and image encoding shared, sequence i
+        seeded with seed + i)."""
         body = None
         try:
             body = await self.client.run_sync(parse_json, await read_request_body(request))  # big bodies: off the loop
@@ -98,14 +102,16 @@ class OpenAIServing:
             if model is not None and model != self.model_name:
                 return openai_error(f"The model `{model}` does not exist.", 404, "model")
             req = await self.client.run_sync(parse, body, self.max_len)
-            return body, await self.client.submit_group(req, req.params.num_sequences)
+            return body, req, await self.client.submit_group(req, req.params.num_sequences)
         except BadRequest as e:
             return _bad_request(e, body, prompt_field)
         except ServerFailure as e:
             return openai_error(f"server failure: {e}", 503)
 
     def _parse_chat(self, body: dict, default_max: int) -> GenerateInput:
-        return chat_input(body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal)
+        return chat_input(
+            body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal, self.options
+        )
 
     async def respond(self, request: Request, kind: str) -> Response:
         chat = kind == "chat"
@@ -113,11 +119,13 @@ class OpenAIServing:
         result = await self.submit(request, parse, "messages" if chat else "prompt")
         if isinstance(result, Response):
             return result
-        body, streams = result
+        body, req, streams = result
         rid = ("chatcmpl-" if chat else "cmpl-") + streams[0].rid.split("-")[0]
+        # how each chat choice's text is read: reasoning and tool calls (chat_output.py)
+        plan = output_plan(body, req.prompt, self.options.tool_call_parser, self.options.reasoning_parser)
         disconnected = watch_disconnect(request)
         if body.get("stream"):
-            return await self._start_stream(body, streams, rid, chat, disconnected)
+            return await self._start_stream(body, streams, rid, plan if chat else None, disconnected)
         try:
             results = await collect_streams(self.client, streams, disconnected)
         except ServerFailure as e:
@@ -137,8 +145,9 @@ class OpenAIServing:
             if echo is not None:
                 text = echo.text + text
             if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                          "finish_reason": out.finish_reason}  # fmt: skip
+                message, called = chat_message(text, plan)
+                choice = {"index": index, "message": message, "logprobs": lp,
+                          "finish_reason": choice_finish_reason(out.finish_reason, called)}  # fmt: skip
             else:
                 choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
             choices.append(choice)
@@ -169,7 +178,9 @@ class OpenAIServing:
             if not stream.finished:
                 self.client.abort(stream.rid)
 
-    async def _start_stream(self, body, streams, rid, chat, disconnected) -> Response:
+    async def _start_stream(self, body, streams, rid, plan: ChatOutputPlan | None, disconnected) -> Response:
+        """plan: a chat's (None: a completion's)."""
+        chat = plan is not None
         tasks = [asyncio.ensure_future(stream.next(disconnected)) for stream in streams]
         try:  # a rejection before any token still gets its status code
             firsts = await asyncio.gather(*tasks)
@@ -186,11 +197,14 @@ class OpenAIServing:
                 disconnected.cancel()
                 self._abort_unfinished(streams)
                 return _request_error(first.error, body, chat)
-        events = self._events(body, streams, firsts, rid, chat, disconnected)
+        events = self._events(body, streams, firsts, rid, plan, disconnected)
         return ClosingStreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, body, streams, firsts, rid, chat, disconnected) -> AsyncIterator[str]:
+    async def _events(self, body, streams, firsts, rid, plan, disconnected) -> AsyncIterator[str]:
+        chat = plan is not None
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        # each chat choice's parsers (reasoning, tool calls): a piece of text may become several deltas
+        parsers = [plan.stream() for _ in streams] if chat and plan.parses else None
         usage, k = include_usage(body), logprobs_request(body, chat)
         logprobs = k is not None
         echo = await self._echo(body, firsts[0].prompt_logprobs) if body.get("echo") else None
@@ -201,7 +215,7 @@ class OpenAIServing:
             return f"data: {json.dumps({**event, **extra}, ensure_ascii=False)}\n\n"
 
         def choice(index: int, out: TextOutput | Echo | None, finish_reason: str | None = None,
-                   role: bool = False) -> dict:  # fmt: skip
+                   role: bool = False, delta: dict | None = None) -> dict:  # fmt: skip
             text = out.text if out is not None else ""
             lp = None
             if logprobs and out is not None:
@@ -210,8 +224,22 @@ class OpenAIServing:
                 offsets[index] += sum(len(text) for text, _, _ in entries)
             if not chat:
                 return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+        def parsed(index: int, out: TextOutput) -> Iterator[str]:
+            """A chat choice's output through its parsers: one chunk per delta, the tokens' logprobs on the first."""
+            parser = parsers[index]
+            deltas = parser.feed(out.text) if out.text else []
+            if out.finished:
+                deltas += parser.finish()
+            if not deltas and logprobs and out.tokens:
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                yield chunk([choice(index, out if i == 0 else None, delta=delta)])
+            if out.finished:
+                yield chunk([choice(index, None, choice_finish_reason(out.finish_reason, parser.called))])
 
         finals: list[TextOutput | None] = [None] * len(streams)
         merged = _merge(streams, firsts, disconnected)
@@ -222,6 +250,12 @@ class OpenAIServing:
                 elif echo is not None:  # the prompt first, as vLLM streams echo
                     yield chunk([choice(index, echo)])
             async for index, out in merged:
+                if parsers is not None:
+                    for event in parsed(index, out):
+                        yield event
+                    if out.finished:
+                        finals[index] = out
+                    continue
                 if out.text or (logprobs and out.tokens):
                     yield chunk([choice(index, out)])
                 if out.finished:
