@@ -95,5 +95,6 @@ def chat_message(text: str, plan: ChatOutputPlan) -> tuple[dict, bool]:
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
-    """A choice that calls tools finishes with "tool_calls", as OpenAI's."""
-    return "tool_calls" if called and reason is not None else reason
+    """A choice that calls tools and ends by itself finishes with "tool_calls", as OpenAI's; one cut short keeps
+    "length" (its last call may be incomplete)."""
+    return "tool_calls" if called and reason == "stop" else reason

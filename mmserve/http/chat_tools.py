@@ -44,6 +44,8 @@ class ToolRequest:
             tool_choice=self.choice,
             reasoning=reasoning,
             parallel_tool_calls=self.parallel,
+            # the models write compact one-line calls; unbounded blanks would let a call run on to max_tokens
+            max_whitespace_cnt=1,
         )
         return StructuredOutput("structural_tag", tag.model_dump_json())
 

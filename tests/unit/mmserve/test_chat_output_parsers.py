@@ -114,3 +114,4 @@ def test_output_plan_follows_the_request():
     assert output_plan({}, "<|im_start|>assistant\n<think>\n", None, "qwen3").thinking_opened
     assert not output_plan({}, "<|im_start|>assistant\n", None, "qwen3").thinking_opened
     assert finish_reason("stop", True) == "tool_calls" and finish_reason("stop", False) == "stop"
+    assert finish_reason("length", True) == "length" and finish_reason(None, True) is None
