@@ -56,8 +56,13 @@ def tool_request(body: dict, tool_call_parser: str | None) -> ToolRequest:
     if tools is not None:
         if not isinstance(tools, list):
             raise BadRequest("tools", "must be a list of tools")
+        names: dict[str, int] = {}
         for i, tool in enumerate(tools):
             _check_tool(tool, f"tools[{i}]")
+            name = tool["function"]["name"]
+            if name in names:  # a call names its tool: two definitions would make it ambiguous
+                raise BadRequest(f"tools[{i}].function.name", f"{name!r} is already the name of tools[{names[name]}]")
+            names[name] = i
         tools = tools or None
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):

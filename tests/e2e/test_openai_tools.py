@@ -95,7 +95,9 @@ def test_streamed_deltas_join_to_the_same_call(client):
 def test_none_gives_text_without_calls(client):
     reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
                                            max_tokens=8, temperature=0)  # fmt: skip
-    assert not reply.choices[0].message.tool_calls and isinstance(reply.choices[0].message.content, str)
+    message = reply.choices[0].message
+    assert not message.tool_calls and isinstance(message.content, str)
+    assert message.model_extra["reasoning_content"] is None  # --reasoning_parser: no <think> block in this reply
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 

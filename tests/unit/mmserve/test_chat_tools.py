@@ -104,6 +104,7 @@ def test_none_auto_and_null_choices(tokenizer):
      ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
      ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": 3}}}],
        "tool_choice": "required"}, "tools[0].function.parameters"),
+     ({"tools": [WEATHER, TIME, WEATHER], "tool_choice": "required"}, "tools[2].function.name"),
      ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
      ({"tool_choice": "required"}, "tool_choice"),
      ({"tools": [TIME], "tool_choice": NAMED}, "tool_choice.function.name"),
