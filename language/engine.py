@@ -296,8 +296,8 @@ class EngineCore:
         constrained = self._constrained(staged)
         if self._inflight is not None and not constrained:
             collected = self._collect()
-        if constrained:
-            collected = self._launch_constrained(staged)
+        if constrained:  # a step read back above for its history (penalties, seeds) keeps its samples
+            collected += self._launch_constrained(staged)
         elif staged is not None:
             staged.drop_finished()
             if staged.num_seqs:

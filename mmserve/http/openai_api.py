@@ -9,13 +9,15 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from language.request import PromptLogprobs, RequestError
+from mmserve.http.chat_output import ChatOutputPlan, chat_message, output_plan
+from mmserve.http.chat_output import finish_reason as choice_finish_reason
 from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.http.openai_protocol import (
     OpenAIOptions,
@@ -80,6 +82,7 @@ class OpenAIServing:
                 model_architecture(self.model_dir)
             )
         self.created = int(time.time())
+        self.options = options
         self.image_dir = options.image_dir
         self.multimodal = client.preparer.images is not None  # --enable_multimodal
 
@@ -117,7 +120,9 @@ class OpenAIServing:
             return openai_error(f"server failure: {e}", 503)
 
     def _parse_chat(self, body: dict, default_max: int) -> list[GenerateInput]:
-        return [chat_input(body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal)]
+        return [
+            chat_input(body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal, self.options)
+        ]
 
     def _parse_completion(self, body: dict, default_max: int) -> list[GenerateInput]:
         return completion_inputs(body, default_max, self.tokenizer)
@@ -131,9 +136,11 @@ class OpenAIServing:
         body, inputs, groups = result
         streams = [stream for group in groups for stream in group]
         rid = ("chatcmpl-" if chat else "cmpl-") + streams[0].rid.split("-")[0]
+        # how each chat choice's text is read: reasoning and tool calls (chat_output.py)
+        plan = output_plan(body, inputs[0].prompt, self.options.tool_call_parser, self.options.reasoning_parser)
         disconnected = watch_disconnect(request)
         if body.get("stream"):
-            return await self._start_stream(body, inputs, streams, rid, chat, disconnected)
+            return await self._start_stream(body, inputs, streams, rid, plan if chat else None, disconnected)
         try:
             results = await collect_streams(self.client, streams, disconnected)
         except ServerFailure as e:
@@ -156,7 +163,7 @@ class OpenAIServing:
             echo = await self._echo(req.prompt, scores if k is not None else None, k) if body.get("echo") else None
             kept.append(most_likely(mine, n))  # best_of: the n most likely
             for j, (out, text, tokens) in enumerate(kept[-1]):
-                choices.append(self._choice(p * n + j, out, text, tokens, echo, chat, k))
+                choices.append(self._choice(p * n + j, out, text, tokens, echo, plan if chat else None, k))
                 if not chat and scored is not None:
                     choices[-1]["prompt_logprobs"] = scored
         return JSONResponse({
@@ -166,15 +173,20 @@ class OpenAIServing:
         })  # fmt: skip
 
     @staticmethod
-    def _choice(index: int, out: TextOutput, text: str, tokens: list[TokenDetail], echo, chat: bool, k) -> dict:
+    def _choice(
+        index: int, out: TextOutput, text: str, tokens: list[TokenDetail], echo, plan: ChatOutputPlan | None, k
+    ) -> dict:
+        """plan: a chat's (None: a completion's)."""
+        chat = plan is not None
         lp = None
         if k is not None:
             lp = _logprobs((echo.entries if echo else []) + _entries(tokens), chat, k)
         if echo is not None:
             text = echo.text + text
         if chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                    "finish_reason": out.finish_reason}  # fmt: skip
+            message, called = chat_message(text, plan)
+            return {"index": index, "message": message, "logprobs": lp,
+                    "finish_reason": choice_finish_reason(out.finish_reason, called)}  # fmt: skip
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
 
     async def _echo(self, prompt: str, scores: PromptLogprobs | None, k: int | None) -> Echo:
@@ -216,7 +228,9 @@ class OpenAIServing:
             if not stream.finished:
                 self.client.abort(stream.rid)
 
-    async def _start_stream(self, body, inputs, streams, rid, chat, disconnected) -> Response:
+    async def _start_stream(self, body, inputs, streams, rid, plan: ChatOutputPlan | None, disconnected) -> Response:
+        """plan: a chat's (None: a completion's)."""
+        chat = plan is not None
         tasks = [asyncio.ensure_future(stream.next(disconnected)) for stream in streams]
         try:  # a rejection before any token still gets its status code
             firsts = await asyncio.gather(*tasks)
@@ -233,12 +247,15 @@ class OpenAIServing:
                 disconnected.cancel()
                 self._abort_unfinished(streams)
                 return _request_error(first.error, body, chat)
-        events = self._events(body, inputs, streams, firsts, rid, chat, disconnected)
+        events = self._events(body, inputs, streams, firsts, rid, plan, disconnected)
         return ClosingStreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, body, inputs, streams, firsts, rid, chat, disconnected) -> AsyncIterator[str]:
+    async def _events(self, body, inputs, streams, firsts, rid, plan, disconnected) -> AsyncIterator[str]:
         """Choice i (streams[i]: best_of is n when streaming) answers prompt i // n."""
+        chat = plan is not None
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        # each chat choice's parsers (reasoning, tool calls): a piece of text may become several deltas
+        parsers = [plan.stream() for _ in streams] if chat and plan.parses else None
         usage, k = include_usage(body), logprobs_request(body, chat)
         logprobs, n = k is not None, inputs[0].params.n
         echoes = None
@@ -259,7 +276,7 @@ class OpenAIServing:
             return f"data: {json.dumps({**event, **extra}, ensure_ascii=False)}\n\n"
 
         def choice(index: int, out: TextOutput | Echo | None, finish_reason: str | None = None,
-                   role: bool = False) -> dict:  # fmt: skip
+                   role: bool = False, delta: dict | None = None) -> dict:  # fmt: skip
             text = out.text if out is not None else ""
             lp = None
             if logprobs and out is not None:
@@ -268,8 +285,22 @@ class OpenAIServing:
                 offsets[index] += sum(len(text) for text, _, _ in entries)
             if not chat:
                 return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-            delta = {"role": "assistant", "content": ""} if role else {"content": text}
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else {"content": text}
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+        def parsed(index: int, out: TextOutput) -> Iterator[str]:
+            """A chat choice's output through its parsers: one chunk per delta, the tokens' logprobs on the first."""
+            parser = parsers[index]
+            deltas = parser.feed(out.text) if out.text else []
+            if out.finished:
+                deltas += parser.finish()
+            if not deltas and logprobs and out.tokens:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                yield chunk([choice(index, out if i == 0 else None, delta=delta)])
+            if out.finished:
+                yield chunk([choice(index, None, choice_finish_reason(out.finish_reason, parser.called))])
 
         finals: list[TextOutput | None] = [None] * len(streams)
         merged = _merge(streams, firsts, disconnected)
@@ -282,6 +313,12 @@ class OpenAIServing:
             async for index, out in merged:
                 if counted is not None:
                     counted[index] = out.output_tokens
+                if parsers is not None:
+                    for event in parsed(index, out):
+                        yield event
+                    if out.finished:
+                        finals[index] = out
+                    continue
                 if out.text or (logprobs and out.tokens):
                     yield chunk([choice(index, out)])
                 if out.finished:

@@ -1,7 +1,8 @@
 """The OpenAI API's request side, as vLLM shapes it: chat messages and completion bodies -> the server's own
 `GenerateInput` (prompt text, `SamplingParams`, `multimodal_params`), so that every request runs the one pipeline
 that /generate runs. Chat prompts are rendered by transformers' `apply_chat_template` from the checkpoint's own
-template; image parts become `multimodal_params.images` entries in prompt order."""
+template (with the request's tools: chat_tools.py); image parts become `multimodal_params.images` entries in prompt
+order."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import re
 from dataclasses import dataclass, replace
 
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
+from mmserve.http.chat_tools import TOOL_FIELDS, ToolRequest, assistant_tool_calls, tool_request
 from mmserve.http.openai_extras import EXTRA_NAMES, check_batch_size, completion_prompts, extra_kwargs
 from mmserve.http.protocol import BadRequest, GenerateInput
+from mmserve.http.reasoning_parsers import prompt_opens_thinking
 from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy
 from mmserve.prep.multimodal.qwen_vl import read_allowed_path
 
@@ -22,9 +25,8 @@ SAMPLING_NAMES = frozenset(
      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
      "ignore_eos", "user", "model"}
 ) | EXTRA_NAMES  # fmt: skip
-CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"}
+CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"} | TOOL_FIELDS
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
-ROLES = frozenset({"system", "user", "assistant"})
 
 
 def check_names(body: dict, allowed: frozenset) -> None:
@@ -177,7 +179,9 @@ def image_item(url: object, param: str, image_dir: str | None) -> dict:
 def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -> tuple[list[dict], list[dict]]:
     """OpenAI messages -> (messages for apply_chat_template, image entries in prompt order). Image parts become
     {"type": "image"} parts, which every published VLM template turns into its family's placeholder. A server
-    without --enable_multimodal refuses an image part before anything is read or rendered, as /generate does."""
+    without --enable_multimodal refuses an image part before anything is read or rendered, as /generate does.
+    Any role goes to the template (system, user, assistant, tool, developer, a custom one), as vLLM's: the template
+    refuses what it does not know; a tool turn keeps its tool_call_id and name, an assistant turn its tool_calls."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages", "must be a non-empty list")
     messages, images = [], []
@@ -186,12 +190,13 @@ def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -
         if not isinstance(message, dict):
             raise BadRequest(where, "must be an object")
         role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or role not in ROLES:  # a list or object is unhashable
-            raise BadRequest(f"{where}.role", f"must be one of {sorted(ROLES)}")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"{where}.role", "must be a non-empty string")
+        turn = _turn_fields(message, where)
         if content is None:
             content = ""
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
+            messages.append({"role": role, "content": content, **turn})
             continue
         if not isinstance(content, list):
             raise BadRequest(f"{where}.content", "must be a string or a list of content parts")
@@ -213,8 +218,22 @@ def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -
                 parts.append({"type": "image"})
             else:
                 raise BadRequest(f"{at}.type", "must be 'text' or 'image_url'")
-        messages.append({"role": role, "content": parts})
+        messages.append({"role": role, "content": parts, **turn})
     return messages, images
+
+
+def _turn_fields(message: dict, where: str) -> dict:
+    """A message's fields besides role and content that chat templates read: tool_calls (an assistant's), and
+    tool_call_id and name (a tool result's)."""
+    fields = {}
+    for name in ("tool_call_id", "name"):
+        if message.get(name) is not None:
+            if not isinstance(message[name], str):
+                raise BadRequest(f"{where}.{name}", "must be a string")
+            fields[name] = message[name]
+    if message.get("tool_calls") is not None:
+        fields["tool_calls"] = assistant_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    return fields
 
 
 @dataclass(frozen=True)
@@ -225,6 +244,8 @@ class OpenAIOptions:
     served_model_name: str | None = None  # the model id; None: the model folder's name
     chat_template: str | None = None  # a Jinja template file that overrides the checkpoint's
     model_dir: str | None = None  # the served checkpoint (its folder names the model; its config, the family)
+    tool_call_parser: str | None = None  # the model's tool-call format (tool_parsers.py); None: calls are not read
+    reasoning_parser: str | None = None  # the model's reasoning format (reasoning_parsers.py)
 
 
 def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
@@ -253,7 +274,7 @@ def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
 _LOOPS_OVER_PARTS = re.compile(r"for\s+\w+\s+in\s+message\[['\"]content['\"]\]")
 
 
-def render_chat(tokenizer, template: str | None, messages: list[dict], body: dict) -> str:
+def render_chat(tokenizer, template: str | None, messages: list[dict], body: dict, tools: list | None = None) -> str:
     if template is not None and _LOOPS_OVER_PARTS.search(template):
         messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
                     for m in messages]  # fmt: skip
@@ -263,12 +284,15 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], body: dic
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs", "must be an object")
-    reserved = sorted(set(kwargs) & {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages"})
+    reserved = sorted(
+        set(kwargs) & {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages", "tools"}
+    )
     if reserved:
         raise BadRequest("chat_template_kwargs", f"may not set {reserved}")
     try:
         return tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             chat_template=template,
             tokenize=False,
             add_generation_prompt=body.get("add_generation_prompt", True),
@@ -279,16 +303,45 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], body: dic
 
 
 def chat_input(
-    body: dict, tokenizer, template: str | None, image_dir: str | None, default_max: int, multimodal: bool = True
+    body: dict,
+    tokenizer,
+    template: str | None,
+    image_dir: str | None,
+    default_max: int,
+    multimodal: bool = True,
+    options: OpenAIOptions | None = None,
 ) -> GenerateInput:
-    """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering and file reads are slow)."""
+    """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering, file reads and schema
+    checks are slow)."""
+    options = options or OpenAIOptions()
     check_names(body, CHAT_NAMES)
     params = sampling_params(body, default_max)
     params = replace(params, top_logprobs=logprobs_request(body, chat=True) or 0)
+    tools = tool_request(body, options.tool_call_parser)
     messages, images = chat_messages(body.get("messages"), image_dir, multimodal)
-    prompt = render_chat(tokenizer, template, messages, body)
+    prompt = render_chat(tokenizer, template, messages, body, tools.tools)
+    params = _with_tool_constraint(params, tools, prompt, options.reasoning_parser)
     unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)
+
+
+def _with_tool_constraint(
+    params: SamplingParams, tools: ToolRequest, prompt: str, reasoning_parser: str | None
+) -> SamplingParams:
+    """A required or named tool_choice constrains the output to calls (after a reasoning block, for a server that
+    reads one: the one the prompt opened, else an optional one)."""
+    reasoning = "disabled"
+    if reasoning_parser is not None:
+        reasoning = "enabled" if prompt_opens_thinking(prompt) else "auto"
+    constraint = tools.constraint(reasoning)
+    if constraint is None:
+        return params
+    if params.structured is not None:
+        raise BadRequest("tool_choice", "a required or named tool_choice cannot be combined with response_format")
+    try:
+        return replace(params, structured=constraint).validate()
+    except InvalidParams as e:  # the tools' schemas are the constraint's size
+        raise BadRequest("tools", e.message) from None
 
 
 def completion_inputs(body: dict, default_max: int, tokenizer) -> list[GenerateInput]:

@@ -27,7 +27,7 @@ from mmserve.http.openai_extras import (
     TOKENIZE_CHAT_NAMES,
     TOKENIZE_NAMES,
 )
-from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS, ROLES
+from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS
 from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES, UNSUPPORTED_PARAMETERS
 from mmserve.http.slow_clients import MAX_BODY_BYTES
 
@@ -141,10 +141,38 @@ _MESSAGE = {
     "type": "object",
     "required": ["role"],
     "properties": {
-        "role": {"enum": sorted(ROLES)},
+        "role": {"type": "string", "minLength": 1,
+                 "description": "system, user, assistant, tool, developer or any role the chat template takes"},
         "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}),
+        "tool_calls": _nullable({"type": "array", "items": {
+            "type": "object", "required": ["function"],
+            "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"},
+                                                       "arguments": {"type": "string", "description": "JSON"}}}}}}),
+        "tool_call_id": _nullable({"type": "string"}),
+        "name": _nullable({"type": "string"}),
     },
-}
+}  # fmt: skip
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
+            "description": {"type": "string"},
+            "parameters": {"type": "object", "description": "a JSON schema of the arguments"},
+            "strict": _BOOL,
+        }},
+    },
+}  # fmt: skip
+_TOOL_CHOICE = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"],
+     "properties": {"type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+], "description": "required and a named function are enforced (needs --tool_call_parser)"}  # fmt: skip
 _MAX_TOKENS = _nullable({"type": "integer", "minimum": 1})
 OPENAI_SCHEMAS: dict[str, dict] = {
     "model": {"type": "string", "description": "the served model's id (GET /v1/models), or absent"},
@@ -170,6 +198,9 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "chat_template_kwargs": _nullable({"type": "object"}),
     "add_generation_prompt": _BOOL,
+    "tools": _nullable({"type": "array", "items": _TOOL}),
+    "tool_choice": _nullable(_TOOL_CHOICE),
+    "parallel_tool_calls": _nullable(_BOOL),
     "prompt": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": _STRING}, {**_TOKEN_IDS, "minItems": 1},
                          {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}],
                "description": "a string, a list of strings, a token-id list or a list of token-id lists (ids in the "
