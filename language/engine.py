@@ -289,6 +289,10 @@ class EngineCore:
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
+        if plan.admitted:
+            admitted_at = time.monotonic()
+            for req in plan.admitted:
+                req.scheduled_at = admitted_at
         collected: list[tuple[Request, int, float, TopLogprobs | None]] = []
         if self._inflight is not None and _needs_history(plan):
             collected = self._collect()
@@ -403,6 +407,7 @@ class EngineCore:
             kv_total=self.kv.num_slots,
             prefix_cache_tokens=self.prefix.total_tokens if self.prefix else 0,
             prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
+            peak_tokens=self.scheduler.peak_tokens,
         )
 
     # ---- bookkeeping ----
@@ -452,6 +457,7 @@ class EngineCore:
             cached_tokens=req.prompt_cache_len,
             new_top_logprobs=None if top is None else [top],
             prompt_logprobs=req.prompt_logprobs if first else None,
+            scheduled_at=req.scheduled_at,
         )
 
 

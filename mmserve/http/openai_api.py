@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -69,10 +68,8 @@ class OpenAIServing:
     def __init__(self, client: EngineClient, options: OpenAIOptions):
         self.client = client
         self.tokenizer = client.preparer.tokenizer
-        # The server's --model_dir: not every tokenizer knows where it was loaded from (Qwen-VL's tiktoken one).
-        self.model_dir = options.model_dir or getattr(self.tokenizer, "name_or_path", None) or ""
-        folder_name = os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "mmserve"
-        self.model_name = options.served_model_name or folder_name
+        self.model_dir = options.checkpoint_dir(self.tokenizer)
+        self.model_name = options.model_name(self.tokenizer)
         if options.chat_template is not None:  # --chat_template overrides the checkpoint's own
             with open(options.chat_template) as f:
                 self.template = f.read()

@@ -247,6 +247,15 @@ class OpenAIOptions:
     tool_call_parser: str | None = None  # the model's tool-call format (tool_parsers.py); None: calls are not read
     reasoning_parser: str | None = None  # the model's reasoning format (reasoning_parsers.py)
 
+    def checkpoint_dir(self, tokenizer) -> str:
+        """--model_dir, else where the tokenizer was loaded from (not every tokenizer knows: Qwen-VL's tiktoken one)."""
+        return self.model_dir or getattr(tokenizer, "name_or_path", None) or ""
+
+    def model_name(self, tokenizer) -> str:
+        """The model id (/v1/models, /get_model_name): --served_model_name, else the checkpoint folder's name."""
+        folder = self.checkpoint_dir(tokenizer)
+        return self.served_model_name or (os.path.basename(os.path.normpath(folder)) if folder else "mmserve")
+
 
 def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
     """The checkpoint's own template: tokenizer_config.json's (as the tokenizer loaded it), else chat_template.jinja

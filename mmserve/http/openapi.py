@@ -283,12 +283,23 @@ _GENERATED = {
     "properties": {
         "generated_text": {"type": "array", "items": {"type": "string"}},
         "count_output_tokens": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "integer"}}]},
-        "finish_reason": {"description": "stop or length (a list with n > 1)"},
+        "finish_reason": {"description": "stop, length or abort (a list with n > 1)"},
         "prompt_tokens": {"type": "integer"},
         "tokens": {"type": "array", "description": "with return_details"},
+        "logprobs": {"type": "array", "description": "per token: {id: {logprob, rank, decoded_token}}"},
+        "input_usage": {"type": "object", "properties": {
+            "input_text_tokens": {"type": "integer"}, "input_audio_tokens": {"type": "integer"},
+            "input_image_tokens": {"type": "integer"}}},
     },
-}
+}  # fmt: skip
 _SSE = {"type": "string", "description": "server-sent events, `data:{...}`; the last has finished: true"}
+_GENERATE_SSE = {
+    "type": "string",
+    "description": 'server-sent events as LightLLM\'s, one per token: `data:{"token": {"id", "text", '
+    '"logprob", "special", "count_output_tokens", "prompt_tokens", "logprobs"}, "generated_text", '
+    '"finished", "finish_reason", "details", "input_usage", "prompt_cache_len"}`; the last has '
+    "finished: true and the whole generated_text",
+}
 
 
 def _body(schema: dict) -> dict:
@@ -297,7 +308,7 @@ def _body(schema: dict) -> dict:
 
 def generate_route(stream: bool) -> dict:
     """Keyword arguments for the /generate and /generate_stream decorators."""
-    ok = {"content": {"text/event-stream": {"schema": _SSE}}} if stream else {
+    ok = {"content": {"text/event-stream": {"schema": _GENERATE_SSE}}} if stream else {
         "content": {"application/json": {"schema": _GENERATED}}}  # fmt: skip
     return {
         "openapi_extra": _body(generate_body()),
@@ -361,11 +372,56 @@ HEALTH_ROUTE = {
     "responses": {
         200: {"description": "serving (degraded: text is served, images are not)", "content": {"application/json": {
             "schema": {"type": "object", "properties": {"status": {"enum": ["ok", "degraded"]},
+                                                        "message": {"const": "Ok"},
                                                         "error": {"type": "string"}}}}}},
-        503: {"description": "a process is down", "content": {"application/json": {
-            "schema": {"type": "object", "properties": {"status": {"const": "unhealthy"},
+        503: {"description": "a process is down, or the server is draining", "content": {"application/json": {
+            "schema": {"type": "object", "properties": {"status": {"enum": ["unhealthy", "draining"]},
+                                                        "message": {"const": "Error"},
                                                         "error": {"type": "string"}}}}}},
     }
+}  # fmt: skip
+
+
+def _json_answers(ok: dict, failed: dict | None = None, failed_text: str = "") -> dict:
+    """`responses` of a small JSON route: 200 with the body `ok` describes (properties), 503 with `failed`."""
+    out = {
+        200: {"description": "OK", "content": {"application/json": {"schema": {"type": "object", "properties": ok}}}}
+    }
+    if failed is not None:
+        out[503] = {
+            "description": failed_text,
+            "content": {"application/json": {"schema": {"type": "object", "properties": failed}}},
+        }
+    return {"responses": out}  # fmt: skip
+
+
+# LightLLM's endpoints (lightllm_api.py)
+HEALTHZ_ROUTE = {
+    "summary": "LightLLM's health check (also HEAD)",
+    **_json_answers({"message": {"const": "Ok"}}, {"message": {"const": "Error"}},
+                    "a process is down, or the server is draining"),
+}  # fmt: skip
+LIVENESS_ROUTE = {
+    "summary": "LightLLM's liveness probe: 200 while the process serves HTTP, draining included",
+    **_json_answers({"status": {"const": "ok"}}),
+}
+READINESS_ROUTE = {
+    "summary": "LightLLM's readiness probe",
+    **_json_answers({"status": {"const": "ok"}}, {"status": {"const": "not ready"}, "error": {"type": "string"}},
+                    "a process is down, or the server is draining (it takes no new requests)"),
+}  # fmt: skip
+MODEL_NAME_ROUTE = {
+    "summary": "The model id (as /v1/models)",
+    **_json_answers({"model_name": {"type": "string"}}),
+}
+_LOAD = {"type": "number", "minimum": 0}
+TOKEN_LOAD_ROUTE = {
+    "summary": "KV-cache load as fractions of its token slots (LightLLM's /token_load)",
+    **_json_answers({
+        "current_load": {**_LOAD, "description": "slots the running requests hold now"},
+        "logical_max_load": {**_LOAD, "description": "slots they would hold at their peak (prompt + max_new_tokens)"},
+        "dynamic_max_load": {**_LOAD, "description": "as logical_max_load"},
+    }),
 }  # fmt: skip
 METRICS_ROUTE = {
     "response_class": PlainTextResponse,
