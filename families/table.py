@@ -48,6 +48,11 @@ FAMILIES: tuple[FamilySpec, ...] = (
                test_checkpoint="mmserve.testing.checkpoints.qwen3_vl:build_qwen3_vl",
                vision="visual.models.qwen3_vl:Qwen3VLVisionModel", prompt=_QWEN2_VL_PROMPT,
                chat_template="mmserve.prep.chat_templates:QWEN3_VL", checks_image_size=True, dummy_vision_weights=True),
+    FamilySpec("internvl_hf", ("InternVLForConditionalGeneration",), **_decoder("internvl", "InternVLForCausalLM"),
+               test_checkpoint="mmserve.testing.checkpoints.internvl:build_internvl_hf",
+               vision="visual.models.internvl:InternVLVisionModel",
+               prompt="mmserve.prep.multimodal.internvl:InternVLPromptProcessor",
+               chat_template="mmserve.prep.chat_templates:INTERNVL"),
 )  # fmt: skip
 
 _registered: list[FamilySpec] = []  # added by `registered` (tests), in this process only

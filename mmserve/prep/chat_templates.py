@@ -15,6 +15,9 @@ processor expands.
   `<|vision_start|><|image_pad|><|vision_end|>` per image (`add_vision_id=True` in chat_template_kwargs numbers them).
 - Qwen3-VL: the template Qwen3-VL-*-Instruct publish (chat_template.json): the same ChatML and vision blocks, but no
   default system turn, and Qwen3's tool-call format.
+- InternVL (`InternVLForConditionalGeneration`): the template the `-hf` repositories publish (transformers'
+  conversion script): ChatML without a default system turn, one `<IMG_CONTEXT>\\n` per image part, which
+  InternVLProcessor (and the family's prompt processor) expands to `<img><IMG_CONTEXT>...</img>`.
 """
 
 from __future__ import annotations
@@ -80,6 +83,15 @@ QWEN2_VL = (
     "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# As OpenGVLab/InternVL3-*-hf publish it (chat_template.json): transformers' InternVL conversion script's template.
+INTERNVL = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}{% elif content['type'] == 'video' %}"
+    "{{ '<video>\\n' }}{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{'<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 # Qwen/Qwen3-VL-8B-Instruct's chat_template.json, byte for byte (5292 bytes, SHA-256 3636d0f0bd6bef02...a489e4).

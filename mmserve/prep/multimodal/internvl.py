@@ -1,0 +1,56 @@
+"""InternVL prompts (the `-hf` layout): each `<IMG_CONTEXT>` the chat template writes is one image, in order, and
+becomes `<img>` + its embedding positions + `</img>`, as InternVLProcessor expands it. An image's embedding count is
+its tile count (the image processor's grid for its size, plus the thumbnail) times `image_seq_length`; the positions
+carry `<IMG_CONTEXT>`'s id, as HF's, and are overwritten by the embeddings.
+
+The prompt is tokenized whole and each `<IMG_CONTEXT>` token is replaced by the expansion: special tokens are never
+merged with their neighbours, so this gives the ids of tokenizing InternVLProcessor's expanded text. `<video>` (the
+chat template's video placeholder) is refused with a 400."""
+
+from __future__ import annotations
+
+from transformers import AutoProcessor, PreTrainedTokenizerBase
+
+from mmserve.http.protocol import BadRequest
+from mmserve.prep.multimodal.prompt import MultimodalPrompt, check_image_count
+
+
+class InternVLPromptProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, processor) -> None:
+        self.tokenizer = tokenizer
+        self.processor = processor  # transformers' InternVLProcessor: token names and the tile arithmetic
+        self.image_text = processor.image_token  # <IMG_CONTEXT>
+        self.video_text = processor.video_token
+        self.context_id = processor.image_token_id
+        self.start_id, self.end_id = processor.start_image_token_id, processor.end_image_token_id
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, tokenizer: PreTrainedTokenizerBase) -> InternVLPromptProcessor:
+        return cls(tokenizer, AutoProcessor.from_pretrained(model_dir))
+
+    def count_images(self, prompt: str) -> int:
+        if self.video_text and self.video_text in prompt:
+            raise BadRequest("inputs", f"video input is not supported: the prompt has {self.video_text} (images only)")
+        return prompt.count(self.image_text)
+
+    def image_tokens(self, image_sizes: list[tuple[int, int]]) -> list[int]:
+        """Embedding positions of each (width, height) image: InternVLProcessor's count less `<img>` and `</img>`."""
+        sizes = [(height, width) for width, height in image_sizes]
+        return [n - 2 for n in self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens]
+
+    def encode(self, prompt: str, image_sizes: list[tuple[int, int]]) -> MultimodalPrompt:
+        check_image_count(self.count_images(prompt), len(image_sizes), self.image_text)
+        ids = self.tokenizer.encode(prompt)
+        contexts = [i for i, t in enumerate(ids) if t == self.context_id]
+        check_image_count(len(contexts), len(image_sizes), self.image_text)
+        counts = self.image_tokens(image_sizes) if image_sizes else []
+        token_ids: list[int] = []
+        offsets: list[int] = []
+        prev = 0
+        for at, count in zip(contexts, counts, strict=True):
+            token_ids += ids[prev:at] + [self.start_id]
+            offsets.append(len(token_ids))
+            token_ids += [self.context_id] * count + [self.end_id]
+            prev = at + 1
+        token_ids += ids[prev:]
+        return MultimodalPrompt(token_ids=token_ids, offsets=offsets, num_tokens=counts)
