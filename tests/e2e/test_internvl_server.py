@@ -1,0 +1,110 @@
+"""Issue 31's InternVL acceptance over HTTP, on a tiny random checkpoint in the -hf layout
+(`InternVLForConditionalGeneration`) with its published chat template: the real server answers concurrent /generate
+requests (one image, two images of different tile counts, text only) and /v1/chat/completions (one image, a two-turn
+chat with an image in each user turn) with HF transformers' greedy tokens, and its prompt token counts equal
+InternVLProcessor's. The server prefills 32 tokens a step, so every image (64 to 112 rows here) spans chunks."""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, InternVLForConditionalGeneration
+
+from mmserve.prep.chat_templates import INTERNVL
+from mmserve.testing.checkpoints.internvl import build_internvl_hf
+from mmserve.testing.images import picture, png_b64
+from mmserve.testing.server_proc import ServerProcess, serving
+from tests.e2e.test_openai_api import hf_messages, openai_messages
+from tests.models.hf_reference import hf_greedy
+
+NEW_TOKENS = 16
+MODEL = "internvl-tiny"
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+IMAGE = "<IMG_CONTEXT>\n"
+GENERATE_CASES = [
+    (CHAT.format(IMAGE + "Describe this picture."), [picture(150, 100, 1)]),
+    (CHAT.format(IMAGE + IMAGE + "Compare the two cities."), [picture(60, 200, 2), picture(333, 77, 3)]),
+    (CHAT.format("What is AI?"), []),
+]
+ONE_IMAGE = [("user", [picture(150, 100, 1), "What is shown in this picture?"])]
+TWO_TURNS = [
+    ("user", [picture(60, 200, 2), "What is in this picture?"]),
+    ("assistant", ["A tall city at night."]),
+    ("user", [picture(333, 77, 3), "And in this one?"]),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = build_internvl_hf(str(tmp_path_factory.mktemp("internvl") / MODEL))
+    with open(os.path.join(path, "chat_template.json")) as f:
+        assert json.load(f) == {"chat_template": INTERNVL}
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num",
+                        "4096", "--enable_multimodal", "--chunked_prefill_size", "32")  # fmt: skip
+    with serving(srv):
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir, processor):
+    model = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def greedy(text: str, images: list[Image.Image]) -> tuple[list[int], list[int]]:
+        """(HF processor's prompt ids, HF's greedy new ids)."""
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        prompt = inputs["input_ids"][0].tolist()
+        pixels = {"pixel_values": inputs["pixel_values"]} if images else {}
+        return prompt, hf_greedy(model, prompt, NEW_TOKENS, **pixels)
+
+    return greedy
+
+
+def generate(srv: ServerProcess, prompt: str, images: list[Image.Image]) -> dict:
+    body = {"inputs": prompt,
+            "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "return_details": True},
+            "multimodal_params": {"images": [{"type": "base64", "data": png_b64(im)} for im in images]}}  # fmt: skip
+    r = httpx.post(srv.url + "/generate", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_concurrent_generate_equals_hf(server, hf, processor):
+    tiles = [processor.image_processor.get_number_of_image_patches(im.height, im.width, {"crop_to_patches": True})
+             for _, images in GENERATE_CASES for im in images]  # fmt: skip
+    assert len(set(tiles)) == 3, tiles  # three images, three tile counts
+    with ThreadPoolExecutor(len(GENERATE_CASES)) as pool:
+        answers = list(pool.map(lambda case: generate(server, *case), GENERATE_CASES))
+    for (text, images), answer in zip(GENERATE_CASES, answers, strict=True):
+        prompt_ids, expected = hf(text, images)
+        assert answer["prompt_tokens"] == len(prompt_ids), text
+        assert [t["id"] for t in answer["tokens"]] == expected, text
+    assert server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0) == 0
+
+
+@pytest.mark.parametrize("turns", [ONE_IMAGE, TWO_TURNS], ids=["one_image", "two_turns"])
+def test_chat_equals_hf_on_the_published_template(server, hf, processor, turns):
+    messages, images = hf_messages(turns)
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
+    prompt_ids, expected = hf(rendered, images)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+    reply = client.chat.completions.create(model=MODEL, messages=openai_messages(turns), max_tokens=NEW_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert reply.choices[0].message.content == processor.tokenizer.decode(expected, skip_special_tokens=True)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt_ids), NEW_TOKENS)
