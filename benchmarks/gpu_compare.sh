@@ -14,12 +14,14 @@
 #   --lightllm        also LightLLM (bash .lightllm/serve.sh CKPT PORT): ~3 min start-up + ~1 min of loads
 #   --hf              also HF transformers generate on --hf_loads (default img336_x64,img896_x64): ~1.5 min
 #   --no_mmserve      skip our server (e.g. a second call for LightLLM only)
-#   --family F        qwen2_vl (default), qwen2_5_vl or qwen3_vl: serve_bench's --family and the default checkpoint
+#   --family F        qwen2_vl (default), qwen2_5_vl, qwen3_vl or internvl: serve_bench's --family and the default
+#                     checkpoint
 #   --loads LIST      server loads (default all); --hf_loads LIST
 #   --ckpt DIR        default per family: /tmp/q2vl7b (Qwen2-VL-7B-shaped, .lightllm/make_qwen2vl_7b.py when carried,
 #                     else mmserve.testing.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
 #                     python3 -m mmserve.testing.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
-#                     python3 -m mmserve.testing.checkpoints.qwen3_vl --shape 8b); built when DIR has no config.json
+#                     python3 -m mmserve.testing.checkpoints.qwen3_vl --shape 8b) or /tmp/internvl3_8b (InternVL3-8B-hf-
+#                     shaped, python3 -m mmserve.testing.checkpoints.internvl --shape 8b); built when DIR has no config.json
 #   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, whose
 #                     own CPU bounds the 896 px and 256-request loads)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
@@ -54,7 +56,8 @@ case "$family" in
   qwen2_vl) ckpt=${ckpt:-/tmp/q2vl7b} ;;
   qwen2_5_vl) ckpt=${ckpt:-/tmp/q25vl7b} ;;
   qwen3_vl) ckpt=${ckpt:-/tmp/q3vl8b} ;;
-  *) echo "unknown --family $family (qwen2_vl, qwen2_5_vl or qwen3_vl)" >&2; exit 2 ;;
+  internvl) ckpt=${ckpt:-/tmp/internvl3_8b} ;;
+  *) echo "unknown --family $family (qwen2_vl, qwen2_5_vl, qwen3_vl or internvl)" >&2; exit 2 ;;
 esac
 logs=${OUT:-/tmp}
 jsonl=${OUT:+$OUT/bench.jsonl}
@@ -84,6 +87,9 @@ if [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen2_5_vl ]; then
 elif [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen3_vl ]; then
   say "building a Qwen3-VL-8B-shaped checkpoint in $ckpt"
   python3 -m mmserve.testing.checkpoints.qwen3_vl --out "$ckpt" --shape 8b >&2 || exit 1
+elif [ ! -f "$ckpt/config.json" ] && [ "$family" = internvl ]; then
+  say "building an InternVL3-8B-hf-shaped checkpoint in $ckpt"
+  python3 -m mmserve.testing.checkpoints.internvl --out "$ckpt" --shape 8b >&2 || exit 1
 elif [ ! -f "$ckpt/config.json" ]; then
   say "building a Qwen2-VL-7B-shaped checkpoint in $ckpt"
   if [ -f .lightllm/make_qwen2vl_7b.py ]; then  # the layout both servers and HF read

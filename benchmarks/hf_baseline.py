@@ -29,6 +29,7 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type
 PROCESSOR_FAMILIES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
 }
 
 
@@ -50,8 +51,8 @@ class HFRunner:
             import transformers
             from transformers import AutoProcessor
 
-            # the checkpoint's own processor (Qwen2_5_VLProcessor, Qwen3VLProcessor): it expands the image
-            # placeholder and returns everything the model takes (input_ids, attention_mask, pixel_values,
+            # the checkpoint's own processor (Qwen2_5_VLProcessor, Qwen3VLProcessor, InternVLProcessor): it expands
+            # the image placeholder and returns everything the model takes (input_ids, attention_mask, pixel_values,
             # image_grid_thw, mm_token_type_ids)
             cls, dtype = getattr(transformers, PROCESSOR_FAMILIES[family]), torch.bfloat16
             self.processor = AutoProcessor.from_pretrained(model_dir)

@@ -81,7 +81,13 @@ WORDS = (
 SYSTEM = "You are a helpful assistant."
 QWEN_VL_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 # Qwen2.5-VL and Qwen3-VL prompts are Qwen2-VL's: ChatML, the same vision block per image
-IMAGE_MARK = {"llava": "<image>\n", "qwen2_vl": QWEN_VL_MARK, "qwen2_5_vl": QWEN_VL_MARK, "qwen3_vl": QWEN_VL_MARK}
+IMAGE_MARK = {
+    "llava": "<image>\n",
+    "qwen2_vl": QWEN_VL_MARK,
+    "qwen2_5_vl": QWEN_VL_MARK,
+    "qwen3_vl": QWEN_VL_MARK,
+    "internvl": "<IMG_CONTEXT>\n",
+}
 FAMILIES = tuple(IMAGE_MARK)
 # the placeholder pieces an answer put back into the history must not contain (see `clean_answer`)
 IMAGE_MARKERS = {
@@ -89,6 +95,7 @@ IMAGE_MARKERS = {
     "qwen2_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "qwen2_5_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
     "qwen3_vl": ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"),
+    "internvl": ("<img>", "<IMG_CONTEXT>", "</img>"),
 }
 
 

@@ -32,6 +32,8 @@ class FamilySpec:
     checks_image_size: bool = False  # prompt processor's `check_image_size(w, h)`: a refused size is a 400
     images_in_prompt: bool = False  # prompt processor's `image_items`: images named inside the prompt (Qwen-VL)
     dummy_vision_weights: bool = False  # vision's `from_pretrained(..., dummy=True)`: --load_format dummy
+    # prompt processor's `encode_tiled` and the preprocessor's `max_patches`: LightLLM's `image_max_patch_num`
+    tiles_images: bool = False
 
     def part(self, name: str) -> Any:
         """The resolved part ("decoder", "vision", ...); ValueError if the family has none."""

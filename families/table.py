@@ -52,7 +52,7 @@ FAMILIES: tuple[FamilySpec, ...] = (
                test_checkpoint="mmserve.testing.checkpoints.internvl:build_internvl_hf",
                vision="visual.models.internvl:InternVLVisionModel",
                prompt="mmserve.prep.multimodal.internvl:InternVLPromptProcessor",
-               chat_template="mmserve.prep.chat_templates:INTERNVL"),
+               chat_template="mmserve.prep.chat_templates:INTERNVL", tiles_images=True),
 )  # fmt: skip
 
 _registered: list[FamilySpec] = []  # added by `registered` (tests), in this process only

@@ -130,20 +130,23 @@ def to_rgb(image: Image.Image, conversion: str) -> Image.Image:
         raise BadImage(f"cannot convert a {image.mode} image to RGB: {e}") from None
 
 
-def decode_and_preprocess(data: bytes, preprocessor: Preprocessor | None = None) -> ImageInput:
-    """Image file bytes -> the model's input. Raises BadImage if the bytes do not decode."""
+def decode_and_preprocess(
+    data: bytes, preprocessor: Preprocessor | None = None, options: dict | None = None
+) -> ImageInput:
+    """Image file bytes -> the model's input; `options`: the request's keyword arguments for the preprocessor (a
+    tiling family's `max_patches`). Raises BadImage if the bytes do not decode."""
     start = time.perf_counter()
     preprocessor = preprocessor or _worker_preprocessor
     image = to_rgb(open_image(data, MAX_PIXELS), rgb_conversion(preprocessor))
     decoded = time.perf_counter()
-    out = preprocessor(image)
+    out = preprocessor(image, **(options or {}))
     out.decode_s, out.preprocess_s = decoded - start, time.perf_counter() - decoded
     return out
 
 
-def _worker_task(data: bytes, shm_prefix: str) -> ImageInput:
+def _worker_task(data: bytes, shm_prefix: str, options: dict | None = None) -> ImageInput:
     """In a worker process: the model input, its pixels left in a shared-memory segment."""
-    out = decode_and_preprocess(data)
+    out = decode_and_preprocess(data, None, options)
     out.pixel_values = share_tensor(out.pixel_values, shm_prefix)
     return out
 
@@ -248,15 +251,16 @@ class PreprocessPool:
         if self._handoff is not None:
             self._handoff.barrier = None
 
-    def submit(self, data: bytes) -> Future[ImageInput]:
-        """Decode + preprocess in the pool; pass the finished future to `collect` (once)."""
+    def submit(self, data: bytes, options: dict | None = None) -> Future[ImageInput]:
+        """Decode + preprocess in the pool (`options`: the preprocessor's keyword arguments for this image); pass
+        the finished future to `collect` (once)."""
         if self._preprocessor is not None:
-            return self._executor.submit(decode_and_preprocess, data, self._preprocessor)
+            return self._executor.submit(decode_and_preprocess, data, self._preprocessor, options)
         try:
-            return self._executor.submit(_worker_task, data, self._shm_prefix)
+            return self._executor.submit(_worker_task, data, self._shm_prefix, options)
         except BrokenProcessPool:  # a worker died: what the pool held has failed; a new pool takes this image
             self._replace_broken_pool()
-            return self._executor.submit(_worker_task, data, self._shm_prefix)
+            return self._executor.submit(_worker_task, data, self._shm_prefix, options)
 
     def _replace_broken_pool(self) -> None:
         """The broken executor has already stopped its other workers and failed their futures; its workers here

@@ -93,7 +93,10 @@ PARAMETER_SCHEMAS: dict[str, dict] = {
     "add_special_tokens": _nullable(_BOOL),
     "add_spaces_between_special_tokens": _BOOL,
     "print_eos_token": _BOOL,
-    "image_max_patch_num": {**_nullable({"type": "integer", "minimum": -1}), "description": "accepted, ignored"},
+    "image_max_patch_num": {
+        **_nullable({"type": "integer", "minimum": -1, "maximum": 64}),
+        "description": "InternVL's tile cap per image (-1: the checkpoint's max_patches); other families ignore it",
+    },
     "group_request_id": {**_nullable({"type": "integer"}), "description": "accepted, ignored"},
     "prompt_logprobs": _nullable({"anyOf": [_BOOL, {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}]}),
 }

@@ -52,6 +52,7 @@ UNSUPPORTED_PARAMETERS = {
     "regular_constraint": "constrained decoding is not supported",
     "guided_grammar": "constrained decoding is not supported",
 }
+MAX_IMAGE_PATCHES = 64  # the most tiles image_max_patch_num may ask for (InternVL publishes 12; its docs go to 40)
 TOP_LEVEL_NAMES = frozenset({"inputs", "input", "parameters", "multimodal_params"})
 
 
@@ -92,6 +93,8 @@ class GenerateInput:
     # A prompt sent as token ids (OpenAI's /v1/completions): run as they are, never tokenized; `prompt` then holds
     # their text (for echo, and the image placeholder check of a multimodal server).
     prompt_ids: tuple[int, ...] | None = None
+    # LightLLM's `image_max_patch_num`: the tile cap of a family that tiles images (InternVL); -1: the checkpoint's
+    image_max_patch_num: int = -1
 
 
 def parse_json(raw: bytes) -> dict:
@@ -126,7 +129,9 @@ def parse_generate_body(raw: bytes) -> GenerateInput:
     mm = body.get("multimodal_params") or {}
     if not isinstance(mm, dict):
         raise BadRequest("multimodal_params", "must be a JSON object")
-    return GenerateInput(prompt, parse_parameters(body.get("parameters")), mm)
+    parameters = body.get("parameters")
+    patches = image_max_patch_num(parameters.get("image_max_patch_num") if isinstance(parameters, dict) else None)
+    return GenerateInput(prompt, parse_parameters(parameters), mm, image_max_patch_num=patches)
 
 
 def parse_parameters(raw: object) -> SamplingParams:
@@ -174,12 +179,20 @@ def prompt_logprobs_count(value: object, field_name: str) -> int | None:
     return value
 
 
+def image_max_patch_num(value: object) -> int:
+    """LightLLM's InternVL tiling cap: -1 (or null) for the checkpoint's own, else 0..MAX_IMAGE_PATCHES tiles (the
+    image processor's grid search is quadratic in it)."""
+    if value is None:
+        return -1
+    if not _is_int(value) or not -1 <= value <= MAX_IMAGE_PATCHES:
+        raise BadRequest("parameters.image_max_patch_num", f"must be -1 or an integer in [0, {MAX_IMAGE_PATCHES}]")
+    return value
+
+
 def _check_ignored(kwargs: dict) -> None:
-    """image_max_patch_num (LightLLM's InternVL tiling cap; -1 = the model's) and group_request_id are validated and
-    dropped: neither means anything here."""
-    patches = kwargs.pop("image_max_patch_num", None)
-    if patches is not None and (not _is_int(patches) or patches < -1):
-        raise BadRequest("parameters.image_max_patch_num", "must be -1 or a non-negative integer")
+    """image_max_patch_num (validated, then carried by GenerateInput: it is not a sampling parameter) and
+    group_request_id (validated and dropped: it means nothing here) leave the sampling parameters."""
+    image_max_patch_num(kwargs.pop("image_max_patch_num", None))
     group = kwargs.pop("group_request_id", None)
     if group is not None and not _is_int(group):
         raise BadRequest("parameters.group_request_id", "must be an integer")

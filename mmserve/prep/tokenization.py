@@ -41,10 +41,17 @@ class ImagePreparer(Protocol):
     parts through `run_sync` so the event loop never blocks, and holding the images' cache entries until `release`."""
 
     async def prepare(
-        self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync, defer: bool = False
+        self,
+        rid: str,
+        prompt: str,
+        multimodal_params: dict,
+        run_sync: RunSync,
+        defer: bool = False,
+        max_patches: int = -1,
     ) -> PreparedPrompt:
         """`defer`: the request may use the prefix cache, so images evicted from the embedding cache since they
-        were seen may be left unencoded (ImageRef.embedded False) for the router to decide on."""
+        were seen may be left unencoded (ImageRef.embedded False) for the router to decide on. `max_patches`: the
+        request's tile cap for a family that tiles images (-1: the checkpoint's; others ignore it)."""
         ...
 
     async def encode_deferred(self, rid: str) -> None:
@@ -85,7 +92,8 @@ class RequestPreparer:
         if self.images is not None:
             p = req.params  # only a request that reuses the prefix cache, and runs once, can skip an encoding
             defer = p.num_sequences == 1 and p.prompt_logprobs is None and not p.disable_prompt_cache
-            prepared = await self.images.prepare(rid, req.prompt, req.multimodal_params, run_sync, defer=defer)
+            prepared = await self.images.prepare(rid, req.prompt, req.multimodal_params, run_sync, defer=defer,
+                                                 max_patches=req.image_max_patch_num)  # fmt: skip
             if add_special is False:
                 prepared = self._without_special_tokens(prepared)
         elif images:

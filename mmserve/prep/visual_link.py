@@ -103,6 +103,7 @@ class VisualLink:
             processor, self.coordinator, ready.cache_salt, policy, self._image_pool,
             check_size=processor.check_image_size if spec.checks_image_size else None,
             images_in_prompt=spec.images_in_prompt,
+            encode_tiled=processor.encode_tiled if spec.tiles_images else None,
         )  # fmt: skip
         self._prefix_cache = config.prefix_cache  # what deferring an evicted image relies on
         self._ctx: zmq.asyncio.Context | None = None
@@ -110,10 +111,16 @@ class VisualLink:
 
     # ImagePreparer
     async def prepare(
-        self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync, defer: bool = False
+        self,
+        rid: str,
+        prompt: str,
+        multimodal_params: dict,
+        run_sync: RunSync,
+        defer: bool = False,
+        max_patches: int = -1,
     ) -> PreparedPrompt:
         defer = defer and self._prefix_cache
-        return await self.preparer.prepare(rid, prompt, multimodal_params, run_sync, defer)
+        return await self.preparer.prepare(rid, prompt, multimodal_params, run_sync, defer, max_patches)
 
     async def encode_deferred(self, rid: str) -> None:
         await self.preparer.encode_deferred(rid)

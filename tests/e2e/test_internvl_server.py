@@ -1,8 +1,9 @@
 """Issue 31's InternVL acceptance over HTTP, on a tiny random checkpoint in the -hf layout
 (`InternVLForConditionalGeneration`) with its published chat template: the real server answers concurrent /generate
-requests (one image, two images of different tile counts, text only) and /v1/chat/completions (one image, a two-turn
-chat with an image in each user turn) with HF transformers' greedy tokens, and its prompt token counts equal
-InternVLProcessor's. The server prefills 32 tokens a step, so every image (64 to 112 rows here) spans chunks."""
+requests (one image, two images of different tile counts, text only, LightLLM's per-request tile cap
+`image_max_patch_num`) and /v1/chat/completions (one image, a two-turn chat with an image in each user turn) with HF
+transformers' greedy tokens, and its prompt token counts equal InternVLProcessor's. The server prefills 32 tokens a
+step, so every image (16 to 112 rows here) spans chunks."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.e2e.test_openai_api import hf_messages, openai_messages
 from tests.models.hf_reference import hf_greedy
 
 NEW_TOKENS = 16
+ENCODED = "mmserve_images_encoded_total"
 MODEL = "internvl-tiny"
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 IMAGE = "<IMG_CONTEXT>\n"
@@ -66,9 +68,9 @@ def processor(model_dir):
 def hf(model_dir, processor):
     model = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
-    def greedy(text: str, images: list[Image.Image]) -> tuple[list[int], list[int]]:
+    def greedy(text: str, images: list[Image.Image], **images_kwargs) -> tuple[list[int], list[int]]:
         """(HF processor's prompt ids, HF's greedy new ids)."""
-        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        inputs = processor(text=text, images=images or None, return_tensors="pt", **images_kwargs)
         prompt = inputs["input_ids"][0].tolist()
         pixels = {"pixel_values": inputs["pixel_values"]} if images else {}
         return prompt, hf_greedy(model, prompt, NEW_TOKENS, **pixels)
@@ -76,9 +78,9 @@ def hf(model_dir, processor):
     return greedy
 
 
-def generate(srv: ServerProcess, prompt: str, images: list[Image.Image]) -> dict:
+def generate(srv: ServerProcess, prompt: str, images: list[Image.Image], **parameters) -> dict:
     body = {"inputs": prompt,
-            "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "return_details": True},
+            "parameters": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True, "return_details": True, **parameters},
             "multimodal_params": {"images": [{"type": "base64", "data": png_b64(im)} for im in images]}}  # fmt: skip
     r = httpx.post(srv.url + "/generate", json=body, timeout=180)
     assert r.status_code == 200, r.text
@@ -96,6 +98,26 @@ def test_concurrent_generate_equals_hf(server, hf, processor):
         assert answer["prompt_tokens"] == len(prompt_ids), text
         assert [t["id"] for t in answer["tokens"]] == expected, text
     assert server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0) == 0
+
+
+def test_image_max_patch_num_caps_the_tiles_as_hf_max_patches(server, hf, processor):
+    """LightLLM's per-request cap is HF's `max_patches`: prompt, tiles and tokens follow it; an image under another
+    cap is another cache entry (encoded again), under the same cap the same one."""
+    text, image = CHAT.format(IMAGE + "Describe this picture."), picture(150, 100, 9)
+    default_tiles = processor.image_processor.get_number_of_image_patches(100, 150, {"crop_to_patches": True})
+    assert default_tiles > 3  # a cap of 2 tiles (+ the thumbnail) changes it
+    encoded = [server.metrics()[ENCODED]]
+    answers = {}
+    for cap in (-1, 2, 2, -1, 0):
+        answers[cap] = generate(server, text, [image], image_max_patch_num=cap)
+        encoded.append(server.metrics()[ENCODED])
+    assert [b - a for a, b in zip(encoded, encoded[1:], strict=False)] == [1, 1, 0, 0, 1]
+    for cap, answer in answers.items():
+        prompt_ids, expected = hf(text, [image], **({} if cap == -1 else {"max_patches": cap}))
+        assert answer["prompt_tokens"] == len(prompt_ids), cap
+        assert [t["id"] for t in answer["tokens"]] == expected, cap
+    assert answers[2]["prompt_tokens"] == answers[-1]["prompt_tokens"] - (default_tiles - 3) * 16
+    assert answers[0]["prompt_tokens"] == answers[-1]["prompt_tokens"] - (default_tiles - 1) * 16
 
 
 @pytest.mark.parametrize("turns", [ONE_IMAGE, TWO_TURNS], ids=["one_image", "two_turns"])

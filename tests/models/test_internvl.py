@@ -3,6 +3,8 @@ the tiles, their features and the prompt expansion equal InternVLProcessor's and
 through our engine equal HF generate for one image, two images of different tile counts and text alone, whole and in
 small prefill chunks."""
 
+import pickle
+
 import pytest
 import torch
 from transformers import AutoProcessor, InternVLForConditionalGeneration
@@ -36,7 +38,8 @@ def hf_model(model_dir):
 def test_tiles_and_features_equal_hf(model_dir, hf_model):
     ours = InternVLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
     processor = AutoProcessor.from_pretrained(model_dir)
-    inputs = [ours.preprocess(im) for im in IMAGES]
+    preprocess = pickle.loads(pickle.dumps(ours.preprocessor()))  # as the visual process's worker pool runs it
+    inputs = [preprocess(im) for im in IMAGES]
     assert [im.pixel_values.shape[0] for im in inputs] == [7, 4]  # different tile counts
     assert [im.num_tokens for im in inputs] == [7 * 16, 4 * 16]
     assert [ours.num_tokens(*im.size) for im in IMAGES] == [7 * 16, 4 * 16]
@@ -99,6 +102,25 @@ def test_greedy_tokens_equal_hf(model_dir, hf_model, shm_prefix):
         inputs = processor(text=text, images=[IMAGES[i] for i in image_ids] or None, return_tensors="pt")
         assert prompt_ids == inputs["input_ids"][0].tolist(), text  # InternVLProcessor's expansion
         assert got == hf_greedy(hf_model, inputs), text
+
+
+@pytest.mark.parametrize("model_dir", ["new_names"], indirect=True)
+def test_a_request_tile_cap_is_hf_max_patches(model_dir):
+    """LightLLM's image_max_patch_num reaches the preprocessor and the prompt as HF's `max_patches`."""
+    from transformers import AutoTokenizer
+
+    from mmserve.prep.multimodal.internvl import InternVLPromptProcessor
+
+    ours = InternVLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    prompts = InternVLPromptProcessor.from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    text = PROMPTS[0][0]
+    for cap in (0, 1, 2, 5):
+        hf = processor(text=text, images=IMAGES[:1], max_patches=cap, return_tensors="pt")
+        tiles = ours.preprocess(IMAGES[0], max_patches=cap)
+        torch.testing.assert_close(tiles.pixel_values, hf["pixel_values"], rtol=0, atol=0)
+        assert prompts.encode_tiled(text, [IMAGES[0].size], cap).token_ids == hf["input_ids"][0].tolist()
+    assert ours.preprocess(IMAGES[0], max_patches=2).num_tokens == 3 * 16  # two tiles and the thumbnail
 
 
 @pytest.mark.parametrize("model_dir", ["new_names"], indirect=True)

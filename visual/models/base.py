@@ -41,7 +41,10 @@ class VisionModel(Protocol):
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> VisionModel: ...
 
-    def preprocess(self, image: Image.Image) -> ImageInput: ...
+    def preprocess(self, image: Image.Image) -> ImageInput:
+        """A family that tiles images (`tiles_images` in its spec) also takes the request's `max_patches` here and
+        in its preprocessor's call."""
+        ...
 
     def preprocessor(self) -> Callable[[Image.Image], ImageInput]:
         """A picklable object holding no weights (e.g. the HF image processor) doing what `preprocess` does:

@@ -37,15 +37,20 @@ class InternVLPreprocessor:
     tokens_per_tile: int  # image_seq_length
     positions_per_tile: int  # what the tower runs over for one tile: its patches and the CLS token
 
-    def __call__(self, image: Image.Image) -> ImageInput:
-        out = self.image_processor(images=[image.convert("RGB")], **self.images_kwargs, return_tensors="pt")
+    def __call__(self, image: Image.Image, max_patches: int | None = None) -> ImageInput:
+        """`max_patches`: this request's tile cap (LightLLM's `image_max_patch_num`); None: the checkpoint's."""
+        kwargs = self.kwargs(max_patches)
+        out = self.image_processor(images=[image.convert("RGB")], **kwargs, return_tensors="pt")
         pixels = out["pixel_values"]  # [tiles, 3, T, T]
         tiles = pixels.shape[0]
         return ImageInput(pixel_values=pixels, num_tokens=tiles * self.tokens_per_tile,
                           patches=tiles * self.positions_per_tile)  # fmt: skip
 
-    def num_tiles(self, width: int, height: int) -> int:
-        return self.image_processor.get_number_of_image_patches(height, width, self.images_kwargs)
+    def num_tiles(self, width: int, height: int, max_patches: int | None = None) -> int:
+        return self.image_processor.get_number_of_image_patches(height, width, self.kwargs(max_patches))
+
+    def kwargs(self, max_patches: int | None) -> dict:
+        return self.images_kwargs if max_patches is None else {**self.images_kwargs, "max_patches": max_patches}
 
 
 def read_preprocessor(model_dir: str, config: InternVLConfig) -> InternVLPreprocessor:
@@ -89,8 +94,8 @@ class InternVLVisionModel:
     def preprocessor(self) -> InternVLPreprocessor:
         return self._preprocessor
 
-    def preprocess(self, image: Image.Image) -> ImageInput:
-        return self._preprocessor(image)
+    def preprocess(self, image: Image.Image, max_patches: int | None = None) -> ImageInput:
+        return self._preprocessor(image, max_patches)
 
     def num_tokens(self, width: int, height: int) -> int:
         return self._preprocessor.num_tiles(width, height) * self._preprocessor.tokens_per_tile

@@ -33,17 +33,25 @@ class InternVLPromptProcessor:
             raise BadRequest("inputs", f"video input is not supported: the prompt has {self.video_text} (images only)")
         return prompt.count(self.image_text)
 
-    def image_tokens(self, image_sizes: list[tuple[int, int]]) -> list[int]:
-        """Embedding positions of each (width, height) image: InternVLProcessor's count less `<img>` and `</img>`."""
+    def image_tokens(self, image_sizes: list[tuple[int, int]], max_patches: int | None = None) -> list[int]:
+        """Embedding positions of each (width, height) image: InternVLProcessor's count less `<img>` and `</img>`
+        (`max_patches`: the request's tile cap; None: the checkpoint's)."""
         sizes = [(height, width) for width, height in image_sizes]
-        return [n - 2 for n in self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens]
+        cap = {} if max_patches is None else {"max_patches": max_patches}
+        return [n - 2 for n in self.processor._get_num_multimodal_tokens(image_sizes=sizes, **cap).num_image_tokens]
 
     def encode(self, prompt: str, image_sizes: list[tuple[int, int]]) -> MultimodalPrompt:
+        return self.encode_tiled(prompt, image_sizes, None)
+
+    def encode_tiled(
+        self, prompt: str, image_sizes: list[tuple[int, int]], max_patches: int | None
+    ) -> MultimodalPrompt:
+        """`encode` with the request's tile cap (LightLLM's `image_max_patch_num`; None: the checkpoint's)."""
         check_image_count(self.count_images(prompt), len(image_sizes), self.image_text)
         ids = self.tokenizer.encode(prompt)
         contexts = [i for i, t in enumerate(ids) if t == self.context_id]
         check_image_count(len(contexts), len(image_sizes), self.image_text)
-        counts = self.image_tokens(image_sizes) if image_sizes else []
+        counts = self.image_tokens(image_sizes, max_patches) if image_sizes else []
         token_ids: list[int] = []
         offsets: list[int] = []
         prev = 0

@@ -21,6 +21,7 @@ EncodeJob leaves before the prompt is tokenized, so tokenizing overlaps the enco
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -71,20 +72,27 @@ class SeenImages:
             self._seen[name] = value
 
 
-def _fingerprint(item: object) -> str | None:
-    """A name for a base64 entry's text (None for other entries)."""
+def _fingerprint(item: object, variant: str = "") -> str | None:
+    """A name for a base64 entry's text under the request's preprocessing options `variant` (None for other
+    entries)."""
     if isinstance(item, dict) and item.get("type") == "base64" and isinstance(item.get("data"), str):
-        return "b64:" + xxhash.xxh3_128_hexdigest(item["data"].encode("utf-8", "surrogatepass"))
+        return "b64:" + xxhash.xxh3_128_hexdigest(item["data"].encode("utf-8", "surrogatepass")) + variant
     return None
 
 
 def load_and_key(
-    item: object, policy: ImagePolicy, salt: str, seen: SeenImages | None = None, check_size: SizeCheck | None = None
+    item: object,
+    policy: ImagePolicy,
+    salt: str,
+    seen: SeenImages | None = None,
+    check_size: SizeCheck | None = None,
+    variant: str = "",
 ):
     """One image entry (a URL entry already downloaded: its bytes) -> (the checked image, its cache key), in one
-    thread-pool hop. An image seen before comes back without its bytes (data None): the cache is expected to hold it
-    (see MultimodalPreparer._acquire)."""
-    fingerprint = _fingerprint(item) if seen is not None else None
+    thread-pool hop; `variant` names the request's preprocessing options, which `salt` ends with. An image seen
+    before comes back without its bytes (data None): the cache is expected to hold it (see
+    MultimodalPreparer._acquire)."""
+    fingerprint = _fingerprint(item, variant) if seen is not None else None
     hit = seen.get(fingerprint) if fingerprint is not None else None
     if hit is not None:
         key, width, height = hit
@@ -109,10 +117,13 @@ def load_and_key(
 class MultimodalPreparer:
     def __init__(self, prompt_processor: PromptProcessor, coordinator: CacheCoordinator, cache_salt: str,
                  policy: ImagePolicy | None = None, image_executor: Executor | None = None, *,
-                 check_size: SizeCheck | None = None, images_in_prompt: bool = False):  # fmt: skip
-        """check_size, images_in_prompt: the prompt processor's optional capabilities its family declares
-        (families/spec.py), e.g. Qwen2-VL's aspect-ratio bound checked from each image's header before anything is
-        sent or tokenized, and Qwen-VL's images named inside the prompt."""
+                 check_size: SizeCheck | None = None, images_in_prompt: bool = False,
+                 encode_tiled: Callable | None = None):  # fmt: skip
+        """check_size, images_in_prompt, encode_tiled: the prompt processor's optional capabilities its family
+        declares (families/spec.py), e.g. Qwen2-VL's aspect-ratio bound checked from each image's header before
+        anything is sent or tokenized, Qwen-VL's images named inside the prompt, and InternVL's per-request tile cap
+        (`encode_tiled(prompt, sizes, max_patches)`: a request's cap goes to the prompt, the cache key and the
+        visual process's preprocessor)."""
         self.prompt_processor = prompt_processor
         self.image_executor = image_executor  # None: the event loop's default executor
         self.coordinator = coordinator
@@ -121,20 +132,29 @@ class MultimodalPreparer:
         self.fetcher = UrlFetcher(self.policy.fetch)
         self._check_size = check_size
         self._images_in_prompt = images_in_prompt
+        self._encode_tiled = encode_tiled
         if images_in_prompt:  # Qwen-VL reads allowed paths itself: the same size limit
             prompt_processor.max_image_bytes = self.policy.max_bytes
         self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
         self._seen = SeenImages()
-        # rid -> (its image entries, keys, bytes so far, the keys deferred): images not encoded unless the router
-        # asks (see the module's docstring)
-        self._deferred: dict[str, tuple[list, list[str], list[bytes | None], set[str]]] = {}
+        # rid -> (its image entries, keys, bytes so far, the keys deferred, its preprocessing options): images not
+        # encoded unless the router asks (see the module's docstring)
+        self._deferred: dict[str, tuple[list, list[str], list[bytes | None], set[str], dict]] = {}
         self.encodes_skipped = 0  # deferred images the router never asked for: their KV was in the prefix cache
         self._encoding: set[str] = set()  # rids in encode_deferred (release drops them: it must not hold after)
 
     async def prepare(
-        self, rid: str, prompt: str, multimodal_params: dict, run_sync: RunSync, defer: bool = False
+        self,
+        rid: str,
+        prompt: str,
+        multimodal_params: dict,
+        run_sync: RunSync,
+        defer: bool = False,
+        max_patches: int = -1,
     ) -> PreparedPrompt:
+        """`max_patches` >= 0: the request's tile cap, for a family that tiles images (others ignore it)."""
         start = time.perf_counter()
+        options = {"max_patches": max_patches} if self._encode_tiled is not None and max_patches >= 0 else {}
         items = multimodal_params.get("images") or []
         self._check_image_count(len(items) if isinstance(items, list) else 0)
         if self._images_in_prompt:  # Qwen-VL: images named inside <img>...</img>
@@ -145,15 +165,19 @@ class MultimodalPreparer:
             raise BadRequest(FIELD, str(PromptImageMismatch(
                 f"the prompt has {expected} image placeholder(s) but {len(items)} image(s) were sent; "
                 "each placeholder stands for one image, in order")))  # fmt: skip
-        loaded = await self._load(items)
+        loaded = await self._load(items, options)
         images, keys = [im for im, _ in loaded], [key for _, key in loaded]
         t_load = time.perf_counter()
         # Send the new images to the visual process first, then tokenize while they encode.
-        acquire = asyncio.ensure_future(self._acquire(rid, items, keys, [im.data for im in images], defer))
+        acquire = asyncio.ensure_future(self._acquire(rid, items, keys, [im.data for im in images], defer, options))
+        sizes = [(im.width, im.height) for im in images]
         try:
-            mm_prompt: MultimodalPrompt = await run_sync(
-                self.prompt_processor.encode, prompt, [(im.width, im.height) for im in images]
-            )
+            if self._encode_tiled is not None:
+                mm_prompt: MultimodalPrompt = await run_sync(
+                    self._encode_tiled, prompt, sizes, options.get("max_patches")
+                )
+            else:
+                mm_prompt = await run_sync(self.prompt_processor.encode, prompt, sizes)
             t_prompt = time.perf_counter()
             await acquire
         except PromptImageMismatch as e:
@@ -180,12 +204,12 @@ class MultimodalPreparer:
         deferred = self._deferred.pop(rid, None)
         if deferred is None:
             return
-        items, keys, data, missing = deferred
+        items, keys, data, missing, options = deferred
         self._encoding.add(rid)
         try:
             data = await self._fill_bytes(items, keys, data, missing)
             wanted = [(key, blob) for key, blob in zip(keys, data, strict=True) if key in missing]
-            entries = await self._guarded_acquire(wanted)
+            entries = await self._guarded_acquire(wanted, options)
         except BaseException:
             self._encoding.discard(rid)
             raise
@@ -218,16 +242,21 @@ class MultimodalPreparer:
     async def aclose(self) -> None:
         await self.fetcher.aclose()
 
-    async def _load_one(self, item: object, seen: SeenImages | None) -> tuple[LoadedImage, str]:
+    async def _load_one(
+        self, item: object, seen: SeenImages | None, options: dict | None = None
+    ) -> tuple[LoadedImage, str]:
         """A URL is downloaded on the event loop (waiting on a host holds no thread), then the bytes are decoded,
-        checked and hashed on image_executor."""
+        checked and hashed on image_executor. The request's preprocessing `options` are part of the key."""
         item = await fetch_item(item, self.fetcher, self.policy.max_bytes)
+        variant = json.dumps(options, sort_keys=True) if options else ""
         return await asyncio.get_running_loop().run_in_executor(
-            self.image_executor, load_and_key, item, self.policy, self.cache_salt, seen, self._check_size
-        )
+            self.image_executor, load_and_key, item, self.policy, self.cache_salt + variant, seen, self._check_size,
+            variant,
+        )  # fmt: skip
 
-    async def _load(self, items: list) -> list[tuple[LoadedImage, str]]:
-        results = await asyncio.gather(*(self._load_one(item, self._seen) for item in items), return_exceptions=True)
+    async def _load(self, items: list, options: dict) -> list[tuple[LoadedImage, str]]:
+        loads = (self._load_one(item, self._seen, options) for item in items)
+        results = await asyncio.gather(*loads, return_exceptions=True)
         for index, result in enumerate(results):
             if isinstance(result, BadImage):
                 raise BadRequest(f"{FIELD}[{index}]", str(result))
@@ -251,7 +280,13 @@ class MultimodalPreparer:
         self.release(rid)
 
     async def _acquire(
-        self, rid: str, items: list, keys: list[str], data: list[bytes | None], defer: bool = False
+        self,
+        rid: str,
+        items: list,
+        keys: list[str],
+        data: list[bytes | None],
+        defer: bool = False,
+        options: dict | None = None,
     ) -> None:
         if not keys:
             return
@@ -259,7 +294,7 @@ class MultimodalPreparer:
         missing: set[str] = set()
         while True:
             try:
-                entries = await self._guarded_acquire([(k, d) for k, d in pairs if k not in missing])
+                entries = await self._guarded_acquire([(k, d) for k, d in pairs if k not in missing], options)
                 break
             except MissingImageData as e:  # seen before, but evicted since
                 if not defer:  # decode them after all
@@ -268,13 +303,15 @@ class MultimodalPreparer:
                     continue
                 missing |= set(e.keys)  # left to the router (see the module's docstring); the rest is held
         if missing:
-            self._deferred[rid] = (items, keys, data, missing)
+            self._deferred[rid] = (items, keys, data, missing, options or {})
         self._held[rid] = entries
 
-    async def _guarded_acquire(self, images: list[tuple[str, bytes | None]]) -> list[CacheEntry]:
+    async def _guarded_acquire(
+        self, images: list[tuple[str, bytes | None]], options: dict | None = None
+    ) -> list[CacheEntry]:
         """coordinator.acquire, its errors as the client should see them (MissingImageData passes through)."""
         try:
-            return await self.coordinator.acquire(images)
+            return await self.coordinator.acquire(images, options)
         except CacheCapacityError as e:
             raise BadRequest(FIELD, str(e)) from None
         except EncoderUnavailable as e:

@@ -19,7 +19,11 @@ METHODS = {
     "prompt": ("from_pretrained", "count_images", "encode"),
 }
 # Optional capability -> (part, the method a part that has it defines).
-CAPABILITIES = {"checks_image_size": ("prompt", "check_image_size"), "images_in_prompt": ("prompt", "image_items")}
+CAPABILITIES = {
+    "checks_image_size": ("prompt", "check_image_size"),
+    "images_in_prompt": ("prompt", "image_items"),
+    "tiles_images": ("prompt", "encode_tiled"),
+}
 
 
 def missing_parts(spec: FamilySpec) -> list[str]:

@@ -43,7 +43,7 @@ class FakeImages:
         self.prompt_ids = prompt_ids
         self.released: list[str] = []
 
-    async def prepare(self, rid, prompt, multimodal_params, run_sync, defer=False) -> PreparedPrompt:
+    async def prepare(self, rid, prompt, multimodal_params, run_sync, defer=False, max_patches=-1) -> PreparedPrompt:
         return PreparedPrompt(list(self.prompt_ids), (ImageRef("key", 2, 3),))
 
     def release(self, rid: str) -> None:

@@ -123,8 +123,17 @@ def test_names_lightllm_lacks_are_still_refused(name):
         ({"print_eos_token": "true"}, "print_eos_token"),
         ({"input_penalty": 1}, "input_penalty"),
         ({"image_max_patch_num": -2}, "image_max_patch_num"),
+        ({"image_max_patch_num": 65}, "image_max_patch_num"),
+        ({"image_max_patch_num": 1.5}, "image_max_patch_num"),
         ({"group_request_id": "g"}, "group_request_id"),
     ],
 )
 def test_bad_values_name_their_field(parameters, field):
     assert bad(**parameters) == f"parameters.{field}"
+
+
+@pytest.mark.parametrize("value,expected", [(None, -1), (-1, -1), (0, 0), (6, 6), (64, 64)])
+def test_image_max_patch_num_travels_with_the_request_not_the_sampling(value, expected):
+    body = {"inputs": "x", "parameters": {"max_new_tokens": 2, "image_max_patch_num": value}}
+    req = parse_generate_body(json.dumps(body).encode())
+    assert req.image_max_patch_num == expected and req.params.max_new_tokens == 2

@@ -152,8 +152,10 @@ def test_a_batch_that_is_not_full_waits_for_images_still_preprocessing(model_dir
 
 def test_encode_job_frames_round_trip():
     job = EncodeJob("key:ü", b"\x00\x01 image bytes")
-    assert EncodeJob.from_frames(job.frames()) == job
-    with pytest.raises(ValueError, match="2 frames"):
+    assert len(job.frames()) == 2 and EncodeJob.from_frames(job.frames()) == job
+    tiled = EncodeJob("key", b"bytes", {"max_patches": 6})  # a request's preprocessing options: a third frame
+    assert len(tiled.frames()) == 3 and EncodeJob.from_frames(tiled.frames()) == tiled
+    with pytest.raises(ValueError, match="2 or 3 frames"):
         EncodeJob.from_frames([b"only a key"])
 
 
