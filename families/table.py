@@ -53,6 +53,11 @@ FAMILIES: tuple[FamilySpec, ...] = (
                vision="visual.models.internvl:InternVLVisionModel",
                prompt="mmserve.prep.multimodal.internvl:InternVLPromptProcessor",
                chat_template="mmserve.prep.chat_templates:INTERNVL", tiles_images=True),
+    FamilySpec("internvl_chat", ("InternVLChatModel",), **_decoder("internvl", "InternVLChatForCausalLM"),
+               test_checkpoint="mmserve.testing.checkpoints.internvl_chat:build_internvl_chat",
+               vision="visual.models.internvl:InternVLVisionModel",
+               prompt="mmserve.prep.multimodal.internvl:InternVLChatPromptProcessor",
+               chat_template="mmserve.prep.chat_templates:INTERNVL_CHAT", tiles_images=True),
 )  # fmt: skip
 
 _registered: list[FamilySpec] = []  # added by `registered` (tests), in this process only

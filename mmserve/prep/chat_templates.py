@@ -18,6 +18,8 @@ processor expands.
 - InternVL (`InternVLForConditionalGeneration`): the template the `-hf` repositories publish (transformers'
   conversion script): ChatML without a default system turn, one `<IMG_CONTEXT>\\n` per image part, which
   InternVLProcessor (and the family's prompt processor) expands to `<img><IMG_CONTEXT>...</img>`.
+- InternVL's remote-code layout (`InternVLChatModel`): its `internvl2_5` conversation (ChatML with InternVL's
+  default system message), `<image>\\n` per image part, which the prompt processor expands as its `chat` does.
 """
 
 from __future__ import annotations
@@ -92,6 +94,21 @@ INTERNVL = (
     "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}{% elif content['type'] == 'video' %}"
     "{{ '<video>\\n' }}{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
     "{{'<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+INTERNVL_SYSTEM_PROMPT = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位联合开发的多模态大语言模型。"
+)
+# The remote-code layout (OpenGVLab/InternVL3-8B, InternVL2_5-*): its `internvl2_5` conversation template (the remote
+# code's conversation.py: MPT separators on ChatML roles, InternVL's default system message) with `<image>\n` per
+# image part, as its `chat` prepends it to a question.
+INTERNVL_CHAT = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\n" + INTERNVL_SYSTEM_PROMPT + "<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}<image>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 # Qwen/Qwen3-VL-8B-Instruct's chat_template.json, byte for byte (5292 bytes, SHA-256 3636d0f0bd6bef02...a489e4).

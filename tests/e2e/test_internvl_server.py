@@ -1,5 +1,7 @@
-"""Issue 31's InternVL acceptance over HTTP, on a tiny random checkpoint in the -hf layout
-(`InternVLForConditionalGeneration`) with its published chat template: the real server answers concurrent /generate
+"""Issue 31's InternVL acceptance over HTTP, on tiny random checkpoints in both published layouts: the -hf one
+(`InternVLForConditionalGeneration`, with its published chat template) and the remote-code one (`InternVLChatModel`,
+`<image>` prompts, the family's built-in `internvl2_5` template; HF's reference is InternVLForConditionalGeneration on
+the same weights in the -hf layout, which its builder writes beside it). The real server answers concurrent /generate
 requests (one image, two images of different tile counts, text only, LightLLM's per-request tile cap
 `image_max_patch_num`) and /v1/chat/completions (one image, a two-turn chat with an image in each user turn) with HF
 transformers' greedy tokens, and its prompt token counts equal InternVLProcessor's. The server prefills 32 tokens a
@@ -18,8 +20,9 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor, InternVLForConditionalGeneration
 
-from mmserve.prep.chat_templates import INTERNVL
+from mmserve.prep.chat_templates import INTERNVL, INTERNVL_CHAT
 from mmserve.testing.checkpoints.internvl import build_internvl_hf
+from mmserve.testing.checkpoints.internvl_chat import build_internvl_chat
 from mmserve.testing.images import picture, png_b64
 from mmserve.testing.server_proc import ServerProcess, serving
 from tests.e2e.test_openai_api import hf_messages, openai_messages
@@ -29,7 +32,8 @@ NEW_TOKENS = 16
 ENCODED = "mmserve_images_encoded_total"
 MODEL = "internvl-tiny"
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-IMAGE = "<IMG_CONTEXT>\n"
+IMAGE_CONTEXT = "<IMG_CONTEXT>"
+IMAGE = IMAGE_CONTEXT + "\n"
 GENERATE_CASES = [
     (CHAT.format(IMAGE + "Describe this picture."), [picture(150, 100, 1)]),
     (CHAT.format(IMAGE + IMAGE + "Compare the two cities."), [picture(60, 200, 2), picture(333, 77, 3)]),
@@ -43,12 +47,29 @@ TWO_TURNS = [
 ]
 
 
+@pytest.fixture(scope="module", params=["hf", "remote_code"])
+def layout(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def model_dir(layout, tmp_path_factory) -> str:
+    if layout == "remote_code":
+        return build_internvl_chat(str(tmp_path_factory.mktemp("internvl_chat") / MODEL))
     path = build_internvl_hf(str(tmp_path_factory.mktemp("internvl") / MODEL))
     with open(os.path.join(path, "chat_template.json")) as f:
         assert json.load(f) == {"chat_template": INTERNVL}
     return path
+
+
+def request_text(layout: str, hf_text: str) -> str:
+    """What the server gets for a prompt HF's processor takes: the remote-code layout's placeholder is `<image>`."""
+    return hf_text.replace(IMAGE_CONTEXT, "<image>") if layout == "remote_code" else hf_text
+
+
+@pytest.fixture(scope="module")
+def hf_dir(layout, model_dir) -> str:
+    return model_dir + "-hf" if layout == "remote_code" else model_dir
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +81,13 @@ def server(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def processor(model_dir):
-    return AutoProcessor.from_pretrained(model_dir)
+def processor(hf_dir):
+    return AutoProcessor.from_pretrained(hf_dir)
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir, processor):
-    model = InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf(hf_dir, processor):
+    model = InternVLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
     def greedy(text: str, images: list[Image.Image], **images_kwargs) -> tuple[list[int], list[int]]:
         """(HF processor's prompt ids, HF's greedy new ids)."""
@@ -87,12 +108,12 @@ def generate(srv: ServerProcess, prompt: str, images: list[Image.Image], **param
     return r.json()
 
 
-def test_concurrent_generate_equals_hf(server, hf, processor):
+def test_concurrent_generate_equals_hf(layout, server, hf, processor):
     tiles = [processor.image_processor.get_number_of_image_patches(im.height, im.width, {"crop_to_patches": True})
              for _, images in GENERATE_CASES for im in images]  # fmt: skip
     assert len(set(tiles)) == 3, tiles  # three images, three tile counts
     with ThreadPoolExecutor(len(GENERATE_CASES)) as pool:
-        answers = list(pool.map(lambda case: generate(server, *case), GENERATE_CASES))
+        answers = list(pool.map(lambda case: generate(server, request_text(layout, case[0]), case[1]), GENERATE_CASES))
     for (text, images), answer in zip(GENERATE_CASES, answers, strict=True):
         prompt_ids, expected = hf(text, images)
         assert answer["prompt_tokens"] == len(prompt_ids), text
@@ -100,7 +121,8 @@ def test_concurrent_generate_equals_hf(server, hf, processor):
     assert server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0) == 0
 
 
-def test_image_max_patch_num_caps_the_tiles_as_hf_max_patches(server, hf, processor):
+@pytest.mark.parametrize("layout", ["hf"], indirect=True)  # the remote-code layout's cap: tests/models
+def test_image_max_patch_num_caps_the_tiles_as_hf_max_patches(layout, server, hf, processor):
     """LightLLM's per-request cap is HF's `max_patches`: prompt, tiles and tokens follow it; an image under another
     cap is another cache entry (encoded again), under the same cap the same one."""
     text, image = CHAT.format(IMAGE + "Describe this picture."), picture(150, 100, 9)
@@ -109,7 +131,7 @@ def test_image_max_patch_num_caps_the_tiles_as_hf_max_patches(server, hf, proces
     encoded = [server.metrics()[ENCODED]]
     answers = {}
     for cap in (-1, 2, 2, -1, 0):
-        answers[cap] = generate(server, text, [image], image_max_patch_num=cap)
+        answers[cap] = generate(server, request_text(layout, text), [image], image_max_patch_num=cap)
         encoded.append(server.metrics()[ENCODED])
     assert [b - a for a, b in zip(encoded, encoded[1:], strict=False)] == [1, 1, 0, 0, 1]
     for cap, answer in answers.items():
@@ -121,9 +143,14 @@ def test_image_max_patch_num_caps_the_tiles_as_hf_max_patches(server, hf, proces
 
 
 @pytest.mark.parametrize("turns", [ONE_IMAGE, TWO_TURNS], ids=["one_image", "two_turns"])
-def test_chat_equals_hf_on_the_published_template(server, hf, processor, turns):
+def test_chat_equals_hf_on_the_layouts_template(layout, server, hf, processor, turns):
+    """The -hf layout's published template, or the remote-code layout's built-in one (its `<image>` given to HF's
+    processor as `<IMG_CONTEXT>`)."""
     messages, images = hf_messages(turns)
-    rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
+    template = INTERNVL_CHAT if layout == "remote_code" else INTERNVL
+    rendered = processor.apply_chat_template(messages, chat_template=template, add_generation_prompt=True)
+    rendered = rendered.replace("<image>", IMAGE_CONTEXT)
+    assert rendered.startswith("<|im_start|>system\n" if layout == "remote_code" else "<|im_start|>user\n")
     prompt_ids, expected = hf(rendered, images)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
     reply = client.chat.completions.create(model=MODEL, messages=openai_messages(turns), max_tokens=NEW_TOKENS,

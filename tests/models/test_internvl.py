@@ -1,8 +1,11 @@
-"""InternVL (`InternVLForConditionalGeneration`, the -hf layout) against HF transformers on tiny random checkpoints:
+"""InternVL against HF transformers on tiny random checkpoints, in the -hf layout (`InternVLForConditionalGeneration`,
+both tensor namings) and the remote-code one (`InternVLChatModel`, against HF on the same weights in the -hf layout):
 the tiles, their features and the prompt expansion equal InternVLProcessor's and InternVLModel's, and greedy tokens
 through our engine equal HF generate for one image, two images of different tile counts and text alone, whole and in
 small prefill chunks."""
 
+import json
+import os
 import pickle
 
 import pytest
@@ -10,11 +13,11 @@ import torch
 from transformers import AutoProcessor, InternVLForConditionalGeneration
 
 from mmserve.testing.checkpoints.internvl import build_internvl_hf
+from mmserve.testing.checkpoints.internvl_chat import build_internvl_chat
 from tests.models.test_llava import noise_image
 from visual.models.internvl import InternVLVisionModel
 
 CPU = torch.device("cpu")
-ARCH = "InternVLForConditionalGeneration"
 IMAGES = [noise_image(80, 50, 0), noise_image(90, 300, 1)]  # 6 tiles + thumbnail, 3 tiles + thumbnail (112 px)
 NEW_TOKENS = 12
 PROMPTS = [
@@ -25,19 +28,37 @@ PROMPTS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["new_names", "legacy_names"])
+@pytest.fixture(scope="module", params=["new_names", "legacy_names", "remote_code"])
 def model_dir(request, tmp_path_factory):
-    return build_internvl_hf(str(tmp_path_factory.mktemp(request.param)), legacy_names=request.param == "legacy_names")
+    out = str(tmp_path_factory.mktemp(request.param) / "internvl")
+    if request.param == "remote_code":
+        return build_internvl_chat(out)
+    return build_internvl_hf(out, legacy_names=request.param == "legacy_names")
+
+
+def hf_dir(model_dir: str) -> str:
+    """Where HF's reference reads the weights: the folder itself, or the remote-code layout's -hf twin."""
+    return model_dir + "-hf" if os.path.exists(model_dir + "-hf") else model_dir
+
+
+def arch(model_dir: str) -> str:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["architectures"][0]
+
+
+def our_text(model_dir: str, hf_text: str) -> str:
+    """The prompt we get for one HF's processor takes: the remote-code layout writes `<image>`."""
+    return hf_text.replace("<IMG_CONTEXT>", "<image>") if arch(model_dir) == "InternVLChatModel" else hf_text
 
 
 @pytest.fixture(scope="module")
 def hf_model(model_dir):
-    return InternVLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return InternVLForConditionalGeneration.from_pretrained(hf_dir(model_dir), dtype=torch.float32).eval()
 
 
 def test_tiles_and_features_equal_hf(model_dir, hf_model):
     ours = InternVLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(hf_dir(model_dir))
     preprocess = pickle.loads(pickle.dumps(ours.preprocessor()))  # as the visual process's worker pool runs it
     inputs = [preprocess(im) for im in IMAGES]
     assert [im.pixel_values.shape[0] for im in inputs] == [7, 4]  # different tile counts
@@ -63,13 +84,14 @@ def our_generation(model_dir: str, prefix: str, chunked_prefill_size: int = 4096
     from mmserve.llm import LLM
     from mmserve.prep.multimodal.prompt import prompt_processor_class
 
-    processor = prompt_processor_class(ARCH).from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = prompt_processor_class(arch(model_dir)).from_pretrained(model_dir, tokenizer)
     vision = InternVLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
     for i, emb in enumerate(vision.encode([vision.preprocess(im) for im in IMAGES])):
         write_embedding(prefix, f"img{i}", emb)
     prompts, items = [], []
     for text, image_ids in PROMPTS:
-        mm = processor.encode(text, [IMAGES[i].size for i in image_ids])
+        mm = processor.encode(our_text(model_dir, text), [IMAGES[i].size for i in image_ids])
         prompts.append(mm.token_ids)
         items.append([MultimodalItem(off, read_embedding(prefix, f"img{i}"), f"img{i}")
                       for off, i in zip(mm.offsets, image_ids, strict=True)])  # fmt: skip
@@ -97,29 +119,31 @@ def shm_prefix():
 
 def test_greedy_tokens_equal_hf(model_dir, hf_model, shm_prefix):
     prompts, ours = our_generation(model_dir, shm_prefix)
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = AutoProcessor.from_pretrained(hf_dir(model_dir))
     for (text, image_ids), prompt_ids, got in zip(PROMPTS, prompts, ours, strict=True):
         inputs = processor(text=text, images=[IMAGES[i] for i in image_ids] or None, return_tensors="pt")
         assert prompt_ids == inputs["input_ids"][0].tolist(), text  # InternVLProcessor's expansion
         assert got == hf_greedy(hf_model, inputs), text
 
 
-@pytest.mark.parametrize("model_dir", ["new_names"], indirect=True)
+@pytest.mark.parametrize("model_dir", ["new_names", "remote_code"], indirect=True)
 def test_a_request_tile_cap_is_hf_max_patches(model_dir):
     """LightLLM's image_max_patch_num reaches the preprocessor and the prompt as HF's `max_patches`."""
     from transformers import AutoTokenizer
 
-    from mmserve.prep.multimodal.internvl import InternVLPromptProcessor
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
 
     ours = InternVLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    prompts = InternVLPromptProcessor.from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
-    processor = AutoProcessor.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = prompt_processor_class(arch(model_dir)).from_pretrained(model_dir, tokenizer)
+    processor = AutoProcessor.from_pretrained(hf_dir(model_dir))
     text = PROMPTS[0][0]
     for cap in (0, 1, 2, 5):
         hf = processor(text=text, images=IMAGES[:1], max_patches=cap, return_tensors="pt")
         tiles = ours.preprocess(IMAGES[0], max_patches=cap)
         torch.testing.assert_close(tiles.pixel_values, hf["pixel_values"], rtol=0, atol=0)
-        assert prompts.encode_tiled(text, [IMAGES[0].size], cap).token_ids == hf["input_ids"][0].tolist()
+        encoded = prompts.encode_tiled(our_text(model_dir, text), [IMAGES[0].size], cap)
+        assert encoded.token_ids == hf["input_ids"][0].tolist()
     assert ours.preprocess(IMAGES[0], max_patches=2).num_tokens == 3 * 16  # two tiles and the thumbnail
 
 

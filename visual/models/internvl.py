@@ -1,7 +1,8 @@
-"""InternVL's vision side in the transformers-native layout (`InternVLForConditionalGeneration`): transformers'
-InternViT tower (InternVLVisionModel), the 2x2 pixel shuffle and the LayerNorm-Linear-GELU-Linear projector
-(InternVLMultiModalProjector), with the checkpoint's weights (`model.vision_tower.*` / `vision_tower.*`,
-`model.multi_modal_projector.*` / `multi_modal_projector.*`).
+"""InternVL's vision side: transformers' InternViT tower (InternVLVisionModel), the 2x2 pixel shuffle and the
+LayerNorm-Linear-GELU-Linear projector (InternVLMultiModalProjector), with the checkpoint's weights: in the
+transformers-native layout (`InternVLForConditionalGeneration`: `model.vision_tower.*` / `vision_tower.*`,
+`model.multi_modal_projector.*` / `multi_modal_projector.*`) or the remote-code one (`InternVLChatModel`:
+`vision_model.*`, `mlp1.*`, read as the native one by visual/models/internvl_chat.py).
 
 Preprocessing is the checkpoint's GotOcr2 image processor with the images kwargs InternVLProcessor gives it
 (`crop_to_patches`): an image becomes up to `max_patches` tiles of the tower's size in the grid closest to its aspect
@@ -20,8 +21,9 @@ from PIL import Image
 from transformers import AutoProcessor, InternVLConfig
 from transformers.models.internvl import modeling_internvl as hf
 
+from visual.models import internvl_chat
 from visual.models.base import ImageInput
-from visual.models.weights import load_prefixed_tensors
+from visual.models.weights import load_prefixed_tensors, read_json
 
 TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
@@ -53,12 +55,36 @@ class InternVLPreprocessor:
         return self.images_kwargs if max_patches is None else {**self.images_kwargs, "max_patches": max_patches}
 
 
+def read_config(model_dir: str) -> InternVLConfig:
+    raw = read_json(os.path.join(model_dir, "config.json"))
+    return (
+        internvl_chat.chat_config(raw)
+        if internvl_chat.is_chat_layout(raw)
+        else InternVLConfig.from_pretrained(model_dir)
+    )
+
+
 def read_preprocessor(model_dir: str, config: InternVLConfig) -> InternVLPreprocessor:
-    processor = AutoProcessor.from_pretrained(model_dir)
-    images_kwargs = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs)["images_kwargs"]
+    """The -hf layout's InternVLProcessor (its image processor and the images kwargs it passes), or the remote-code
+    layout's equivalent built from config.json."""
     vision = config.vision_config
     positions = (vision.image_size[0] // vision.patch_size[0]) * (vision.image_size[1] // vision.patch_size[1]) + 1
+    raw = read_json(os.path.join(model_dir, "config.json"))
+    if internvl_chat.is_chat_layout(raw):
+        image_processor, images_kwargs = internvl_chat.chat_image_processor(raw, config)
+        return InternVLPreprocessor(image_processor, images_kwargs, config.image_seq_length, positions)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    images_kwargs = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs)["images_kwargs"]
     return InternVLPreprocessor(processor.image_processor, images_kwargs, processor.image_seq_length, positions)
+
+
+def read_vision_state(model_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the tower's state, the projector's) under transformers' names, from either layout."""
+    if internvl_chat.is_chat_layout(read_json(os.path.join(model_dir, "config.json"))):
+        tower = load_prefixed_tensors(model_dir, (internvl_chat.TOWER_PREFIX,))
+        projector = load_prefixed_tensors(model_dir, (internvl_chat.PROJECTOR_PREFIX,))
+        return internvl_chat.tower_state(tower), internvl_chat.projector_state(projector)
+    return load_prefixed_tensors(model_dir, TOWER_PREFIXES), load_prefixed_tensors(model_dir, PROJECTOR_PREFIXES)
 
 
 class InternVLVisionModel:
@@ -75,17 +101,18 @@ class InternVLVisionModel:
 
     @classmethod
     def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> InternVLPreprocessor:
-        return read_preprocessor(model_dir, InternVLConfig.from_pretrained(model_dir))
+        return read_preprocessor(model_dir, read_config(model_dir))
 
     @classmethod
     def from_pretrained(cls, model_dir: str, device: torch.device, dtype: torch.dtype) -> InternVLVisionModel:
-        config = InternVLConfig.from_pretrained(model_dir)
+        config = read_config(model_dir)
         config.vision_config._attn_implementation = "sdpa"
         with torch.device(device):  # random init on the target device is fast; the weights overwrite it
             tower = hf.InternVLVisionModel._from_config(config.vision_config, dtype=dtype)
             projector = hf.InternVLMultiModalProjector(config).to(dtype)
-        _load(tower, load_prefixed_tensors(model_dir, TOWER_PREFIXES), "vision tower")
-        _load(projector, load_prefixed_tensors(model_dir, PROJECTOR_PREFIXES), "projector")
+        tower_state, projector_state = read_vision_state(model_dir)
+        _load(tower, tower_state, "vision tower")
+        _load(projector, projector_state, "projector")
         preprocessor = read_preprocessor(model_dir, config)
         salt = json.dumps(["internvl", os.path.realpath(model_dir), preprocessor.image_processor.to_json_string(),
                            preprocessor.images_kwargs, str(dtype)], sort_keys=True, default=str)  # fmt: skip
