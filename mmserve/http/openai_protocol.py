@@ -13,13 +13,15 @@ from dataclasses import dataclass, replace
 
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 from mmserve.http.protocol import BadRequest, GenerateInput
+from mmserve.http.structured import OPENAI_NAMES as STRUCTURED_NAMES
+from mmserve.http.structured import openai_constraint, openai_field, with_constraint
 from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy
 from mmserve.prep.multimodal.qwen_vl import read_allowed_path
 
 SAMPLING_NAMES = frozenset(
     {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
-     "ignore_eos", "user", "model"}
+     "ignore_eos", "user", "model", *STRUCTURED_NAMES}
 )  # fmt: skip
 CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"}
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
@@ -56,8 +58,8 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     for name in ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
         if body.get(name) is not None:
             kwargs[name] = body[name]
-    try:
-        return SamplingParams(**kwargs).validate()
+    try:  # the output constraint last: its compile check is the costly one
+        return with_constraint(SamplingParams(**kwargs).validate(), openai_constraint(body))
     except InvalidParams as e:  # named as the pipeline names it: openai_param maps it to the client's field
         raise BadRequest(e.field, e.message) from None
 
@@ -79,6 +81,7 @@ def openai_param(e: BadRequest, body: dict | None, prompt_field: str) -> tuple[s
     prompt (`inputs`) and its images are `prompt_field` (messages or prompt), max_new_tokens is the max_tokens or
     max_completion_tokens the client sent, and the message says so too."""
     names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_field(body or {})}
+    names["structured"] = openai_field(body or {}) or "response_format"  # the engine's compile error
     field = e.field.removeprefix("parameters.")
     if e.field == "inputs" or e.field.startswith("multimodal_params"):
         param = prompt_field

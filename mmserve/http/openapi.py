@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi.responses import PlainTextResponse, Response
 
 from language.sampling_params import (
+    MAX_CONSTRAINT_CHARS,
     MAX_DECAY_FACTOR,
     MAX_REPETITION_PENALTY,
     MAX_SEQUENCES,
@@ -22,7 +23,7 @@ from language.sampling_params import (
 )
 from mmserve.http.drain import RETRY_AFTER_S
 from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS, ROLES
-from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES, UNSUPPORTED_PARAMETERS
+from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES
 from mmserve.http.slow_clients import MAX_BODY_BYTES
 
 
@@ -48,6 +49,8 @@ _TOP_P = _number(MIN_TOP_P, 1)
 _REPETITION_PENALTY = _number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
 _STRING = {"type": "string", "minLength": 1}
 _STOP = _nullable({"anyOf": [_STRING, {"type": "array", "items": _STRING}]})
+_SCHEMA = {"type": "object", "description": "a JSON schema"}
+_CONSTRAINT_TEXT = {"type": "string", "maxLength": MAX_CONSTRAINT_CHARS}
 _SEQUENCES = _nullable({"type": "integer", "minimum": 1, "maximum": MAX_SEQUENCES})
 
 # /generate's `parameters` (LightLLM's names; ranges as SamplingParams.validate checks them).
@@ -90,8 +93,11 @@ PARAMETER_SCHEMAS: dict[str, dict] = {
     "image_max_patch_num": {**_nullable({"type": "integer", "minimum": -1}), "description": "accepted, ignored"},
     "group_request_id": {**_nullable({"type": "integer"}), "description": "accepted, ignored"},
     "prompt_logprobs": _nullable({"anyOf": [_BOOL, {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}]}),
+    # LightLLM's output constraints (one per request, not with allowed_token_ids); null, false or "": none
+    "guided_json": {**_nullable({"anyOf": [_SCHEMA, _CONSTRAINT_TEXT]}), "description": "a JSON schema (or its text)"},
+    "regular_constraint": {**_nullable(_CONSTRAINT_TEXT), "description": "a regular expression"},
+    "guided_grammar": {**_nullable(_CONSTRAINT_TEXT), "description": 'an EBNF grammar; "json": any JSON object'},
 }
-_REFUSED = {"enum": [None, False], "description": "not supported: only null or false is accepted"}
 
 _IMAGE = {
     "type": "object",
@@ -112,7 +118,6 @@ _GENERATE_FIELDS: dict[str, dict] = {
 
 def generate_body() -> dict:
     parameters = {name: PARAMETER_SCHEMAS[name] for name in sorted(PARAMETER_NAMES)}
-    parameters |= {name: _REFUSED for name in sorted(UNSUPPORTED_PARAMETERS)}
     _check_covered(PARAMETER_SCHEMAS, PARAMETER_NAMES, "PARAMETER_SCHEMAS")
     fields = {name: _GENERATE_FIELDS[name] for name in sorted(TOP_LEVEL_NAMES)}
     _check_covered(_GENERATE_FIELDS, TOP_LEVEL_NAMES, "_GENERATE_FIELDS")
@@ -139,6 +144,42 @@ _MESSAGE = {
         "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}),
     },
 }
+# Output constraints (structured.py): one per request.
+_JSON_SCHEMA_FORMAT = {
+    "type": "object", "required": ["name", "schema"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "minLength": 1}, "schema": _SCHEMA,
+                   "description": _nullable({"type": "string"}), "strict": _nullable(_BOOL)},
+}  # fmt: skip
+_STRUCTURAL_TAG = {"type": "object", "description": "xgrammar's structural tag: {format}, or {structures, triggers}"}
+_RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "additionalProperties": False,
+     "properties": {"type": {"enum": ["text", "json_object"]}}, "description": "text: no constraint"},
+    {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+     "properties": {"type": {"const": "json_schema"}, "json_schema": _JSON_SCHEMA_FORMAT}},
+    {**_STRUCTURAL_TAG, "required": ["type"], "properties": {"type": {"const": "structural_tag"}}},
+]}  # fmt: skip
+_CHOICE = {"type": "array", "minItems": 1, "items": {"type": "string"}, "description": "the output is one of these"}
+STRUCTURED_SCHEMAS: dict[str, dict] = {
+    "response_format": _nullable(_RESPONSE_FORMAT),
+    "structured_outputs": _nullable({
+        "type": "object", "additionalProperties": False, "minProperties": 1,
+        "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object, structural_tag",
+        "properties": {
+            "json": {"anyOf": [_SCHEMA, _CONSTRAINT_TEXT]}, "regex": _CONSTRAINT_TEXT, "choice": _CHOICE,
+            "grammar": {**_CONSTRAINT_TEXT, "description": "EBNF (GBNF)"}, "json_object": _nullable(_BOOL),
+            "structural_tag": {"anyOf": [_STRUCTURAL_TAG, _CONSTRAINT_TEXT]},
+            "disable_fallback": _nullable(_BOOL), "disable_additional_properties": _nullable(_BOOL),
+            "disable_any_whitespace": {"enum": [None, False], "description": "not supported"},
+            "whitespace_pattern": {"type": "null", "description": "not supported"},
+        },
+    }),
+    "guided_json": _nullable({"anyOf": [_SCHEMA, _CONSTRAINT_TEXT]}),
+    "guided_regex": _nullable(_CONSTRAINT_TEXT),
+    "guided_choice": _nullable(_CHOICE),
+    "guided_grammar": _nullable({**_CONSTRAINT_TEXT, "description": "EBNF (GBNF)"}),
+    "guided_decoding_backend": _nullable({"type": "string", "pattern": "^(xgrammar|auto)(:.*)?$"}),
+    "guided_whitespace_pattern": {"type": "null", "description": "not supported"},
+}  # fmt: skip
 _MAX_TOKENS = _nullable({"type": "integer", "minimum": 1})
 OPENAI_SCHEMAS: dict[str, dict] = {
     "model": {"type": "string", "description": "the served model's id (GET /v1/models), or absent"},
@@ -164,6 +205,7 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "prompt": {"anyOf": [{"type": "string", "minLength": 1},
                          {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
     "echo": _BOOL,
+    **STRUCTURED_SCHEMAS,
 }  # fmt: skip
 _LOGPROBS = {
     "chat": {"logprobs": _nullable(_BOOL),
