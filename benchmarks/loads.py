@@ -154,9 +154,12 @@ class RequestSpec:
     def images(self) -> list[bytes]:
         return ([self.image_png] if self.image_png is not None else []) + list(self.more_images)
 
-    def body(self, max_new_tokens: int) -> bytes:
-        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the images as base64."""
+    def body(self, max_new_tokens: int, json_schema: dict | None = None) -> bytes:
+        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the images as base64; with
+        `json_schema`, the output follows it (LightLLM's guided_json)."""
         data: dict = {"inputs": self.prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        if json_schema is not None:
+            data["parameters"]["guided_json"] = json_schema
         if self.images:
             items = [{"type": "base64", "data": base64.b64encode(png).decode()} for png in self.images]
             data["multimodal_params"] = {"images": items}

@@ -5,9 +5,11 @@ One JSON line per load on stdout; progress bars and logs on stderr.
     python benchmarks/serve_bench.py --url http://127.0.0.1:18090 --name lightllm --loads img336_x64,one_336
     python benchmarks/serve_bench.py --model_dir /tmp/q7 --startup --hf --hf_loads img336_x64,img896_x64
     python benchmarks/serve_bench.py --url http://127.0.0.1:18123 --num_requests 4 --repeats 2 --max_new_tokens 8
+    python benchmarks/serve_bench.py --url http://127.0.0.1:18123 --loads img336_x64,text_x64 --json_schema builtin
 
 Loads (benchmarks/loads.py): img336_x64, img896_x64, img896_same_x64, one_336, one_896, img336_x256, text_x64,
-text_one, text_x256, chat896_5turn. 128 new tokens, greedy, `ignore_eos`, streamed; token counts from the final
+text_one, text_x256, chat896_5turn. 128 new tokens, greedy, `ignore_eos`, streamed (`--json_schema PATH|builtin`:
+each output constrained to a JSON schema, benchmarks/json_schema_load.py); token counts from the final
 event's `count_output_tokens`; TTFT is the first event's arrival; TPOT as benchmarks/bench_stats.py explains.
 `--client_procs N` splits each concurrent load over N client processes that start sending at one instant: one
 asyncio client spends ~17 ms of CPU pushing each 3.2 MB body (896 px) and cannot read first tokens meanwhile.
@@ -39,6 +41,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/serve_bench.py` from anywhere
 
 from benchmarks.bench_stats import RequestResult, by_turn, summarize  # noqa: E402
+from benchmarks.json_schema_load import load_schema  # noqa: E402
 from benchmarks.loads import (  # noqa: E402
     FAMILIES,
     Conversation,
@@ -185,7 +188,7 @@ async def run_sequential(
 
 
 async def run_chats(
-    url: str, convs: list[Conversation], max_new_tokens: int, desc: str, timeout: float
+    url: str, convs: list[Conversation], max_new_tokens: int, desc: str, timeout: float, schema: dict | None = None
 ) -> tuple[list[list[RequestResult]], float, float]:
     """The conversations at once, each one's turns in a row (turn k+1 sent when turn k's stream ended, with its
     answer in the history); after a failed turn the conversation stops, its later turns counted as errors. Wall time
@@ -199,7 +202,7 @@ async def run_chats(
             results: list[RequestResult] = []
             answers: list[str] = []
             for k in range(len(conv.turns)):
-                r = await one_request(client, url, conv.request(answers).body(max_new_tokens))
+                r = await one_request(client, url, conv.request(answers).body(max_new_tokens, schema))
                 results.append(r)
                 if bar is not None:
                     bar.update(1)
@@ -221,7 +224,8 @@ async def run_chats(
 
 def run_chat_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
     convs = chat_conversations(load, family, args.question_words)
-    per_conv, wall, cpu = asyncio.run(run_chats(url, convs, args.max_new_tokens, load.name, args.timeout))
+    schema = load_schema(args.json_schema)
+    per_conv, wall, cpu = asyncio.run(run_chats(url, convs, args.max_new_tokens, load.name, args.timeout, schema))
     summary = summarize([r for conv in per_conv for r in conv], wall)
     summary["client_cpu_s"] = round(cpu, 2)
     summary.update(conversations=len(convs), turns=load.turns)
@@ -235,9 +239,11 @@ def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dic
     if load.is_chat:
         return run_chat_load(url, load, family, args)
     specs, warm = requests_for(load, family, args.question_words, args.image_round)
-    bodies = [s.body(args.max_new_tokens) for s in specs]
+    schema = load_schema(args.json_schema)
+    bodies = [s.body(args.max_new_tokens, schema) for s in specs]
     if warm is not None:  # the image is seen once before: the timed requests hit the embedding cache
-        res, _, _ = asyncio.run(run_sequential(url, [warm.body(args.max_new_tokens)], "cache warm", args.timeout))
+        warm_body = warm.body(args.max_new_tokens, schema)
+        res, _, _ = asyncio.run(run_sequential(url, [warm_body], "cache warm", args.timeout))
         if res[0].error:
             log(f"{load.name}: the cache-warming request failed: {res[0].error}")
     if load.sequential:
@@ -268,7 +274,8 @@ def measured(runner, url: str, load: Load, args: argparse.Namespace, session: in
 def warm_up(url: str, loads: list[Load], family: str, args: argparse.Namespace) -> None:
     specs: list[RequestSpec] = warmup_requests(loads, family, args.question_words)
     t0 = time.perf_counter()
-    results, _, _ = asyncio.run(run_concurrent(url, [s.body(16) for s in specs], "warm-up", args.timeout))
+    bodies = [s.body(16, load_schema(args.json_schema)) for s in specs]  # the schema's grammar compiled here too
+    results, _, _ = asyncio.run(run_concurrent(url, bodies, "warm-up", args.timeout))
     errors = [r.error for r in results if r.error]
     log(
         f"warm-up: {len(specs)} requests in {time.perf_counter() - t0:.1f} s"
@@ -337,6 +344,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--question_words", type=int, default=64, help="words in each question")
     ap.add_argument("--no_warmup", action="store_true")
     ap.add_argument(
+        "--json_schema",
+        default=None,
+        help="PATH of a JSON schema, or builtin: every request's output follows it (guided_json)",
+    )
+    ap.add_argument(
         "--image_round",
         type=int,
         default=0,
@@ -366,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     loads = select_loads(args.loads, args.num_requests, args.repeats, args.counts)
     name = args.name or "mmserve"
     common = {"server": name, "family": args.family, "max_new_tokens": args.max_new_tokens}
+    if args.json_schema is not None:
+        common["json_schema"] = args.json_schema
     proc = None
     url = args.url.rstrip("/") if args.url else None
     if loads and url is None:

@@ -1,0 +1,52 @@
+"""serve_bench's `--json_schema PATH|builtin`: the same loads with each request's output constrained to a JSON schema
+(LightLLM's /generate parameter `guided_json`, the constraint OpenAI's response_format json_schema maps to), so that
+constrained throughput can be set against the same load unconstrained.
+
+The built-in schema describes the objects in a picture: nested objects, enums, bounded integers and strings,
+booleans and fixed-length number arrays, the mix a form or receipt extraction asks for. Its `objects` list needs at
+least 64 entries of some 20 tokens each, so no answer can close it within 1000 new tokens: every request still runs
+its `max_new_tokens` under `ignore_eos`, token for token the unconstrained load's work, with a mask at every step."""
+
+from __future__ import annotations
+
+import json
+
+BUILTIN = "builtin"
+MIN_OBJECTS = 64
+
+OBJECTS_SCHEMA: dict = {
+    "type": "object",
+    "properties": {
+        "summary": {"type": "string", "maxLength": 200},
+        "objects": {
+            "type": "array",
+            "minItems": MIN_OBJECTS,
+            "maxItems": 2 * MIN_OBJECTS,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 32},
+                    "color": {"enum": ["red", "green", "blue", "yellow", "black", "white", "other"]},
+                    "count": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "visible": {"type": "boolean"},
+                    "box": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4},
+                },
+                "required": ["name", "color", "count", "visible", "box"],
+            },
+        },
+    },
+    "required": ["summary", "objects"],
+}
+
+
+def load_schema(arg: str | None) -> dict | None:
+    """--json_schema's value -> the schema: None (no constraint), "builtin", or a JSON file's path."""
+    if arg is None:
+        return None
+    if arg == BUILTIN:
+        return OBJECTS_SCHEMA
+    with open(arg) as f:
+        schema = json.load(f)
+    if not isinstance(schema, dict):
+        raise SystemExit(f"--json_schema {arg}: the file must hold a JSON schema (an object)")
+    return schema
