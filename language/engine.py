@@ -14,6 +14,7 @@ import torch
 
 from language.config import EngineConfig, resolve_device
 from language.engine_stats import EngineStats
+from language.grammar import Grammars, VocabularyBuilder
 from language.model_builder import build_kv_cache, load_model, model_config
 from language.model_runner import InflightStep, ModelRunner
 from language.parallel.group import TPGroup, init_tp
@@ -33,7 +34,8 @@ from language.request import (
 )
 from language.sampling_params import InvalidParams
 from language.scheduler import Scheduler, StepPlan
-from language.step_inputs import stage
+from language.step_inputs import StagedStep, stage
+from language.structured import StructuredDecoding
 from language.warmup import warmup
 
 logger = logging.getLogger(__name__)
@@ -87,9 +89,16 @@ class EngineCore:
 
     A request's image embeddings are dropped once the step that ran its prompt's last chunk has been collected
     (the device has read every image row by then, on any chunking); its first output token says so to the owner
-    of the embedding cache, which releases the entries then, not when the request finishes."""
+    of the embedding cache, which releases the entries then, not when the request finishes.
 
-    def __init__(self, cfg: EngineConfig):
+    Structured output (language/structured.py): a step holding rows constrained by a grammar launches its forward
+    first, then reads the previous step back (its tokens advance the grammars), fills the token masks on the host
+    while the device runs the forward, and only then launches the sampling; other steps run as above.
+
+    vocabulary: builds xgrammar's view of the model's tokenizer (the caller owns the tokenizer); None: structured
+    requests are refused."""
+
+    def __init__(self, cfg: EngineConfig, vocabulary: VocabularyBuilder | None = None):
         self.cfg = cfg
         device = resolve_device(cfg.device)
         torch.manual_seed(cfg.seed)
@@ -123,6 +132,10 @@ class EngineCore:
             max_req_total_len=max_req_len,
         )
         self.runner.eos_token_ids = self.model_info.eos_token_ids  # sampling masks and boosts read them
+        self.structured = None
+        if vocabulary is not None and cfg.output_constraint_mode == "xgrammar":
+            grammars = Grammars(vocabulary, self.runner.vocab_size, self.model_info.eos_token_ids)
+            self.structured = StructuredDecoding(grammars, device)
         self.counters = StepCounters()
         self._requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -136,6 +149,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Let the other tensor-parallel ranks stop (they wait for rank 0's next step otherwise)."""
+        if self.structured is not None:
+            self.structured.grammars.close()
         if self.runner.channel is not None:
             if self._inflight is not None:
                 self._collect()
@@ -158,7 +173,10 @@ class EngineCore:
         if any(item.embeds is None for item in req.mm_items) and not self.scheduler.reserve_prefix(req):
             raise PrefixNotCached(f"request {req.rid}: an image sent without embeddings is not in the prefix cache")
         self._requests[req.rid] = req
-        self.scheduler.add(req)
+        if p.structured is not None:  # scheduled once its grammar has compiled
+            self.structured.submit(req)
+        else:
+            self.scheduler.add(req)
 
     def _check(self, req: Request) -> None:
         """What the engine's tensors and the cache can hold. The server's HTTP side checks the length (the same
@@ -184,6 +202,8 @@ class EngineCore:
             p.validate()
         except InvalidParams as e:
             _refuse(f"parameters.{e.field}", e.message)
+        if p.structured is not None and self.structured is None:
+            _refuse("parameters.structured", _NO_STRUCTURED[self.cfg.output_constraint_mode])
         for name, ids in (
             ("allowed_token_ids", p.allowed_token_ids or ()),
             ("logit_bias", [t for t, _ in p.logit_bias]),
@@ -250,6 +270,8 @@ class EngineCore:
             if req.rid not in delivered:
                 outputs.append(dataclasses.replace(self._output(req, []), error=reason))
         self._requests.clear()
+        if self.structured is not None:
+            self.structured.clear()
         self.kv.reset()
         if self.prefix is not None:
             self.prefix = PrefixCache(self.kv.slots)
@@ -260,6 +282,8 @@ class EngineCore:
         return outputs
 
     def _step(self, emit: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
+        if self.structured is not None and self.structured.pending:
+            self._schedule_compiled()
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
@@ -267,9 +291,12 @@ class EngineCore:
         if self._inflight is not None and _needs_history(plan):
             collected = self._collect()
         staged = stage(plan, self.kv, self.model.position_dims, self.prefix) if plan else None
-        if self._inflight is not None:
+        constrained = self._constrained(staged)
+        if self._inflight is not None and not constrained:
             collected = self._collect()
-        if staged is not None:
+        if constrained:
+            collected = self._launch_constrained(staged)
+        elif staged is not None:
             staged.drop_finished()
             if staged.num_seqs:
                 if emit is not None and staged.prefill.reqs:
@@ -282,6 +309,38 @@ class EngineCore:
         if plan or outputs:
             self.counters.busy_s += time.perf_counter() - t0
         return outputs
+
+    def _constrained(self, staged: StagedStep | None) -> bool:
+        """The step holds rows under a grammar (one look at a counter while no request has one)."""
+        s = self.structured
+        if staged is None or s is None or not s.live:
+            return False
+        return s.constrained(staged.decode.reqs) or s.constrained(staged.prefill.reqs)
+
+    def _launch_constrained(self, staged: StagedStep) -> list[tuple[Request, int, float, TopLogprobs | None]]:
+        """A step with grammar-constrained rows: its forward goes to the device before the step in flight is read
+        back, and its sampling once that step's tokens have advanced the grammars and the masks are filled, so the
+        host's grammar work overlaps the forward. Rows whose request the collected step finished still run (as an
+        aborted request's do); their samples are ignored and they get no mask. Returns the collected samples."""
+        staged.drop_finished()
+        forwarded = self.runner.forward(staged)
+        collected = self._collect() if self._inflight is not None else []
+        self._inflight = self.runner.sample(forwarded, self.structured.token_mask(forwarded.sampled))
+        self._inflight.constrained = True
+        self._launched_at = time.perf_counter()
+        return collected
+
+    def _schedule_compiled(self) -> None:
+        """Waiting requests whose grammar has compiled go to the scheduler; those whose grammar does not compile
+        end here with a 400."""
+        idle = self._inflight is None and not self.scheduler.running and not self.scheduler.waiting
+        compiled, failed = self.structured.ready(idle)
+        for req in compiled:
+            self.scheduler.add(req)
+        for req, message in failed:
+            self._finish(req, "error")
+            error = RequestError.refused("parameters.structured", message)
+            self._aborted.append(dataclasses.replace(self._output(req, []), error=error))
 
     def _outputs_of(self, collected: list[tuple[Request, int, float, TopLogprobs | None]]) -> list[RequestOutput]:
         return [self._output(req, [token], [logprob], top) for req, token, logprob, top in collected]
@@ -310,6 +369,10 @@ class EngineCore:
                 token, logprob = out.ids[row], out.logprobs[row]
                 self._append_token(req, token, logprob)
                 collected.append((req, token, logprob, out.top(row, req.params.top_logprobs)))
+        if inflight.constrained:
+            for req in self.structured.advance([(req, token) for req, token, _, _ in collected]):
+                if not req.finished:
+                    self._finish(req, "stop")
         c = self.counters
         c.steps += 1
         c.prefill_tokens += inflight.num_prefill_tokens
@@ -354,6 +417,8 @@ class EngineCore:
             self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.grammar is not None:
+            self.structured.release(req)
         if req.status is RequestStatus.RUNNING:
             if req.prefix_node is not None:
                 # Its answer stays too, so a follow-up turn reuses it. The last sampled token is never stored, and
@@ -386,6 +451,12 @@ class EngineCore:
             new_top_logprobs=None if top is None else [top],
             prompt_logprobs=req.prompt_logprobs if first else None,
         )
+
+
+_NO_STRUCTURED = {
+    "none": "structured output is off on this server (--output_constraint_mode none)",
+    "xgrammar": "this engine was built without a tokenizer for structured output",
+}
 
 
 def _refuse(param: str, message: str) -> NoReturn:

@@ -69,6 +69,7 @@ class InflightStep:
     num_prefill_tokens: int
     scored: list[tuple[Request, int]] = field(default_factory=list)  # prompt_logprobs: (request, positions)
     widths: tuple[int, int, int, int] = (0, 0, 0, 0)  # B, k, S, kp
+    constrained: bool = False  # some row was sampled under a grammar's token mask
 
     def done(self) -> bool:
         """The device has finished the step (never blocks)."""
@@ -90,6 +91,21 @@ class InflightStep:
                 out.prompt_top_ids = _rows(ints, n, kp)
                 out.prompt_top_logprobs = _rows(floats[n:], n, kp)
         return out
+
+
+@dataclass
+class ForwardedStep:
+    """A step whose forward is queued on the device and whose sampling is not yet."""
+
+    staged: StagedStep
+    reqs: list[Request]  # decode rows, then prefill chunks
+    sampled: list[tuple[Request, int]]  # as InflightStep.sampled
+    all_greedy: bool
+    logits: torch.Tensor  # [b + S, vocab] on the device
+    req_idx: torch.Tensor  # table row of each sampled row
+    ids: torch.Tensor | None  # the decode graph's greedy samples, if it ran
+    logprobs: torch.Tensor | None  # and their log-probabilities
+    targets: torch.Tensor | None  # the prompt tokens that prompt_logprobs rows score
 
 
 def _rows(flat: list, n: int, width: int) -> list[list]:
@@ -159,17 +175,20 @@ class ModelRunner:
         if cuda_graph and on_gpu and piecewise_cuda_graph_max_tokens > 0:
             self.pieces = PiecewiseGraphs(model, kv, device, piecewise_cuda_graph_max_tokens)
 
-    @torch.inference_mode()
     def launch(self, staged: StagedStep) -> InflightStep:
         """Run the staged step and sample it, all queued on the device; returns at once."""
+        return self.sample(self.forward(staged))
+
+    @torch.inference_mode()
+    def forward(self, staged: StagedStep) -> ForwardedStep:
+        """The model's part of a step, queued on the device: its logits are kept for `sample`. A step with grammar
+        constraints samples only once their token masks are filled on the host, while the device runs this."""
         nd = len(staged.decode.reqs)
         reqs = staged.decode.reqs + staged.prefill.reqs
-        b = len(reqs)
         # The argmax fast path (and the decode graph's built-in greedy sample) only for plain greedy rows: penalties,
         # biases and masks change the logits, so any request with one sends the whole step through sample().
         all_greedy = all(r.params.greedy and not r.params.has_penalties and not r.params.has_logit_masks for r in reqs)
-        k = max(r.params.top_logprobs for r in reqs)
-        targets = None
+        ids = logprobs = targets = None
         if not staged.prefill.reqs and self.graphs is not None and self.graphs.can_run(nd):
             host, bs = self.graphs.stage(staged.decode)
             if self.channel is not None:
@@ -185,23 +204,35 @@ class ModelRunner:
                 if self.channel is not None:
                     self.channel.share(embeds)
             batch, targets = self._batch(packed, layout, embeds)
-            logits, req_idx, ids = self._forward(batch), batch.req_idx, None  # [b + S, vocab]
+            logits, req_idx = self._forward(batch), batch.req_idx  # [b + S, vocab]
+        keep = [True] * nd + staged.prefill.samples.tolist()
+        sampled = [(r, row) for row, (r, kept) in enumerate(zip(reqs, keep, strict=True)) if kept]
+        return ForwardedStep(staged, reqs, sampled, all_greedy, logits, req_idx, ids, logprobs, targets)
+
+    @torch.inference_mode()
+    def sample(self, fwd: ForwardedStep, token_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> InflightStep:
+        """Sample a forwarded step (token_mask: (rows, bitmask) on the device for its constrained rows) and start
+        copying the samples back; returns at once."""
+        staged, reqs, logits, ids = fwd.staged, fwd.reqs, fwd.logits, fwd.ids
+        nd, b, all_greedy = len(staged.decode.reqs), len(fwd.reqs), fwd.all_greedy
+        k = max(r.params.top_logprobs for r in reqs)
         if ids is None or not all_greedy:
             if all_greedy:
                 samples = sample_greedy(logits[:b], k)
             else:
                 sb = SamplingBatch.build(reqs, self.vocab_size, self.device, self.eos_token_ids)
+                sb.token_mask = token_mask
                 samples = sample(logits[:b], sb)
                 if self.channel is not None:  # the other ranks' next decode rows read them from last_token
                     self.channel.share(samples.ids)
-            self.last_token[req_idx] = samples.ids  # decode rows of the next step read their input ids from here
+            self.last_token[fwd.req_idx] = samples.ids  # decode rows of the next step read their input ids from here
         elif k:  # the graph sampled greedily: only the alternatives are left to compute
             samples = token_logprobs(logits, ids, k)
         else:
-            samples = Samples(ids, logprobs)
+            samples = Samples(ids, fwd.logprobs)
         scored = staged.prefill.scored
         kp = max((r.params.prompt_logprobs for r, _ in scored), default=0)
-        prompt = token_logprobs(logits[b:], targets, kp) if scored else None
+        prompt = token_logprobs(logits[b:], fwd.targets, kp) if scored else None
         ints = [samples.ids, samples.top_ids] + ([prompt.top_ids] if prompt else [])
         floats = [samples.logprobs, samples.top_logprobs] + ([prompt.logprobs, prompt.top_logprobs] if prompt else [])
         host_ids, host_lps = _copy_out(self._ids_out, ints), _copy_out(self._lp_out, floats)
@@ -209,10 +240,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        keep = [True] * nd + staged.prefill.samples.tolist()
-        sampled = [(r, row) for row, (r, kept) in enumerate(zip(reqs, keep, strict=True)) if kept]
         widths = (b, k, len(staged.prefill.score_rows), kp)
-        return InflightStep(sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths)
+        return InflightStep(fwd.sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.pieces is not None and self.pieces.can_run(batch):

@@ -56,6 +56,12 @@ class EngineOptions:
         choices=["auto", "dummy"],
         aliases=("--load-format",),
     )
+    output_constraint_mode: str = option(
+        "xgrammar",
+        _MODEL,
+        "structured output (JSON schemas, regexes, grammars, choices) through xgrammar token masks; none: refused",
+        choices=["xgrammar", "none"],
+    )
     # KV cache and scheduling
     max_total_token_num: int | None = option(
         None, _KV, "KV cache token slots; omitted: sized from free memory and --mem_fraction"
@@ -107,6 +113,8 @@ class EngineOptions:
             raise ValueError(f"--device {self.device}: must be auto, cpu, cuda or cuda:<index>")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("--load_format must be auto or dummy")
+        if self.output_constraint_mode not in ("xgrammar", "none"):
+            raise ValueError("--output_constraint_mode must be xgrammar or none")
         if self.max_total_token_num is not None and self.max_total_token_num < 1:
             raise ValueError("--max_total_token_num must be >= 1")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -120,6 +120,8 @@ class Request:
     prompt_cache_len: int = 0
     # While waiting: the cached prefix locked at arrival because it holds the KV of images sent without embeddings.
     reserved_node: object | None = None
+    # Structured output: its xgrammar GrammarMatcher, from the time its grammar has compiled until it finishes
+    grammar: object | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -1,11 +1,13 @@
-"""Batched sampling: penalties, logit bias, allowed-token and min-new-tokens masks, the EOS length boost,
-temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over the whole batch.
+"""Batched sampling: penalties, logit bias, allowed-token and min-new-tokens masks, the EOS length boost, grammar
+token masks (structured output), temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over
+the whole batch.
 
 Log-probabilities (the chosen token's, and the top-k alternatives OpenAI's top_logprobs asks for) are the log-softmax
-of the logits the token was chosen from, after penalties, logit bias and masks but before temperature, top-k and
-top-p: for a request without penalties, bias or masks that is the log-softmax of the model's raw logits, vLLM's
-default (`logprobs_mode` raw_logprobs). Top-k alternatives are computed only when some row of the step asks for
-them, once for the whole batch (k = the largest any row asks for); each row then reads its own first k."""
+of the logits the token was chosen from, after penalties, logit bias and masks (grammar masks too) but before
+temperature, top-k and top-p: for a request without penalties, bias or masks that is the log-softmax of the model's
+raw logits, vLLM's default (`logprobs_mode` raw_logprobs). Top-k alternatives are computed only when some row of the
+step asks for them, once for the whole batch (k = the largest any row asks for); each row then reads its own first
+k."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ class SamplingBatch:
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     processors: LogitProcessors | None = None
     top_logprobs: int = 0  # alternatives to return: the most any row asks for (0: none computed)
+    # Structured output: (rows [R] int64, bitmask [R, ceil(V / 32)] int32) of the rows a grammar constrains
+    token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -235,6 +239,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
         logits = apply_penalties(logits, sb.penalties)
     if sb.processors is not None:
         logits = sb.processors.apply(logits)
+    if sb.token_mask is not None:
+        logits = apply_token_bitmask(logits, *sb.token_mask)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     if sb.all_greedy:
         next_ids = logits.argmax(dim=-1)
@@ -245,6 +251,16 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
         return Samples(next_ids, chosen)
     top_values, top_ids = logprobs_all.topk(sb.top_logprobs, dim=-1)  # [B, k]
     return Samples(next_ids, chosen, top_ids, top_values)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The logits with row rows[i] keeping only the ids whose bit is set in bitmask[i] (id 32 * w + j is bit j of
+    word w, xgrammar's layout), the others -inf; other rows unchanged. Out of place. logits [B, V] float32, rows [R]
+    int64, bitmask [R, W] int32 with 32 * W >= V."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()  # [R, V]
+    masked = logits[rows].masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
 
 
 def _draw(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

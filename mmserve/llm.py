@@ -11,6 +11,7 @@ from language.engine import EngineCore
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
 from mmserve.prep.tokenizers import load_tokenizer  # HF tokenizers, or Qwen-VL's qwen.tiktoken
+from mmserve.prep.tokenizers.grammar_vocab import grammar_vocabulary
 
 
 @dataclass
@@ -24,7 +25,8 @@ class Generation:
 
 class LLM:
     def __init__(self, model_dir: str, **engine_kwargs):
-        self.engine = EngineCore(EngineConfig(model_dir=model_dir, **engine_kwargs))
+        cfg = EngineConfig(model_dir=model_dir, **engine_kwargs)
+        self.engine = EngineCore(cfg, grammar_vocabulary(model_dir, cfg.trust_remote_code))
         self._ids = itertools.count()
         self._tokenizer = None
 

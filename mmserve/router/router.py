@@ -299,9 +299,10 @@ def run_router_process(
 
     def start():
         from language.engine import EngineCore
+        from mmserve.prep.tokenizers.grammar_vocab import grammar_vocabulary
 
         logger.info("engine modules imported after %.1f s", seconds_since_process_start())
-        core = EngineCore(config.engine_config())
+        core = EngineCore(config.engine_config(), grammar_vocabulary(config.model_dir, config.trust_remote_code))
         if core.model_info.device.type == "cuda" or config.tp > 1:
             # (On CPU, tensor-parallel ranks share the cores: one thread each.)
             # Host work per step is many tiny tensor ops: a thread pool per op only adds wake-up latency and fights

@@ -1,0 +1,101 @@
+"""Structured output in the engine: requests wait, unscheduled, until their grammar has compiled; each then runs
+with its own xgrammar GrammarMatcher (`Request.grammar`), which accepts every token collected for it; and a step
+holding constrained rows gets their token bitmask, filled on the host and copied to the device while the device
+runs that step's forward.
+
+Only steps with constrained rows do any of this: `live` (running requests with a matcher) is checked once per step."""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+import torch
+
+from language.grammar import GrammarError, Grammars
+from language.pinned_staging import PinnedStaging
+from language.request import Request
+
+_IDLE_WAIT_S = 0.005  # with nothing else to run, how long one step waits for a grammar to compile
+
+
+class StructuredDecoding:
+    def __init__(self, grammars: Grammars, device: torch.device):
+        self.grammars = grammars
+        self.pending: list[tuple[Request, Future]] = []  # requests whose grammar is compiling
+        self.live = 0  # requests holding a matcher
+        self._words = -(-grammars.vocab_size // 32)  # int32 words per bitmask row
+        self._staging = PinnedStaging(device, torch.int32)
+        self._batch = None  # an xgrammar BatchGrammarMatcher (its thread pool), made on the first batch
+
+    def submit(self, req: Request) -> None:
+        self.pending.append((req, self.grammars.compile(req.params.structured)))
+
+    def ready(self, idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The waiting requests whose grammar has compiled, each now holding its matcher, and those whose grammar
+        failed to compile, with xgrammar's message (requests finished meanwhile are dropped). idle: nothing else
+        runs, so wait a little for a compile rather than spin."""
+        if idle:
+            wait([f for _, f in self.pending], timeout=_IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        compiled, failed, still = [], [], []
+        for req, future in self.pending:
+            if req.finished:
+                continue
+            if not future.done():
+                still.append((req, future))
+                continue
+            try:
+                req.grammar = self.grammars.matcher(future.result())
+            except GrammarError as e:
+                failed.append((req, str(e)))
+                continue
+            self.live += 1
+            compiled.append(req)
+        self.pending = still
+        return compiled, failed
+
+    def release(self, req: Request) -> None:
+        """The request finished: its matcher goes."""
+        req.grammar = None
+        self.live -= 1
+
+    def clear(self) -> None:
+        """Every request was dropped (a failed step): nothing waits and nothing holds a matcher."""
+        self.pending, self.live = [], 0
+
+    @staticmethod
+    def constrained(reqs: list[Request]) -> bool:
+        return any(r.grammar is not None for r in reqs)
+
+    @staticmethod
+    def advance(collected: list[tuple[Request, int]]) -> list[Request]:
+        """Each constrained request's matcher accepts its newly collected token; returns the requests whose
+        grammar has ended there (it accepted a stop id) or that sampled a token the grammar rejects (an EOS that
+        min_new_tokens banned left the row nothing else): they finish as on EOS."""
+        done = []
+        for req, token in collected:
+            m = req.grammar
+            if m is not None and (not m.accept_token(token) or m.is_terminated()):
+                done.append(req)
+        return done
+
+    def token_mask(self, sampled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For the kept rows of running constrained requests: (rows, bitmask) on the device, filled from their
+        matchers now (after the previous step's tokens were accepted), copied without waiting; None if none."""
+        rows = [(row, r.grammar) for r, row in sampled if r.grammar is not None and not r.finished]
+        if not rows:
+            return None
+        n, w = len(rows), self._words
+        host = self._staging.host(n + n * w)
+        host[:n] = torch.tensor([row for row, _ in rows], dtype=torch.int32)
+        bitmask = host[n:].view(n, w)
+        matchers = [m for _, m in rows]
+        if n == 1:
+            matchers[0].fill_next_token_bitmask(bitmask)
+        else:
+            if self._batch is None:
+                import xgrammar as xgr  # imported by the compiles
+
+                self._batch = xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        dev = self._staging.to_device(host)
+        return dev[:n].long(), dev[n:].view(n, w)
