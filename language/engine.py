@@ -396,7 +396,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + (len(self.structured.pending) if self.structured else 0),
             kv_used=self.kv.slots.num_used - (self.prefix.evictable_tokens if self.prefix else 0),
             kv_total=self.kv.num_slots,
             prefix_cache_tokens=self.prefix.total_tokens if self.prefix else 0,

@@ -83,13 +83,11 @@ class Grammars:
 
 
 def _compile(compiler: xgr.GrammarCompiler, so: StructuredOutput) -> xgr.CompiledGrammar:
-    # JSON without free whitespace: a model cannot pad its answer with endless blanks (xgrammar's default allows
-    # any), and the output is compact JSON, as OpenAI's strict mode writes it.
     if so.kind == "json":
         _parse_json(so.spec, "a JSON schema")
-        return compiler.compile_json_schema(so.spec, any_whitespace=False)
+        return compiler.compile_grammar(json_schema_grammar(so.spec))
     if so.kind == "json_object":  # OpenAI's json_object: a JSON object, not any JSON value
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        return compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
     if so.kind == "regex":
         return compiler.compile_regex(so.spec)
     if so.kind == "choice":
@@ -100,6 +98,22 @@ def _compile(compiler: xgr.GrammarCompiler, so: StructuredOutput) -> xgr.Compile
         _parse_json(so.spec, "a structural tag")
         return compiler.compile_structural_tag(so.spec)
     raise GrammarError(f"unknown kind {so.kind!r}")
+
+
+# xgrammar (0.2.8) writes the characters of a string with a maxLength / minLength as any but quote, backslash, CR
+# and LF: raw control characters then pass, which JSON forbids (json.loads refuses them), and escapes do not. Its
+# unbounded strings use the class JSON allows; bounded ones get the same (escapes stay out of them).
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
+def json_schema_grammar(schema: str) -> str:
+    """EBNF for a JSON schema: no free whitespace, so a model cannot pad its answer with endless blanks (xgrammar's
+    default allows any), and no raw control characters inside strings."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def choice_grammar(spec: str) -> str:

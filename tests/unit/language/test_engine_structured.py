@@ -1,0 +1,271 @@
+"""Structured output through the engine, on a tiny random-weight Llama (CPU): whatever the random weights prefer,
+the output follows the grammar (JSON schemas, regexes, choices, EBNF), greedy and sampled; requests without a
+constraint in the same batch are untouched; a constraint that does not compile fails that request alone; the grammar
+ending the output finishes the request; constrained steps stay overlapped."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from language.config import EngineConfig
+from language.engine import EngineCore
+from language.request import Request, RequestRejected
+from language.sampling_params import SamplingParams, StructuredOutput
+from mmserve.llm import LLM
+from mmserve.prep.tokenizers.grammar_vocab import grammar_vocabulary
+from mmserve.testing.checkpoints.llama import build_llama
+
+SCHEMAS = [
+    {  # enum and bounded integer
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": -5, "maximum": 5},
+        },
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    },
+    {  # short string and boolean
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    },
+    {  # bounded array of bounded integers
+        "type": "object",
+        "properties": {
+            "xs": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["xs"],
+        "additionalProperties": False,
+    },
+    {  # nested object
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"type": "string", "maxLength": 4},
+        },
+        "required": ["point", "label"],
+        "additionalProperties": False,
+    },
+    {  # anyOf
+        "anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 1000},
+            {
+                "type": "object",
+                "properties": {"s": {"enum": ["a", "b"]}},
+                "required": ["s"],
+                "additionalProperties": False,
+            },
+        ]
+    },
+    {"type": "array", "items": {"enum": [1, 2, "x", None, True]}, "maxItems": 4},  # mixed enum, top-level array
+]
+REGEX = r"[a-z]{2,5}@[a-z]{3}\.(com|org)"
+CHOICES = ["alpha", "beta gamma", "δέλτα"]
+EBNF = 'root ::= "(" expr ")"\nexpr ::= num | num "+" num\nnum ::= [0-9] | [1-9] [0-9]'
+EBNF_MATCH = r"\((\d|[1-9]\d)(\+(\d|[1-9]\d))?\)"
+GREEDY = dict(max_new_tokens=120)
+SAMPLED = dict(max_new_tokens=120, do_sample=True, temperature=1.0, seed=None)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_llama(str(tmp_path_factory.mktemp("structured_llama")))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir, max_total_token_num=4096, device="cpu")
+
+
+def _prompt(i: int) -> str:
+    return ["Give me JSON.", "What is the answer?", "A chat between a human", "Describe the image"][i % 4]
+
+
+def _json(schema: dict) -> StructuredOutput:
+    return StructuredOutput("json", json.dumps(schema))
+
+
+@pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_json_schemas_validate(llm, mode):
+    """All schemas in one batch (the batch bitmask fill), then one alone (the single-row fill)."""
+    params = [SamplingParams(**mode, structured=_json(s)) for s in SCHEMAS]
+    gens = llm.generate([_prompt(i) for i in range(len(SCHEMAS))], params)
+    gens.append(llm.generate([_prompt(1)], params[3])[0])
+    for gen, schema in zip(gens, SCHEMAS + [SCHEMAS[3]], strict=True):
+        assert gen.finish_reason == "stop", gen.text
+        jsonschema.validate(json.loads(gen.text), schema)
+
+
+@pytest.mark.parametrize("mode", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_regex_choice_grammar_and_json_object(llm, mode):
+    kinds = [
+        StructuredOutput("regex", REGEX),
+        StructuredOutput("choice", json.dumps(CHOICES)),
+        StructuredOutput("grammar", EBNF),
+    ]
+    gens = llm.generate([_prompt(i) for i in range(3)], [SamplingParams(**mode, structured=k) for k in kinds])
+    regex, choice, grammar = gens
+    assert all(g.finish_reason == "stop" for g in gens), [g.text for g in gens]
+    assert re.fullmatch(REGEX, regex.text)
+    assert choice.text in CHOICES
+    assert re.fullmatch(EBNF_MATCH, grammar.text)
+
+
+def test_json_object_is_any_object_without_raw_control_characters(llm):
+    """json_object: any JSON object (not another JSON value); strings, bounded ones too, hold no raw control
+    characters (json.loads refuses them). (A random model's free-form object need not close within a test's
+    budget, so this is checked on the grammar itself.)"""
+    grammars = llm.engine.structured.grammars
+
+    def accepts(so: StructuredOutput, text: str) -> bool:
+        m = grammars.matcher(grammars.compile(so).result())
+        return m.accept_string(text) and m.accept_token(llm.engine.model_info.eos_token_ids[0])
+
+    obj = StructuredOutput("json_object")
+    assert accepts(obj, '{"a": [1, {"b": null}], "c": "\\u00e9"}') and accepts(obj, "{}")
+    assert not accepts(obj, "[1]") and not accepts(obj, '"x"') and not accepts(obj, '{"a": "\x0b"}')
+    bounded = _json(SCHEMAS[1])
+    assert accepts(bounded, '{"name": "ab", "ok": true}')
+    assert not accepts(bounded, '{"name": "a\x0bb", "ok": true}')
+    assert not accepts(bounded, '{"name": "abcdefg", "ok": true}')
+
+
+def test_unconstrained_rows_are_untouched(llm):
+    """Greedy and seeded requests beside constrained ones sample exactly what they sample alone."""
+    plain = [SamplingParams(max_new_tokens=24, ignore_eos=True),
+             SamplingParams(max_new_tokens=24, ignore_eos=True, do_sample=True, seed=7)]  # fmt: skip
+    prompts = [_prompt(0), _prompt(2)]
+    alone = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, plain, strict=True)]
+    constrained = [
+        SamplingParams(**GREEDY, structured=_json(SCHEMAS[3])),
+        SamplingParams(**SAMPLED, structured=_json(SCHEMAS[0])),
+    ]
+    mixed = llm.generate(
+        [prompts[0], _prompt(1), prompts[1], _prompt(3)], [plain[0], constrained[0], plain[1], constrained[1]]
+    )
+    assert [mixed[0].token_ids, mixed[2].token_ids] == alone
+    jsonschema.validate(json.loads(mixed[1].text), SCHEMAS[3])
+
+
+def test_grammar_end_finishes_the_request(llm):
+    """With ignore_eos the EOS does not stop the request, but the grammar that accepted it has ended: "stop"."""
+    eos = llm.engine.model_info.eos_token_ids
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True, structured=StructuredOutput("choice", json.dumps(CHOICES)))
+    gen = llm.generate([_prompt(0)], sp)[0]
+    assert gen.finish_reason == "stop" and gen.token_ids[-1] in eos and len(gen.token_ids) < 40
+    assert gen.text in CHOICES
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (StructuredOutput("json", '{"type": "foo"}'), "Unsupported type"),
+        (StructuredOutput("json", "{not json"), "not a JSON schema"),
+        (StructuredOutput("regex", "(a"), "parenthesis"),
+        (StructuredOutput("choice", '"a"'), "non-empty list of strings"),
+        (StructuredOutput("grammar", "root ::= "), "EBNF"),
+    ],
+)
+def test_bad_constraint_fails_only_its_request(llm, bad, message):
+    engine = llm.engine
+    good = Request("good", llm.tokenizer(_prompt(0)).input_ids, SamplingParams(**GREEDY, structured=_json(SCHEMAS[0])))
+    plain = Request("plain", llm.tokenizer(_prompt(1)).input_ids, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    broken = Request("broken", llm.tokenizer(_prompt(2)).input_ids, SamplingParams(structured=bad))
+    for r in (good, broken, plain):
+        engine.add_request(r)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (failed,) = [o for o in outputs if o.rid == "broken"]
+    assert failed.finished and failed.finish_reason == "error" and not failed.new_token_ids
+    assert failed.error.status == 400 and failed.error.param == "parameters.structured"
+    assert message in failed.error.message
+    assert good.finish_reason == "stop" and plain.finish_reason == "length" and len(plain.output_ids) == 12
+    jsonschema.validate(json.loads(llm.tokenizer.decode(good.output_ids, skip_special_tokens=True)), SCHEMAS[0])
+    assert engine.stats().running == 0 and engine.structured.live == 0 and not engine.structured.pending
+
+
+def test_constrained_steps_overlap_and_compile_once(llm):
+    """A constrained step's forward is launched before the step in flight is read back (the masks are filled
+    meanwhile), and the same constraint compiles once."""
+    engine, order = llm.engine, []
+    forward, collect = engine.runner.forward, engine._collect
+
+    def recording_forward(staged):
+        order.append("forward")
+        return forward(staged)
+
+    def recording_collect():
+        order.append("collect")
+        return collect()
+
+    so = _json(SCHEMAS[2])
+    assert engine.structured.grammars.compile(so) is engine.structured.grammars.compile(so)
+    while engine.has_unfinished():  # a step left in flight by an earlier test
+        engine.step()
+    engine.runner.forward, engine._collect = recording_forward, recording_collect
+    try:
+        gen = llm.generate([_prompt(0)], SamplingParams(**GREEDY, structured=so))[0]
+    finally:
+        del engine.runner.forward, engine._collect
+    jsonschema.validate(json.loads(gen.text), SCHEMAS[2])
+    steps = len(gen.token_ids)
+    # Each step's forward, then the previous step's read-back. The step after the last token was launched before
+    # the read-back that finished the request (its row's sample will be dropped): one forward more than tokens.
+    assert order == ["forward"] + ["forward", "collect"] * steps, (steps, order)
+
+
+def test_compiling_requests_wait_while_others_run(model_dir):
+    """Until its grammar has compiled (here: the vocabulary is held back) a request is not scheduled, and the
+    engine's other requests go on."""
+    release = threading.Event()
+    build = grammar_vocabulary(model_dir)
+
+    def held_vocabulary(vocab_size, stop_ids):
+        release.wait(60)
+        return build(vocab_size, stop_ids)
+
+    engine = EngineCore(EngineConfig(model_dir=model_dir, device="cpu", max_total_token_num=1024), held_vocabulary)
+    waiting = Request("w", [1, 5, 9], SamplingParams(**GREEDY, structured=_json(SCHEMAS[1])))
+    plain = Request("p", [1, 7, 8], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.add_request(waiting)
+    engine.add_request(plain)
+    while not plain.finished:
+        engine.step()
+    assert waiting.status.value == "waiting" and waiting.kv_len == 0 and not waiting.output_ids
+    release.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert waiting.finish_reason == "stop"
+    engine.close()
+
+
+def test_refused_without_xgrammar(model_dir):
+    so = StructuredOutput("regex", "a+")
+    for mode, vocabulary in (("none", grammar_vocabulary(model_dir)), ("xgrammar", None)):
+        cfg = EngineConfig(model_dir=model_dir, device="cpu", max_total_token_num=256, output_constraint_mode=mode)
+        engine = EngineCore(cfg, vocabulary)
+        with pytest.raises(RequestRejected) as e:
+            engine.add_request(Request("r", [1, 2], SamplingParams(structured=so)))
+        assert e.value.error.status == 400 and e.value.error.param == "parameters.structured"
+        assert not engine.has_unfinished()
