@@ -294,8 +294,8 @@ class EngineCore:
         constrained = self._constrained(staged)
         if self._inflight is not None and not constrained:
             collected = self._collect()
-        if constrained:
-            collected = self._launch_constrained(staged)
+        if constrained:  # adds to what was collected before staging (seeded or penalized rows need their history)
+            collected += self._launch_constrained(staged)
         elif staged is not None:
             staged.drop_finished()
             if staged.num_seqs:
