@@ -182,27 +182,28 @@ def test_text_format_is_accepted_and_changes_nothing(client):
 
 
 @pytest.mark.parametrize(
-    "extra, param",
+    "extra, param, reason",
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
-         "response_format.json_schema.schema"),
+         "response_format.json_schema.schema", "Unsupported type"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format.json_schema.schema"),
-        ({"response_format": {"type": "yaml"}}, "response_format.type"),
-        ({"guided_json": {"type": "integer", "minimum": 3, "maximum": 1}}, "guided_json"),
-        ({"guided_regex": "(unclosed"}, "guided_regex"),
-        ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
-        ({"guided_choice": []}, "guided_choice"),
-        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex"),
-        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+         "response_format.json_schema.schema", "is required"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "must be one of"),
+        ({"guided_json": {"type": "integer", "minimum": 3, "maximum": 1}}, "guided_json", "minimum greater"),
+        ({"guided_regex": "(unclosed"}, "guided_regex", "parenthesis"),
+        ({"guided_grammar": "root ::= missing"}, "guided_grammar", "not defined"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "Unclosed"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "one output constraint"),
     ],
 )  # fmt: skip
-def test_bad_constraints_get_a_400_naming_the_field_and_the_server_keeps_serving(client, server, extra, param):
+def test_bad_constraints_get_a_400_naming_the_field_and_the_server_keeps_serving(client, server, extra, param, reason):
     before = server.metrics()["mmserve_requests_total"]
     e = error_of(lambda: client.chat.completions.create(model=MODEL, messages=messages("x"), max_tokens=4,
                                                         extra_body=extra))  # fmt: skip
     error = e.response.json()["error"]
     assert e.status_code == 400 and error["param"] == param and error["message"].startswith(param), error
+    assert reason in error["message"], error
     assert server.metrics()["mmserve_requests_total"] == before  # refused before anything was queued
     reply = client.chat.completions.create(model=MODEL, messages=messages("x"), max_tokens=2)
     assert reply.choices[0].finish_reason == "length"
@@ -230,11 +231,11 @@ def test_lightllm_generate_names(server):
         events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
     assert events[-1]["finished"] and events[-1]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(events[-1]["generated_text"]), SCHEMAS["booleans"])
-    for parameters, field in [
-        ({"guided_json": {"type": "foo"}}, "parameters.guided_json"),
-        ({"regular_constraint": "[z-a]"}, "parameters.regular_constraint"),
-        ({"guided_grammar": "root ::= nothing"}, "parameters.guided_grammar"),
-        ({"guided_grammar": "json", "allowed_token_ids": [1, 2]}, "parameters.allowed_token_ids"),
+    for parameters, field, reason in [
+        ({"guided_json": {"type": "foo"}}, "parameters.guided_json", "Unsupported type"),
+        ({"regular_constraint": "[z-a]"}, "parameters.regular_constraint", "lower bound is larger"),
+        ({"guided_grammar": "root ::= nothing"}, "parameters.guided_grammar", "not defined"),
+        ({"guided_grammar": "json", "allowed_token_ids": [1, 2]}, "parameters.allowed_token_ids", "guided_grammar"),
     ]:
         r = generate(server, "/generate", **parameters)
-        assert r.status_code == 400 and r.json()["field"] == field, r.text
+        assert r.status_code == 400 and r.json()["field"] == field and reason in r.json()["error"], r.text
