@@ -1,12 +1,12 @@
 """Figures from streamed responses: percentiles, time to first token, time per output token.
 
-A server may stream one event per output token (LightLLM v1.2.0 does) or one per non-empty text piece (mmserve: ids
-that decode to no text yet ride along with the next piece, and a random-weight model emits many such ids). TPOT is
-read from the events' arrival times only when every request got exactly one event per token; otherwise it is
-(latency - TTFT) / (tokens - 1). TTFT is always the arrival of the first event; when a first event carried more than
-one token the first token came earlier than that, and the summary says so (`ttft_caveat`), adding the response
-headers' arrival (`headers_p50_s`; mmserve answers 200 only once the first token is out, so for mmserve that is the
-first token's time, while LightLLM answers at once) and the TPOT counted from it (`tpot_from_headers_p50_ms`).
+A server may stream one event per output token (LightLLM v1.2.0 and mmserve do) or fewer (an older mmserve sent one
+per non-empty text piece, ids that decoded to no text riding along with the next one). TPOT is read from the events'
+arrival times only when every request got exactly one event per token; otherwise it is (latency - TTFT) / (tokens -
+1). TTFT is always the arrival of the first event; when a first event carried more than one token the first token
+came earlier than that, and the summary says so (`ttft_caveat`), adding the response headers' arrival
+(`headers_p50_s`; mmserve answers 200 only once the first token is out, so for mmserve that is the first token's
+time, while LightLLM answers at once) and the TPOT counted from it (`tpot_from_headers_p50_ms`).
 
 A multi-turn chat load adds medians per turn (`by_turn`): TTFT, prompt tokens and, with the caveat, headers."""
 

@@ -10,7 +10,7 @@ One JSON line per load on stdout; progress bars and logs on stderr.
 Loads (benchmarks/loads.py): img336_x64, img896_x64, img896_same_x64, one_336, one_896, img336_x256, text_x64,
 text_one, text_x256, chat896_5turn. 128 new tokens, greedy, `ignore_eos`, streamed (`--json_schema PATH|builtin`:
 each output constrained to a JSON schema, benchmarks/json_schema_load.py); token counts from the final
-event's `count_output_tokens`; TTFT is the first event's arrival; TPOT as benchmarks/bench_stats.py explains.
+event's `token.count_output_tokens`; TTFT is the first event's arrival; TPOT as benchmarks/bench_stats.py explains.
 `--client_procs N` splits each concurrent load over N client processes that start sending at one instant: one
 asyncio client spends ~17 ms of CPU pushing each 3.2 MB body (896 px) and cannot read first tokens meanwhile.
 
@@ -65,11 +65,9 @@ def log(msg: str) -> None:
 
 
 def event_count(event: dict) -> int | None:
-    """Cumulative output tokens of a stream event: top level in mmserve's events, under "token" in LightLLM's."""
-    count = event.get("count_output_tokens")
-    if count is None and isinstance(event.get("token"), dict):
-        count = event["token"].get("count_output_tokens")
-    return count
+    """Cumulative output tokens of a stream event (under "token", in both servers' events)."""
+    token = event.get("token")
+    return token.get("count_output_tokens") if isinstance(token, dict) else None
 
 
 def event_text(event: dict) -> str:
@@ -80,10 +78,8 @@ def event_text(event: dict) -> str:
 
 
 def event_prompt_tokens(event: dict) -> int | None:
-    value = event.get("prompt_tokens")
-    if value is None and isinstance(event.get("token"), dict):
-        value = event["token"].get("prompt_tokens")
-    return value
+    token = event.get("token")
+    return token.get("prompt_tokens") if isinstance(token, dict) else None
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:

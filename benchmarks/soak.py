@@ -86,7 +86,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, max_new: 
     latency = time.monotonic() - start
     if last is None or not last.get("finished") or last.get("finish_reason") != "length":
         return "not_finished", latency
-    if last.get("count_output_tokens") != max_new:
+    if last["token"].get("count_output_tokens") != max_new:
         return "token_count", latency
     if "".join(pieces) != last.get("generated_text"):
         return "text_mismatch", latency

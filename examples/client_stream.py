@@ -40,7 +40,7 @@ def main() -> None:
                 sys.exit(f"\nserver error: {event['error']}")
             print(event["token"]["text"], end="", flush=True)
             if event["finished"]:
-                print(f"\n[finish_reason={event['finish_reason']}, tokens={event['count_output_tokens']}]")
+                print(f"\n[finish_reason={event['finish_reason']}, tokens={event['token']['count_output_tokens']}]")
 
 
 if __name__ == "__main__":

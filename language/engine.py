@@ -208,8 +208,10 @@ class EngineCore:
             ("allowed_token_ids", p.allowed_token_ids or ()),
             ("logit_bias", [t for t, _ in p.logit_bias]),
         ):
-            if any(t < 0 or t >= info.vocab_size for t in ids):
-                _refuse(f"parameters.{name}", f"token id out of the vocabulary (size {info.vocab_size})")
+            vocab = info.vocab_size
+            outside = sorted({t for t in ids if t < 0 or t >= vocab})
+            if outside:
+                _refuse(f"parameters.{name}", f"token ids {outside[:8]} are out of the vocabulary (size {vocab})")
         if p.min_new_tokens and p.allowed_token_ids is not None:
             masked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(info.eos_token_ids))
             if set(p.allowed_token_ids) <= masked:
@@ -287,6 +289,10 @@ class EngineCore:
         outputs, self._aborted = self._aborted, []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(lambda admitted: self.kv.num_free_rows() > admitted)
+        if plan.admitted:
+            admitted_at = time.monotonic()
+            for req in plan.admitted:
+                req.scheduled_at = admitted_at
         collected: list[tuple[Request, int, float, TopLogprobs | None]] = []
         if self._inflight is not None and _needs_history(plan):
             collected = self._collect()
@@ -294,7 +300,7 @@ class EngineCore:
         constrained = self._constrained(staged)
         if self._inflight is not None and not constrained:
             collected = self._collect()
-        if constrained:  # adds to what was collected before staging (seeded or penalized rows need their history)
+        if constrained:  # a step read back above for its history (penalties, seeds) keeps its samples
             collected += self._launch_constrained(staged)
         elif staged is not None:
             staged.drop_finished()
@@ -401,6 +407,7 @@ class EngineCore:
             kv_total=self.kv.num_slots,
             prefix_cache_tokens=self.prefix.total_tokens if self.prefix else 0,
             prefix_cache_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
+            peak_tokens=self.scheduler.peak_tokens,
         )
 
     # ---- bookkeeping ----
@@ -450,6 +457,7 @@ class EngineCore:
             cached_tokens=req.prompt_cache_len,
             new_top_logprobs=None if top is None else [top],
             prompt_logprobs=req.prompt_logprobs if first else None,
+            scheduled_at=req.scheduled_at,
         )
 
 

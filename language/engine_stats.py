@@ -14,3 +14,6 @@ class EngineStats:
     kv_total: int
     prefix_cache_tokens: int = 0  # slots the prefix cache holds (evictable or in use)
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache, since start
+    # the slots the running requests would hold at their peak (prompt + max_new_tokens each, shared prefixes counted
+    # once per request): LightLLM's naive load estimate, for /token_load
+    peak_tokens: int = 0

@@ -122,6 +122,7 @@ class Request:
     reserved_node: object | None = None
     # Structured output: its xgrammar GrammarMatcher, from the time its grammar has compiled until it finishes
     grammar: object | None = None
+    scheduled_at: float | None = None  # time.monotonic() at admission (RequestOutput.scheduled_at)
 
     @property
     def prompt_len(self) -> int:
@@ -182,3 +183,6 @@ class RequestOutput:
     new_top_logprobs: list[TopLogprobs] | None = None  # per new token, when top_logprobs > 0 was asked
     prompt_logprobs: PromptLogprobs | None = None  # with the first token, when prompt_logprobs was asked
     error: RequestError | None = None  # why it ended with finish_reason "error"
+    # time.monotonic() when the scheduler admitted the request (None before): the end of its queue time. It is
+    # CLOCK_MONOTONIC, one clock for every process of the host: the HTTP process compares it with its arrival time.
+    scheduled_at: float | None = None

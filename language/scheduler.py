@@ -104,6 +104,7 @@ class Scheduler:
         self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.peak_tokens = 0  # sum of peak_slots over `running`, kept as requests come and go (EngineStats)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -114,6 +115,7 @@ class Scheduler:
     def remove(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self.peak_tokens -= peak_slots(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self._unreserve(req)
@@ -162,6 +164,7 @@ class Scheduler:
                 self._reuse(cand, node, matched)
             cand.status = RequestStatus.RUNNING
             self.running.append(cand)
+            self.peak_tokens += peak_slots(cand)
             plan.admitted.append(cand)
             capacity -= newly_locked
             fixed += own_peak(cand)

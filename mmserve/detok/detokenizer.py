@@ -8,7 +8,7 @@ once it does not end in U+FFFD (an incomplete character). Concatenating the piec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from language.request import RequestOutput
 from mmserve.ipc.messages import AbortRequest, DetokBatch, DetokSetup, RouterBatch, TextOutput, TokenDetail
@@ -175,7 +175,7 @@ class Detokenizer:
             else:
                 piece = state.decoder.push(token_id)
             state.output_tokens += 1
-            tokens.append(TokenDetail(token_id, piece, logprob, tops[i]))
+            tokens.append(TokenDetail(token_id, piece, logprob, tops[i], token_id in self._special_ids))
             text += state.stops.add(piece)
             if state.stops.stopped:
                 break
@@ -184,7 +184,7 @@ class Detokenizer:
             rest = state.decoder.flush()
             if rest and tokens:  # the last token completed it
                 last = tokens[-1]
-                tokens[-1] = TokenDetail(last.id, last.text + rest, last.logprob, last.top)
+                tokens[-1] = replace(last, text=last.text + rest)
             text += state.stops.add(rest)
             stopped = state.stops.stopped
         finished = out.finished or stopped
@@ -201,6 +201,7 @@ class Detokenizer:
             error=out.error,
             cached_tokens=out.cached_tokens,
             prompt_logprobs=out.prompt_logprobs,
+            scheduled_at=out.scheduled_at,
         )
 
     def _top_tokens(self, tops: list[list[tuple[int, float]]]) -> list[tuple[tuple[int, str, float], ...]]:

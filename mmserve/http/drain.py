@@ -17,7 +17,16 @@ from mmserve.launch.processes import hurry_stop
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (another replica, or this server restarted, takes over)
-_NOT_GATED = ("/metrics",)  # still answered while draining: the stop is worth watching
+# Still answered while draining: the stop is worth watching, and the process is alive (a liveness probe that failed
+# now would have the server killed before its requests finish).
+_NOT_GATED = ("/metrics", "/liveness")
+_STOPPING = "the server is shutting down"
+# The refusal of the probes, in each one's own shape (LightLLM's for /healthz and /readiness).
+_PROBE_REFUSALS = {
+    "/health": {"status": "draining", "error": _STOPPING, "message": "Error"},
+    "/healthz": {"message": "Error", "error": _STOPPING},
+    "/readiness": {"status": "not ready", "error": _STOPPING},
+}
 
 
 class DrainGate:
@@ -43,10 +52,7 @@ class DrainGate:
 
     @staticmethod
     async def _refuse(scope, receive, send) -> None:
-        if scope["path"] == "/health":
-            body = {"status": "draining", "error": "the server is shutting down"}
-        else:
-            body = {"error": "the server is shutting down: retry on another server or later"}
+        body = _PROBE_REFUSALS.get(scope["path"], {"error": f"{_STOPPING}: retry on another server or later"})
         headers = {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"}
         await JSONResponse(body, status_code=503, headers=headers)(scope, receive, send)
 

@@ -48,12 +48,14 @@ class ClientDisconnected(Exception):
 class RequestStream:
     """The text outputs of one request, in order, as they arrive."""
 
-    def __init__(self, rid: str, return_details: bool):
+    def __init__(self, rid: str, return_details: bool, arrival: float | None = None, image_tokens: int = 0):
         self.rid = rid
         self.return_details = return_details
         self.queue: asyncio.Queue[TextOutput | ServerFailure] = asyncio.Queue()
-        self.arrival = time.monotonic()
+        self.arrival = time.monotonic() if arrival is None else arrival  # before tokenization and image encoding
+        self.image_tokens = image_tokens  # the prompt's image placeholder tokens (LightLLM's input_usage)
         self.first_token_time: float | None = None
+        self.admitted = False  # the engine's admission was seen (the queue time is observed once)
         self.finished = False
 
     def has_queued(self) -> bool:
@@ -156,6 +158,7 @@ class EngineClient:
         the sequences differ yet repeat. What the preparer holds is released when the last of them ends."""
         if self.failure is not None:
             raise ServerFailure(self.failure)
+        arrival = time.monotonic()
         rid = uuid.uuid4().hex
         try:
             tokenized = await self._unless_failed(self.preparer.prepare(rid, req, self.run_sync))
@@ -176,12 +179,14 @@ class EngineClient:
             for sub in subs:
                 self._group_of[sub.rid] = rid
         streams = []
+        image_tokens = sum(image.num_tokens for image in tokenized.images)
         for sub in subs:
-            stream = RequestStream(sub.rid, req.params.return_details)
+            stream = RequestStream(sub.rid, req.params.return_details, arrival, image_tokens)
             self._streams[sub.rid] = stream
             self._to_router.send_nowait(sub)
             streams.append(stream)
         self.metrics.requests.inc()
+        self.metrics.max_tokens.observe(tokenized.params.max_new_tokens)
         return streams
 
     def abort(self, rid: str) -> None:
@@ -284,12 +289,16 @@ class EngineClient:
         for out in batch.outputs:
             if out.tokens:
                 self.metrics.generated_tokens.inc(len(out.tokens))
+            self.metrics.on_output(out)
             stream = self._streams.get(out.rid)
             if stream is None:  # aborted by its client meanwhile
                 if out.finished and out.rid in self._abandoned:  # the router has dropped it: nothing reads its images
                     self._abandoned.discard(out.rid)
                     self._end(out.rid)
                 continue
+            if not stream.admitted and out.scheduled_at is not None:
+                stream.admitted = True
+                self.metrics.queue_time.observe(max(out.scheduled_at - stream.arrival, 0.0))
             if stream.first_token_time is None and out.tokens:
                 stream.first_token_time = now
                 self.metrics.ttft.observe(now - stream.arrival)
@@ -300,6 +309,7 @@ class EngineClient:
                 self._end(out.rid)
                 if stream.first_token_time is not None and out.output_tokens > 1:
                     self.metrics.tpot.observe((now - stream.first_token_time) / (out.output_tokens - 1))
+                self.metrics.on_finished(out, stream.arrival, now)
             stream.queue.put_nowait(out)
 
     async def _encode_deferred(self, rid: str) -> None:

@@ -7,21 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from language.request import PromptLogprobs, RequestError
+from mmserve.http.chat_output import ChatOutputPlan, chat_message, output_plan
+from mmserve.http.chat_output import finish_reason as choice_finish_reason
 from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.http.openai_protocol import (
     OpenAIOptions,
     chat_input,
-    completion_input,
-    completion_prompt,
+    completion_inputs,
+    continuous_usage,
     find_chat_template,
     include_usage,
     logprobs_request,
@@ -29,7 +30,13 @@ from mmserve.http.openai_protocol import (
 )
 from mmserve.http.openapi import openai_route
 from mmserve.http.protocol import BadRequest, GenerateInput, json_logprob, parse_json
-from mmserve.http.request_io import collect_streams, read_request_body, watch_disconnect
+from mmserve.http.request_io import (
+    check_json_content_type,
+    collect_streams,
+    most_likely,
+    read_request_body,
+    watch_disconnect,
+)
 from mmserve.http.slow_clients import ClosingStreamingResponse
 from mmserve.ipc.messages import TextOutput, TokenDetail
 from mmserve.prep.chat_templates import builtin_chat_template, model_architecture
@@ -61,10 +68,8 @@ class OpenAIServing:
     def __init__(self, client: EngineClient, options: OpenAIOptions):
         self.client = client
         self.tokenizer = client.preparer.tokenizer
-        # The server's --model_dir: not every tokenizer knows where it was loaded from (Qwen-VL's tiktoken one).
-        self.model_dir = options.model_dir or getattr(self.tokenizer, "name_or_path", None) or ""
-        folder_name = os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "mmserve"
-        self.model_name = options.served_model_name or folder_name
+        self.model_dir = options.checkpoint_dir(self.tokenizer)
+        self.model_name = options.model_name(self.tokenizer)
         if options.chat_template is not None:  # --chat_template overrides the checkpoint's own
             with open(options.chat_template) as f:
                 self.template = f.read()
@@ -74,6 +79,7 @@ class OpenAIServing:
                 model_architecture(self.model_dir)
             )
         self.created = int(time.time())
+        self.options = options
         self.image_dir = options.image_dir
         self.multimodal = client.preparer.images is not None  # --enable_multimodal
 
@@ -86,38 +92,52 @@ class OpenAIServing:
                 "root": self.model_dir, "parent": None, "max_model_len": self.max_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    async def submit(self, request: Request, parse: Callable[[dict, int], GenerateInput], prompt_field: str):
-        """-> (body, one RequestStream per choice) or an error response. A chat with no max_tokens may fill the
-        context, as vLLM's (`fill_context`: the preparer sizes it once the prompt is tokenized). n > 1 fans out
-        as /generate's n does (one tokenization and image encoding shared, sequence i seeded with seed + i)."""
-        body = None
+    async def submit(self, request: Request, parse: Callable[[dict, int], list[GenerateInput]], prompt_field: str):
+        """-> (body, its inputs (one per prompt), one list of RequestStreams per input) or an error response. A
+        chat with no max_tokens may fill the context, as vLLM's (`fill_context`: the preparer sizes it once the
+        prompt is tokenized). n / best_of > 1 fans out as /generate's does (one tokenization and image encoding
+        shared, sequence i seeded with seed + i); a refused prompt of a list aborts the ones already submitted."""
+        body, groups = None, []
         try:
+            check_json_content_type(request)
             body = await self.client.run_sync(parse_json, await read_request_body(request))  # big bodies: off the loop
             include_usage(body)  # checked before anything is submitted
             model = body.get("model")
             if model is not None and model != self.model_name:
                 return openai_error(f"The model `{model}` does not exist.", 404, "model")
-            req = await self.client.run_sync(parse, body, self.max_len)
-            return body, await self.client.submit_group(req, req.params.num_sequences)
+            inputs = await self.client.run_sync(parse, body, self.max_len)
+            for req in inputs:
+                groups.append(await self.client.submit_group(req, req.params.num_sequences))
+            return body, inputs, groups
         except BadRequest as e:
+            self._abort_unfinished([s for streams in groups for s in streams])
             return _bad_request(e, body, prompt_field)
         except ServerFailure as e:
+            self._abort_unfinished([s for streams in groups for s in streams])
             return openai_error(f"server failure: {e}", 503)
 
-    def _parse_chat(self, body: dict, default_max: int) -> GenerateInput:
-        return chat_input(body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal)
+    def _parse_chat(self, body: dict, default_max: int) -> list[GenerateInput]:
+        return [
+            chat_input(body, self.tokenizer, self.template, self.image_dir, default_max, self.multimodal, self.options)
+        ]
+
+    def _parse_completion(self, body: dict, default_max: int) -> list[GenerateInput]:
+        return completion_inputs(body, default_max, self.tokenizer)
 
     async def respond(self, request: Request, kind: str) -> Response:
         chat = kind == "chat"
-        parse = self._parse_chat if chat else completion_input
+        parse = self._parse_chat if chat else self._parse_completion
         result = await self.submit(request, parse, "messages" if chat else "prompt")
         if isinstance(result, Response):
             return result
-        body, streams = result
+        body, inputs, groups = result
+        streams = [stream for group in groups for stream in group]
         rid = ("chatcmpl-" if chat else "cmpl-") + streams[0].rid.split("-")[0]
+        # how each chat choice's text is read: reasoning and tool calls (chat_output.py)
+        plan = output_plan(body, inputs[0].prompt, self.options.tool_call_parser, self.options.reasoning_parser)
         disconnected = watch_disconnect(request)
         if body.get("stream"):
-            return await self._start_stream(body, streams, rid, chat, disconnected)
+            return await self._start_stream(body, inputs, streams, rid, plan if chat else None, disconnected)
         try:
             results = await collect_streams(self.client, streams, disconnected)
         except ServerFailure as e:
@@ -127,39 +147,75 @@ class OpenAIServing:
         for out, _, _ in results:
             if out.error is not None:
                 return _request_error(out.error, body, chat)
-        echo = await self._echo(body, results[0][0].prompt_logprobs) if body.get("echo") else None
         k = logprobs_request(body, chat)  # alternatives per position; None: no logprobs
-        choices = []
-        for index, (out, text, tokens) in enumerate(results):
-            lp = None
-            if k is not None:
-                lp = _logprobs((echo.entries if echo else []) + _entries(tokens), chat, k)
-            if echo is not None:
-                text = echo.text + text
-            if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                          "finish_reason": out.finish_reason}  # fmt: skip
-            else:
-                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
-            choices.append(choice)
+        n, choices, kept, start = inputs[0].params.n, [], [], 0
+        answer: dict = {}
+        for p, (req, group) in enumerate(zip(inputs, groups, strict=True)):
+            mine, start = results[start : start + len(group)], start + len(group)
+            scores = mine[0][0].prompt_logprobs  # sequence 0 scores the prompt
+            # vLLM's prompt_logprobs: on each choice (completions), on the answer (chat)
+            scored = await self._prompt_logprobs(scores) if body.get("prompt_logprobs") is not None else None
+            if chat and scored is not None:
+                answer["prompt_logprobs"] = scored
+            echo = await self._echo(req.prompt, scores if k is not None else None, k) if body.get("echo") else None
+            kept.append(most_likely(mine, n))  # best_of: the n most likely
+            for j, (out, text, tokens) in enumerate(kept[-1]):
+                choices.append(self._choice(p * n + j, out, text, tokens, echo, plan if chat else None, k))
+                if not chat and scored is not None:
+                    choices[-1]["prompt_logprobs"] = scored
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": choices, "usage": _usage([out for out, _, _ in results]),
+            "model": self.model_name, "choices": choices, **answer,
+            "usage": _usage([[out for out, _, _ in group] for group in kept]),
         })  # fmt: skip
 
-    async def _echo(self, body: dict, scores: PromptLogprobs | None) -> Echo:
-        """The prompt to echo; with its scores (echo with logprobs), each prompt token and alternative decoded alone
-        (in the tokenizer pool), the first token without a logprob."""
+    @staticmethod
+    def _choice(
+        index: int, out: TextOutput, text: str, tokens: list[TokenDetail], echo, plan: ChatOutputPlan | None, k
+    ) -> dict:
+        """plan: a chat's (None: a completion's)."""
+        chat = plan is not None
+        lp = None
+        if k is not None:
+            lp = _logprobs((echo.entries if echo else []) + _entries(tokens), chat, k)
+        if echo is not None:
+            text = echo.text + text
+        if chat:
+            message, called = chat_message(text, plan)
+            return {"index": index, "message": message, "logprobs": lp,
+                    "finish_reason": choice_finish_reason(out.finish_reason, called)}  # fmt: skip
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+
+    async def _echo(self, prompt: str, scores: PromptLogprobs | None, k: int | None) -> Echo:
+        """The prompt to echo; with its scores (echo with logprobs), each prompt token and its k alternatives
+        decoded alone (in the tokenizer pool), the first token without a logprob."""
         if scores is None:
-            return Echo(completion_prompt(body), [])
-        top = scores.top or [[] for _ in scores.logprobs]
+            return Echo(prompt, [])
+        top = [alts[:k] for alts in scores.top] if scores.top else [[] for _ in scores.logprobs]
         ids = [[i] for i in scores.token_ids] + [[i] for alts in top for i, _ in alts]
         texts = iter(await self.client.run_sync(self._decode_each, ids))
-        prompt = [next(texts) for _ in scores.token_ids]
-        entries: list[Entry] = [(prompt[0], None, None)]
+        words = [next(texts) for _ in scores.token_ids]
+        entries: list[Entry] = [(words[0], None, None)]
         for i, (lp, alts) in enumerate(zip(scores.logprobs, top, strict=True)):
-            entries.append((prompt[i + 1], lp, [(next(texts), alp) for _, alp in alts]))
-        return Echo(completion_prompt(body), entries)
+            entries.append((words[i + 1], lp, [(next(texts), alp) for _, alp in alts]))
+        return Echo(prompt, entries)
+
+    async def _prompt_logprobs(self, scores: PromptLogprobs) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per position {token id: {logprob, rank,
+        decoded_token}} for the prompt's own token and the alternatives asked (rank: 1 for the most likely; null
+        for a prompt token outside them, whose rank the engine does not compute)."""
+        top = scores.top or [[] for _ in scores.logprobs]
+        ids = [[i] for i in scores.token_ids[1:]] + [[i] for alts in top for i, _ in alts]
+        texts = iter(await self.client.run_sync(self._decode_each, ids))
+        own = [next(texts) for _ in scores.logprobs]
+        positions: list[dict | None] = [None]
+        for token, lp, text, alts in zip(scores.token_ids[1:], scores.logprobs, own, top, strict=True):
+            ranked = {str(t): {"logprob": json_logprob(alp), "rank": r + 1, "decoded_token": next(texts)}
+                      for r, (t, alp) in enumerate(alts)}  # fmt: skip
+            rank = ranked[str(token)]["rank"] if str(token) in ranked else None
+            positions.append({str(token): {"logprob": json_logprob(lp), "rank": rank, "decoded_token": text},
+                              **{t: v for t, v in ranked.items() if t != str(token)}})  # fmt: skip
+        return positions
 
     def _decode_each(self, ids: list[list[int]]) -> list[str]:
         return self.tokenizer.batch_decode(ids, skip_special_tokens=False)
@@ -169,7 +225,9 @@ class OpenAIServing:
             if not stream.finished:
                 self.client.abort(stream.rid)
 
-    async def _start_stream(self, body, streams, rid, chat, disconnected) -> Response:
+    async def _start_stream(self, body, inputs, streams, rid, plan: ChatOutputPlan | None, disconnected) -> Response:
+        """plan: a chat's (None: a completion's)."""
+        chat = plan is not None
         tasks = [asyncio.ensure_future(stream.next(disconnected)) for stream in streams]
         try:  # a rejection before any token still gets its status code
             firsts = await asyncio.gather(*tasks)
@@ -186,22 +244,36 @@ class OpenAIServing:
                 disconnected.cancel()
                 self._abort_unfinished(streams)
                 return _request_error(first.error, body, chat)
-        events = self._events(body, streams, firsts, rid, chat, disconnected)
+        events = self._events(body, inputs, streams, firsts, rid, plan, disconnected)
         return ClosingStreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, body, streams, firsts, rid, chat, disconnected) -> AsyncIterator[str]:
+    async def _events(self, body, inputs, streams, firsts, rid, plan, disconnected) -> AsyncIterator[str]:
+        """Choice i (streams[i]: best_of is n when streaming) answers prompt i // n."""
+        chat = plan is not None
         created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+        # each chat choice's parsers (reasoning, tool calls): a piece of text may become several deltas
+        parsers = [plan.stream() for _ in streams] if chat and plan.parses else None
         usage, k = include_usage(body), logprobs_request(body, chat)
-        logprobs = k is not None
-        echo = await self._echo(body, firsts[0].prompt_logprobs) if body.get("echo") else None
+        logprobs, n = k is not None, inputs[0].params.n
+        echoes = None
+        if body.get("echo"):
+            echoes = [await self._echo(req.prompt, firsts[p * n].prompt_logprobs if logprobs else None, k)
+                      for p, req in enumerate(inputs)]  # fmt: skip
         offsets = [0] * len(streams)  # completions' text_offset, per choice
+        # continuous_usage_stats: each chunk carries its choice's usage so far (its prompt, its tokens out)
+        counted = [0] * len(streams) if continuous_usage(body) else None
 
         def chunk(choices: list, **extra) -> str:
             event = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if counted is not None and choices:
+                index = choices[0]["index"]
+                prompt_tokens = firsts[index].prompt_tokens
+                event["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": counted[index],
+                                  "total_tokens": prompt_tokens + counted[index]}  # fmt: skip
             return f"data: {json.dumps({**event, **extra}, ensure_ascii=False)}\n\n"
 
         def choice(index: int, out: TextOutput | Echo | None, finish_reason: str | None = None,
-                   role: bool = False) -> dict:  # fmt: skip
+                   role: bool = False, delta: dict | None = None) -> dict:  # fmt: skip
             text = out.text if out is not None else ""
             lp = None
             if logprobs and out is not None:
@@ -210,8 +282,22 @@ class OpenAIServing:
                 offsets[index] += sum(len(text) for text, _, _ in entries)
             if not chat:
                 return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else {"content": text}
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+        def parsed(index: int, out: TextOutput) -> Iterator[str]:
+            """A chat choice's output through its parsers: one chunk per delta, the tokens' logprobs on the first."""
+            parser = parsers[index]
+            deltas = parser.feed(out.text) if out.text else []
+            if out.finished:
+                deltas += parser.finish()
+            if not deltas and logprobs and out.tokens:
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                yield chunk([choice(index, out if i == 0 else None, delta=delta)])
+            if out.finished:
+                yield chunk([choice(index, None, choice_finish_reason(out.finish_reason, parser.called))])
 
         finals: list[TextOutput | None] = [None] * len(streams)
         merged = _merge(streams, firsts, disconnected)
@@ -219,16 +305,24 @@ class OpenAIServing:
             for index in range(len(streams)):
                 if chat:
                     yield chunk([choice(index, None, role=True)])
-                elif echo is not None:  # the prompt first, as vLLM streams echo
-                    yield chunk([choice(index, echo)])
+                elif echoes is not None:  # the prompt first, as vLLM streams echo
+                    yield chunk([choice(index, echoes[index // n])])
             async for index, out in merged:
+                if counted is not None:
+                    counted[index] = out.output_tokens
+                if parsers is not None:
+                    for event in parsed(index, out):
+                        yield event
+                    if out.finished:
+                        finals[index] = out
+                    continue
                 if out.text or (logprobs and out.tokens):
                     yield chunk([choice(index, out)])
                 if out.finished:
                     finals[index] = out
                     yield chunk([choice(index, None, out.finish_reason)])
             if usage:
-                yield chunk([], usage=_usage(finals))
+                yield chunk([], usage=_usage([finals[p * n : (p + 1) * n] for p in range(len(inputs))]))
             yield "data: [DONE]\n\n"
         except ServerFailure as e:
             error = {"message": f"server failure: {e}", "type": "server_error", "param": None, "code": 503}
@@ -294,7 +388,7 @@ def _entries(tokens: list[TokenDetail]) -> list[Entry]:
 def _logprobs(entries: list[Entry], chat: bool, k: int, offset: int = 0) -> dict:
     """OpenAI's logprobs of a choice (or of a chunk's tokens). Chat: each token with its k alternatives; completions
     (legacy shape): tokens, token_logprobs, text_offset, and top_logprobs as one {text: logprob} per position (the
-    chosen token and its k alternatives; null where k is 0)."""
+    chosen token and its k alternatives: with k 0, the chosen token alone, as vLLM answers logprobs 0)."""
     floor = json_logprob
     if chat:
         content = [{"token": text, "logprob": floor(lp), "bytes": list(text.encode()),
@@ -314,17 +408,21 @@ def _logprobs(entries: list[Entry], chat: bool, k: int, offset: int = 0) -> dict
                 ranked.setdefault(a, floor(alp))
             tops.append(ranked)
     return {"tokens": [text for text, _, _ in entries], "token_logprobs": [floor(lp) for _, lp, _ in entries],
-            "top_logprobs": tops if k else None, "text_offset": text_offset}  # fmt: skip
+            "top_logprobs": tops, "text_offset": text_offset}  # fmt: skip
 
 
-def _usage(finals: list[TextOutput]) -> dict:
-    """The prompt counted once, the completion tokens of every choice summed (as OpenAI's n)."""
-    prompt, completion = finals[0].prompt_tokens, sum(out.output_tokens for out in finals)
+def _usage(groups: list[list[TextOutput]]) -> dict:
+    """Per prompt (a group: its choices' last outputs), the prompt counted once and the completion tokens of every
+    choice (as OpenAI's n); summed over the prompts (as vLLM's list prompts)."""
+    prompt = sum(finals[0].prompt_tokens for finals in groups)
+    completion = sum(out.output_tokens for finals in groups for out in finals)
+    cached = sum(finals[0].cached_tokens for finals in groups)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": finals[0].cached_tokens}}  # fmt: skip
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
-def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> None:
+def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> Callable[[], OpenAIServing]:
+    """The /v1 routes; returns what gives their OpenAIServing (for the tokenizer routes)."""
     serving: list[OpenAIServing] = []  # built on first use: the tokenizer is there, the event loop is running
 
     def get() -> OpenAIServing:
@@ -343,3 +441,5 @@ def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions
     @app.post("/v1/completions", **openai_route("completion"))
     async def completions(request: Request) -> Response:
         return await get().respond(request, "completion")
+
+    return get

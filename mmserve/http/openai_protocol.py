@@ -1,7 +1,8 @@
 """The OpenAI API's request side, as vLLM shapes it: chat messages and completion bodies -> the server's own
 `GenerateInput` (prompt text, `SamplingParams`, `multimodal_params`), so that every request runs the one pipeline
 that /generate runs. Chat prompts are rendered by transformers' `apply_chat_template` from the checkpoint's own
-template; image parts become `multimodal_params.images` entries in prompt order."""
+template (with the request's tools: chat_tools.py); image parts become `multimodal_params.images` entries in prompt
+order."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import re
 from dataclasses import dataclass, replace
 
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
+from mmserve.http.chat_tools import TOOL_FIELDS, ToolRequest, assistant_tool_calls, tool_request
+from mmserve.http.openai_extras import EXTRA_NAMES, check_batch_size, completion_prompts, extra_kwargs
 from mmserve.http.protocol import BadRequest, GenerateInput
+from mmserve.http.reasoning_parsers import prompt_opens_thinking
 from mmserve.http.structured import OPENAI_NAMES as STRUCTURED_NAMES
 from mmserve.http.structured import openai_constraint, openai_field, with_constraint
 from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy
@@ -22,10 +26,9 @@ SAMPLING_NAMES = frozenset(
     {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
      "ignore_eos", "user", "model", *STRUCTURED_NAMES}
-)  # fmt: skip
-CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"}
+) | EXTRA_NAMES  # fmt: skip
+CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"} | TOOL_FIELDS
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
-ROLES = frozenset({"system", "user", "assistant"})
 
 
 def check_names(body: dict, allowed: frozenset) -> None:
@@ -58,10 +61,14 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
     for name in ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
         if body.get(name) is not None:
             kwargs[name] = body[name]
+    kwargs.update(extra_kwargs(body))
     try:  # the output constraint last: its compile check is the costly one
-        return with_constraint(SamplingParams(**kwargs).validate(), openai_constraint(body))
+        params = with_constraint(SamplingParams(**kwargs).validate(), openai_constraint(body))
     except InvalidParams as e:  # named as the pipeline names it: openai_param maps it to the client's field
         raise BadRequest(e.field, e.message) from None
+    if body.get("stream") and params.num_sequences > params.n:
+        raise BadRequest("best_of", "must equal n with stream: true (the best sequences are known only at the end)")
+    return params
 
 
 def max_tokens_field(body: dict) -> str:
@@ -72,7 +79,13 @@ def max_tokens_field(body: dict) -> str:
 
 # The shared pipeline's names (/generate's `parameters` and SamplingParams' fields) that an OpenAI request sets under
 # another name. Every error on the OpenAI routes goes through openai_param, so the client hears the name it sent.
-_OPENAI_NAMES = {"stop_sequences": "stop", "prompt_logprobs": "logprobs", "do_sample": "temperature"}
+_OPENAI_NAMES = {
+    "stop_sequences": "stop",
+    "prompt_logprobs": "logprobs",
+    "do_sample": "temperature",
+    "min_new_tokens": "min_tokens",
+    "add_spaces_between_special_tokens": "spaces_between_special_tokens",
+}
 _PIPELINE_NAME = re.compile(r"\b(" + "|".join(["max_new_tokens", *_OPENAI_NAMES]) + r")\b")
 
 
@@ -81,7 +94,11 @@ def openai_param(e: BadRequest, body: dict | None, prompt_field: str) -> tuple[s
     prompt (`inputs`) and its images are `prompt_field` (messages or prompt), max_new_tokens is the max_tokens or
     max_completion_tokens the client sent, and the message says so too."""
     names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_field(body or {})}
-    names["structured"] = openai_field(body or {}) or "response_format"  # the engine's compile error
+    # the engine's compile error: of the constraint the client sent, else of its tools' (tool_choice)
+    names["structured"] = openai_field(body or {}) or ("tools" if (body or {}).get("tools") else "response_format")
+    for sent in ("prompt_logprobs", "do_sample"):  # vLLM's and LightLLM's own fields, when the client sent them
+        if (body or {}).get(sent) is not None:
+            names[sent] = sent
     field = e.field.removeprefix("parameters.")
     if e.field == "inputs" or e.field.startswith("multimodal_params"):
         param = prompt_field
@@ -133,6 +150,12 @@ def include_usage(body: dict) -> bool:
     return bool(options.get("include_usage"))
 
 
+def continuous_usage(body: dict) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its choice's usage so
+    far too."""
+    return include_usage(body) and bool(body["stream_options"].get("continuous_usage_stats"))
+
+
 # ------------------------------------------------------------------------------------------------- chat
 
 
@@ -160,7 +183,9 @@ def image_item(url: object, param: str, image_dir: str | None) -> dict:
 def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -> tuple[list[dict], list[dict]]:
     """OpenAI messages -> (messages for apply_chat_template, image entries in prompt order). Image parts become
     {"type": "image"} parts, which every published VLM template turns into its family's placeholder. A server
-    without --enable_multimodal refuses an image part before anything is read or rendered, as /generate does."""
+    without --enable_multimodal refuses an image part before anything is read or rendered, as /generate does.
+    Any role goes to the template (system, user, assistant, tool, developer, a custom one), as vLLM's: the template
+    refuses what it does not know; a tool turn keeps its tool_call_id and name, an assistant turn its tool_calls."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages", "must be a non-empty list")
     messages, images = [], []
@@ -169,12 +194,13 @@ def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -
         if not isinstance(message, dict):
             raise BadRequest(where, "must be an object")
         role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or role not in ROLES:  # a list or object is unhashable
-            raise BadRequest(f"{where}.role", f"must be one of {sorted(ROLES)}")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"{where}.role", "must be a non-empty string")
+        turn = _turn_fields(message, where)
         if content is None:
             content = ""
         if isinstance(content, str):
-            messages.append({"role": role, "content": content})
+            messages.append({"role": role, "content": content, **turn})
             continue
         if not isinstance(content, list):
             raise BadRequest(f"{where}.content", "must be a string or a list of content parts")
@@ -187,16 +213,31 @@ def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -
                     raise BadRequest(f"{at}.text", "must be a string")
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url":
+                image_url = part.get("image_url")
+                if not isinstance(image_url, dict):  # as vLLM and OpenAI: {"url": ...}, never a bare string
+                    raise BadRequest(f"{at}.image_url", 'must be an object {"url": ...}')
                 if not multimodal:
                     raise BadRequest(f"{at}.image_url", "this server was started without --enable_multimodal")
-                image_url = part.get("image_url")
-                url = image_url.get("url") if isinstance(image_url, dict) else image_url
-                images.append(image_item(url, f"{at}.image_url.url", image_dir))
+                images.append(image_item(image_url.get("url"), f"{at}.image_url.url", image_dir))
                 parts.append({"type": "image"})
             else:
                 raise BadRequest(f"{at}.type", "must be 'text' or 'image_url'")
-        messages.append({"role": role, "content": parts})
+        messages.append({"role": role, "content": parts, **turn})
     return messages, images
+
+
+def _turn_fields(message: dict, where: str) -> dict:
+    """A message's fields besides role and content that chat templates read: tool_calls (an assistant's), and
+    tool_call_id and name (a tool result's)."""
+    fields = {}
+    for name in ("tool_call_id", "name"):
+        if message.get(name) is not None:
+            if not isinstance(message[name], str):
+                raise BadRequest(f"{where}.{name}", "must be a string")
+            fields[name] = message[name]
+    if message.get("tool_calls") is not None:
+        fields["tool_calls"] = assistant_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    return fields
 
 
 @dataclass(frozen=True)
@@ -207,6 +248,17 @@ class OpenAIOptions:
     served_model_name: str | None = None  # the model id; None: the model folder's name
     chat_template: str | None = None  # a Jinja template file that overrides the checkpoint's
     model_dir: str | None = None  # the served checkpoint (its folder names the model; its config, the family)
+    tool_call_parser: str | None = None  # the model's tool-call format (tool_parsers.py); None: calls are not read
+    reasoning_parser: str | None = None  # the model's reasoning format (reasoning_parsers.py)
+
+    def checkpoint_dir(self, tokenizer) -> str:
+        """--model_dir, else where the tokenizer was loaded from (not every tokenizer knows: Qwen-VL's tiktoken one)."""
+        return self.model_dir or getattr(tokenizer, "name_or_path", None) or ""
+
+    def model_name(self, tokenizer) -> str:
+        """The model id (/v1/models, /get_model_name): --served_model_name, else the checkpoint folder's name."""
+        folder = self.checkpoint_dir(tokenizer)
+        return self.served_model_name or (os.path.basename(os.path.normpath(folder)) if folder else "mmserve")
 
 
 def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
@@ -235,7 +287,7 @@ def find_chat_template(tokenizer, model_dir: str | None) -> str | None:
 _LOOPS_OVER_PARTS = re.compile(r"for\s+\w+\s+in\s+message\[['\"]content['\"]\]")
 
 
-def render_chat(tokenizer, template: str | None, messages: list[dict], body: dict) -> str:
+def render_chat(tokenizer, template: str | None, messages: list[dict], body: dict, tools: list | None = None) -> str:
     if template is not None and _LOOPS_OVER_PARTS.search(template):
         messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m["content"], str) else m
                     for m in messages]  # fmt: skip
@@ -245,12 +297,15 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], body: dic
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs", "must be an object")
-    reserved = sorted(set(kwargs) & {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages"})
+    reserved = sorted(
+        set(kwargs) & {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages", "tools"}
+    )
     if reserved:
         raise BadRequest("chat_template_kwargs", f"may not set {reserved}")
     try:
         return tokenizer.apply_chat_template(
             messages,
+            tools=tools,
             chat_template=template,
             tokenize=False,
             add_generation_prompt=body.get("add_generation_prompt", True),
@@ -261,35 +316,66 @@ def render_chat(tokenizer, template: str | None, messages: list[dict], body: dic
 
 
 def chat_input(
-    body: dict, tokenizer, template: str | None, image_dir: str | None, default_max: int, multimodal: bool = True
+    body: dict,
+    tokenizer,
+    template: str | None,
+    image_dir: str | None,
+    default_max: int,
+    multimodal: bool = True,
+    options: OpenAIOptions | None = None,
 ) -> GenerateInput:
-    """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering and file reads are slow)."""
+    """A chat body -> the server's GenerateInput (runs in the tokenizer pool: rendering, file reads and schema
+    checks are slow)."""
+    options = options or OpenAIOptions()
     check_names(body, CHAT_NAMES)
     params = sampling_params(body, default_max)
     params = replace(params, top_logprobs=logprobs_request(body, chat=True) or 0)
+    tools = tool_request(body, options.tool_call_parser)
     messages, images = chat_messages(body.get("messages"), image_dir, multimodal)
-    prompt = render_chat(tokenizer, template, messages, body)
+    prompt = render_chat(tokenizer, template, messages, body, tools.tools)
+    params = _with_tool_constraint(params, tools, prompt, options.reasoning_parser)
     unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)
 
 
-def completion_prompt(body: dict) -> str:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("prompt", "must be a non-empty string (one prompt per request)")
-    return prompt
+def _with_tool_constraint(
+    params: SamplingParams, tools: ToolRequest, prompt: str, reasoning_parser: str | None
+) -> SamplingParams:
+    """A required or named tool_choice constrains the output to calls (after a reasoning block, for a server that
+    reads one: the one the prompt opened, else an optional one)."""
+    reasoning = "disabled"
+    if reasoning_parser is not None:
+        reasoning = "enabled" if prompt_opens_thinking(prompt) else "auto"
+    constraint = tools.constraint(reasoning)
+    if constraint is None:
+        return params
+    if params.structured is not None:
+        raise BadRequest("tool_choice", "a required or named tool_choice cannot be combined with response_format")
+    try:
+        return replace(params, structured=constraint).validate()
+    except InvalidParams as e:  # the tools' schemas are the constraint's size
+        raise BadRequest("tools", e.message) from None
 
 
-def completion_input(body: dict, default_max: int) -> GenerateInput:
-    """A completion body -> GenerateInput; max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions.
-    `echo` with logprobs scores the prompt too (prompt_logprobs with as many alternatives)."""
+def completion_inputs(body: dict, default_max: int, tokenizer) -> list[GenerateInput]:
+    """A completion body -> one GenerateInput per prompt (a token-id prompt carries its ids, and their text for
+    echo); max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions. `echo` with logprobs scores the
+    prompt too (prompt_logprobs with at least as many alternatives). Runs in the tokenizer pool."""
     check_names(body, COMPLETION_NAMES)
     if not isinstance(body.get("echo", False), bool):
         raise BadRequest("echo", "must be a boolean")
-    prompt = completion_prompt(body)
+    prompts = completion_prompts(body, len(tokenizer))
     params = sampling_params(body, min(16, default_max))
+    check_batch_size(len(prompts), params.num_sequences)
     k = logprobs_request(body, chat=False)
-    params = replace(params, top_logprobs=k or 0, prompt_logprobs=k if body.get("echo") else None)
-    return GenerateInput(prompt, params)
+    scored = params.prompt_logprobs
+    if body.get("echo") and k is not None:
+        scored = max(k, scored or 0)
+    params = replace(params, top_logprobs=k or 0, prompt_logprobs=scored)
+    return [_completion_input(p, params, tokenizer) for p in prompts]
+
+
+def _completion_input(prompt: str | tuple[int, ...], params: SamplingParams, tokenizer) -> GenerateInput:
+    if isinstance(prompt, str):
+        return GenerateInput(prompt, params)
+    return GenerateInput(tokenizer.decode(list(prompt), skip_special_tokens=False), params, prompt_ids=prompt)

@@ -22,7 +22,13 @@ from language.sampling_params import (
     MIN_TOP_P,
 )
 from mmserve.http.drain import RETRY_AFTER_S
-from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS, ROLES
+from mmserve.http.openai_extras import (
+    DETOKENIZE_NAMES,
+    MAX_BATCH_SEQUENCES,
+    TOKENIZE_CHAT_NAMES,
+    TOKENIZE_NAMES,
+)
+from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS
 from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES
 from mmserve.http.slow_clients import MAX_BODY_BYTES
 
@@ -132,18 +138,46 @@ _PART = {"anyOf": [
      "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
     {"type": "object", "required": ["type", "image_url"], "properties": {
         "type": {"const": "image_url"},
-        "image_url": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["url"],
-                                                      "properties": {"url": {"type": "string", "minLength": 1}}}]},
+        "image_url": {"type": "object", "required": ["url"],
+                      "properties": {"url": {"type": "string", "minLength": 1}}},
     }},
 ]}  # fmt: skip
 _MESSAGE = {
     "type": "object",
     "required": ["role"],
     "properties": {
-        "role": {"enum": sorted(ROLES)},
+        "role": {"type": "string", "minLength": 1,
+                 "description": "system, user, assistant, tool, developer or any role the chat template takes"},
         "content": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}),
+        "tool_calls": _nullable({"type": "array", "items": {
+            "type": "object", "required": ["function"],
+            "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"},
+                                                       "arguments": {"type": "string", "description": "JSON"}}}}}}),
+        "tool_call_id": _nullable({"type": "string"}),
+        "name": _nullable({"type": "string"}),
     },
-}
+}  # fmt: skip
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
+            "description": {"type": "string"},
+            "parameters": {"type": "object", "description": "a JSON schema of the arguments"},
+            "strict": _BOOL,
+        }},
+    },
+}  # fmt: skip
+_TOOL_CHOICE = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"],
+     "properties": {"type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
+], "description": "required and a named function are enforced (needs --tool_call_parser)"}  # fmt: skip
 # Output constraints (structured.py): one per request.
 _JSON_SCHEMA_FORMAT = {
     "type": "object", "required": ["name", "schema"], "additionalProperties": False,
@@ -192,8 +226,11 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "stop": _STOP,
     "n": _SEQUENCES,
     "stream": _nullable(_BOOL),
-    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL},
-                                 "description": "only with stream: true"}),  # fmt: skip
+    "stream_options": _nullable({"type": "object", "properties": {
+        "include_usage": _BOOL,
+        "continuous_usage_stats": {**_BOOL, "description": "with include_usage: each chunk carries its choice's "
+                                                            "usage so far"}},
+        "description": "only with stream: true"}),  # fmt: skip
     "presence_penalty": _nullable(_number(-2, 2)),
     "frequency_penalty": _nullable(_number(-2, 2)),
     "repetition_penalty": _nullable(_REPETITION_PENALTY),
@@ -202,10 +239,31 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "chat_template_kwargs": _nullable({"type": "object"}),
     "add_generation_prompt": _BOOL,
-    "prompt": {"anyOf": [{"type": "string", "minLength": 1},
-                         {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
+    "tools": _nullable({"type": "array", "items": _TOOL}),
+    "tool_choice": _nullable(_TOOL_CHOICE),
+    "parallel_tool_calls": _nullable(_BOOL),
+    "prompt": {"anyOf": [_STRING, {"type": "array", "minItems": 1, "items": _STRING}, {**_TOKEN_IDS, "minItems": 1},
+                         {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}],
+               "description": "a string, a list of strings, a token-id list or a list of token-id lists (ids in the "
+                              "tokenizer's vocabulary); choice i * n + j answers prompt i; prompts x best_of (or n) "
+                              f"<= {MAX_BATCH_SEQUENCES}"},
     "echo": _BOOL,
     **STRUCTURED_SCHEMAS,
+}  # fmt: skip
+# vLLM's extra sampling fields (and LightLLM's do_sample), as /generate's parameters run them (openai_extras.py)
+OPENAI_EXTRA_SCHEMAS: dict[str, dict] = {
+    "logit_bias": PARAMETER_SCHEMAS["logit_bias"],
+    "best_of": {**_SEQUENCES, "description": ">= n (equal with stream); the n most likely of best_of are returned"},
+    "stop_token_ids": _nullable(_TOKEN_IDS),
+    "min_tokens": {**_nullable({"type": "integer", "minimum": 0}), "description": "EOS and stop ids held off until "
+                                                                                  "this many tokens; <= max_tokens"},
+    "allowed_token_ids": PARAMETER_SCHEMAS["allowed_token_ids"],
+    "prompt_logprobs": {**_nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
+                        "description": "each prompt token's logprob and this many alternatives (not with stream)"},
+    "do_sample": {**_nullable(_BOOL), "description": "LightLLM's: false is greedy whatever the temperature"},
+    "skip_special_tokens": _nullable(_BOOL),
+    "spaces_between_special_tokens": _nullable(_BOOL),
+    "add_special_tokens": _nullable(_BOOL),
 }  # fmt: skip
 _LOGPROBS = {
     "chat": {"logprobs": _nullable(_BOOL),
@@ -217,7 +275,7 @@ _LOGPROBS = {
 
 def openai_body(kind: str) -> dict:
     names = CHAT_NAMES if kind == "chat" else COMPLETION_NAMES
-    schemas = OPENAI_SCHEMAS | _LOGPROBS[kind]
+    schemas = OPENAI_SCHEMAS | OPENAI_EXTRA_SCHEMAS | _LOGPROBS[kind]
     _check_covered(schemas, names, "OPENAI_SCHEMAS")
     required = ["messages"] if kind == "chat" else ["prompt"]
     properties = {name: schemas[name] for name in sorted(names)}
@@ -267,12 +325,23 @@ _GENERATED = {
     "properties": {
         "generated_text": {"type": "array", "items": {"type": "string"}},
         "count_output_tokens": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "integer"}}]},
-        "finish_reason": {"description": "stop or length (a list with n > 1)"},
+        "finish_reason": {"description": "stop, length or abort (a list with n > 1)"},
         "prompt_tokens": {"type": "integer"},
         "tokens": {"type": "array", "description": "with return_details"},
+        "logprobs": {"type": "array", "description": "per token: {id: {logprob, rank, decoded_token}}"},
+        "input_usage": {"type": "object", "properties": {
+            "input_text_tokens": {"type": "integer"}, "input_audio_tokens": {"type": "integer"},
+            "input_image_tokens": {"type": "integer"}}},
     },
-}
+}  # fmt: skip
 _SSE = {"type": "string", "description": "server-sent events, `data:{...}`; the last has finished: true"}
+_GENERATE_SSE = {
+    "type": "string",
+    "description": 'server-sent events as LightLLM\'s, one per token: `data:{"token": {"id", "text", '
+    '"logprob", "special", "count_output_tokens", "prompt_tokens", "logprobs"}, "generated_text", '
+    '"finished", "finish_reason", "details", "input_usage", "prompt_cache_len"}`; the last has '
+    "finished: true and the whole generated_text",
+}
 
 
 def _body(schema: dict) -> dict:
@@ -281,7 +350,7 @@ def _body(schema: dict) -> dict:
 
 def generate_route(stream: bool) -> dict:
     """Keyword arguments for the /generate and /generate_stream decorators."""
-    ok = {"content": {"text/event-stream": {"schema": _SSE}}} if stream else {
+    ok = {"content": {"text/event-stream": {"schema": _GENERATE_SSE}}} if stream else {
         "content": {"application/json": {"schema": _GENERATED}}}  # fmt: skip
     return {
         "openapi_extra": _body(generate_body()),
@@ -304,15 +373,97 @@ def openai_route(kind: str) -> dict:
     }
 
 
+_TOKENIZE_FIELDS = {
+    "model": OPENAI_SCHEMAS["model"],
+    "prompt": {"type": "string"},
+    "messages": OPENAI_SCHEMAS["messages"],
+    "add_special_tokens": {**_BOOL, "description": "default: true for a prompt, false for messages"},
+    "return_token_strs": _BOOL,
+    "add_generation_prompt": _BOOL,
+    "chat_template_kwargs": OPENAI_SCHEMAS["chat_template_kwargs"],
+    "tokens": _TOKEN_IDS,
+}
+
+
+def _tokenizer_route(names: frozenset, answer: dict, summary: str, **body_extra) -> dict:
+    _check_covered(_TOKENIZE_FIELDS, names, "_TOKENIZE_FIELDS")
+    return {"summary": summary, "responses": {
+        200: {"description": summary, "content": {"application/json": {"schema": answer}}},
+        **_errors(OPENAI_ERROR, {404: "`model` names another model"})},
+        "openapi_extra": _body({"type": "object", "additionalProperties": False, **body_extra,
+                                "properties": {name: _TOKENIZE_FIELDS[name] for name in sorted(names)}})}  # fmt: skip
+
+
+TOKENIZE_ROUTE = _tokenizer_route(
+    TOKENIZE_NAMES | TOKENIZE_CHAT_NAMES,
+    {"type": "object", "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                                      "tokens": _TOKEN_IDS, "token_strs": _nullable({"type": "array"})}},
+    "a prompt, or messages rendered by the chat template, as token ids (vLLM's /tokenize)",
+    oneOf=[{"required": ["prompt"]}, {"required": ["messages"]}],
+)  # fmt: skip
+DETOKENIZE_ROUTE = _tokenizer_route(
+    DETOKENIZE_NAMES, {"type": "object", "properties": {"prompt": {"type": "string"}}},
+    "token ids as text (vLLM's /detokenize)", required=["tokens"],
+)  # fmt: skip
+MODEL_ROUTE = {"responses": {
+    200: {"description": "the model card, as in GET /v1/models", "content": {"application/json": {
+        "schema": {"type": "object"}}}},
+    404: {"description": "another model", "content": {"application/json": {"schema": OPENAI_ERROR}}}}}  # fmt: skip
+
 HEALTH_ROUTE = {
     "responses": {
         200: {"description": "serving (degraded: text is served, images are not)", "content": {"application/json": {
             "schema": {"type": "object", "properties": {"status": {"enum": ["ok", "degraded"]},
+                                                        "message": {"const": "Ok"},
                                                         "error": {"type": "string"}}}}}},
-        503: {"description": "a process is down", "content": {"application/json": {
-            "schema": {"type": "object", "properties": {"status": {"const": "unhealthy"},
+        503: {"description": "a process is down, or the server is draining", "content": {"application/json": {
+            "schema": {"type": "object", "properties": {"status": {"enum": ["unhealthy", "draining"]},
+                                                        "message": {"const": "Error"},
                                                         "error": {"type": "string"}}}}}},
     }
+}  # fmt: skip
+
+
+def _json_answers(ok: dict, failed: dict | None = None, failed_text: str = "") -> dict:
+    """`responses` of a small JSON route: 200 with the body `ok` describes (properties), 503 with `failed`."""
+    out = {
+        200: {"description": "OK", "content": {"application/json": {"schema": {"type": "object", "properties": ok}}}}
+    }
+    if failed is not None:
+        out[503] = {
+            "description": failed_text,
+            "content": {"application/json": {"schema": {"type": "object", "properties": failed}}},
+        }
+    return {"responses": out}  # fmt: skip
+
+
+# LightLLM's endpoints (lightllm_api.py)
+HEALTHZ_ROUTE = {
+    "summary": "LightLLM's health check (also HEAD)",
+    **_json_answers({"message": {"const": "Ok"}}, {"message": {"const": "Error"}},
+                    "a process is down, or the server is draining"),
+}  # fmt: skip
+LIVENESS_ROUTE = {
+    "summary": "LightLLM's liveness probe: 200 while the process serves HTTP, draining included",
+    **_json_answers({"status": {"const": "ok"}}),
+}
+READINESS_ROUTE = {
+    "summary": "LightLLM's readiness probe",
+    **_json_answers({"status": {"const": "ok"}}, {"status": {"const": "not ready"}, "error": {"type": "string"}},
+                    "a process is down, or the server is draining (it takes no new requests)"),
+}  # fmt: skip
+MODEL_NAME_ROUTE = {
+    "summary": "The model id (as /v1/models)",
+    **_json_answers({"model_name": {"type": "string"}}),
+}
+_LOAD = {"type": "number", "minimum": 0}
+TOKEN_LOAD_ROUTE = {
+    "summary": "KV-cache load as fractions of its token slots (LightLLM's /token_load)",
+    **_json_answers({
+        "current_load": {**_LOAD, "description": "slots the running requests hold now"},
+        "logical_max_load": {**_LOAD, "description": "slots they would hold at their peak (prompt + max_new_tokens)"},
+        "dynamic_max_load": {**_LOAD, "description": "as logical_max_load"},
+    }),
 }  # fmt: skip
 METRICS_ROUTE = {
     "response_class": PlainTextResponse,

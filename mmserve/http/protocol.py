@@ -85,6 +85,9 @@ class GenerateInput:
     # No max_new_tokens given (an OpenAI chat without max_tokens): generate up to what the context leaves, which only
     # the preparer knows once the prompt (with its images) is tokenized.
     fill_context: bool = False
+    # A prompt sent as token ids (OpenAI's /v1/completions): run as they are, never tokenized; `prompt` then holds
+    # their text (for echo, and the image placeholder check of a multimodal server).
+    prompt_ids: tuple[int, ...] | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -235,8 +238,32 @@ def json_logprob(logprob: float | None) -> float | None:
     return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
-def token_json(t: TokenDetail) -> dict:
-    return {"id": t.id, "text": t.text, "logprob": json_logprob(t.logprob)}
+def token_json(t: TokenDetail, count: int, prompt_tokens: int) -> dict:
+    """One entry of `tokens` (return_details): LightLLM's token metadata; `count` is count_output_tokens there."""
+    return {
+        "id": t.id,
+        "text": t.text,
+        "logprob": json_logprob(t.logprob),
+        "special": t.special,
+        "count_output_tokens": count,
+        "prompt_tokens": prompt_tokens,
+    }
+
+
+def input_usage(prompt_tokens: int, image_tokens: int) -> dict:
+    """LightLLM's count of the prompt's tokens by kind (no family here takes audio)."""
+    return {
+        "input_text_tokens": prompt_tokens - image_tokens,
+        "input_audio_tokens": 0,
+        "input_image_tokens": image_tokens,
+    }
+
+
+def token_logprobs_json(t: TokenDetail) -> dict:
+    """LightLLM's `logprobs` of one token: {id: {logprob, rank, decoded_token}}. The sampled token's rank is not
+    computed here (LightLLM sends null too unless its sampler reported one); decoded_token is the text the token
+    completed (LightLLM decodes the token alone)."""
+    return {str(t.id): {"logprob": json_logprob(t.logprob), "rank": None, "decoded_token": t.text}}
 
 
 def prompt_logprobs_json(scores: PromptLogprobs) -> dict:
@@ -262,7 +289,9 @@ def generate_response(
     return_details: bool,
     prompt_cache_len: int = 0,
     prompt_logprobs: PromptLogprobs | None = None,
+    image_tokens: int = 0,
 ) -> dict:
+    """/generate's answer, as LightLLM's: `generated_text` is always a list; `logprobs` one entry per token."""
     out = {
         "generated_text": [text],
         "count_output_tokens": output_tokens,
@@ -270,16 +299,18 @@ def generate_response(
         "prompt_tokens": prompt_tokens,
     }
     if return_details:
-        out["tokens"] = [token_json(t) for t in tokens]
+        out["tokens"] = [token_json(t, i + 1, prompt_tokens) for i, t in enumerate(tokens)]
         out["prompt_cache_len"] = prompt_cache_len  # prompt tokens whose KV came from the prefix cache
+    out["logprobs"] = [token_logprobs_json(t) for t in tokens]
     if prompt_logprobs is not None:
         out.update(prompt_logprobs_json(prompt_logprobs))
+    out["input_usage"] = input_usage(prompt_tokens, image_tokens)
     return out
 
 
-def generate_group_response(results: list, return_details: bool) -> dict:
-    """n > 1, as LightLLM: generated_text, count_output_tokens, finish_reason (and tokens) are lists, one entry per
-    sequence. results: (last TextOutput, text, tokens) per sequence."""
+def generate_group_response(results: list, return_details: bool, image_tokens: int = 0) -> dict:
+    """n > 1, as LightLLM: generated_text, count_output_tokens, finish_reason, logprobs (and tokens) are lists, one
+    entry per sequence. results: (last TextOutput, text, tokens) per sequence."""
     first = results[0][0]
     out = {
         "generated_text": [text for _, text, _ in results],
@@ -288,49 +319,14 @@ def generate_group_response(results: list, return_details: bool) -> dict:
         "prompt_tokens": first.prompt_tokens,
     }
     if return_details:
-        out["tokens"] = [[token_json(t) for t in tokens] for _, _, tokens in results]
+        out["tokens"] = [[token_json(t, i + 1, o.prompt_tokens) for i, t in enumerate(ts)] for o, _, ts in results]
         out["prompt_cache_len"] = [o.cached_tokens for o, _, _ in results]
+    out["logprobs"] = [[token_logprobs_json(t) for t in tokens] for _, _, tokens in results]
     scores = next((o.prompt_logprobs for o, _, _ in results if o.prompt_logprobs is not None), None)
     if scores is not None:
         out.update(prompt_logprobs_json(scores))
+    out["input_usage"] = input_usage(first.prompt_tokens, image_tokens)
     return out
-
-
-def stream_event(
-    piece: str,
-    tokens: list[TokenDetail],
-    finished: bool,
-    finish_reason: str | None,
-    generated_text: str | None,
-    prompt_tokens: int,
-    output_tokens: int,
-    prompt_cache_len: int = 0,
-    prompt_logprobs: PromptLogprobs | None = None,
-) -> str:
-    """One server-sent event: `token.text` is the new text piece (LightLLM clients print data["token"]["text"]);
-    `tokens` lists the ids it came from; the last event has finished, finish_reason and the whole text. The first
-    event carries prompt_token_ids and prompt_logprobs when they were asked for (as LightLLM's first token's
-    metadata does)."""
-    last = tokens[-1] if tokens else None
-    event = {
-        "token": {
-            "id": last.id if last else None,
-            "text": piece,
-            "logprob": json_logprob(last.logprob) if last else None,
-            "special": False,
-        },
-        "tokens": [token_json(t) for t in tokens],
-        "generated_text": generated_text,
-        "finished": finished,
-        "finish_reason": finish_reason,
-        "count_output_tokens": output_tokens,
-        "prompt_tokens": prompt_tokens,
-        "prompt_cache_len": prompt_cache_len,
-        "details": None,
-    }
-    if prompt_logprobs is not None:
-        event.update(prompt_logprobs_json(prompt_logprobs))
-    return f"data:{json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 def error_event(message: str) -> str:

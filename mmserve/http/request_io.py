@@ -24,6 +24,25 @@ async def read_request_body(request: Request) -> bytes:
         raise BadRequest("body", str(e), status=408) from None
 
 
+def check_json_content_type(request: Request) -> None:
+    """The OpenAI routes read JSON bodies only: a body sent as another media type (a form, as `curl -d` sends
+    without -H) is refused with 400, as vLLM refuses it; a request with no Content-Type is read as JSON."""
+    content_type = request.headers.get("content-type")
+    if content_type is None:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise BadRequest("body", f"Content-Type {media or '(empty)'!r} is not supported: send application/json")
+
+
+def most_likely(results: list[tuple[TextOutput, str, list[TokenDetail]]], n: int) -> list:
+    """best_of: the n sequences of `results` with the highest cumulative log-probability, in their order."""
+    if len(results) <= n:
+        return results
+    ranked = sorted(range(len(results)), key=lambda i: -sum(t.logprob for t in results[i][2]))
+    return [results[i] for i in sorted(ranked[:n])]
+
+
 def watch_disconnect(request: Request) -> asyncio.Future:
     """Done when the client closes the connection (the body has been read, so the next ASGI message is the
     disconnect)."""

@@ -16,6 +16,7 @@ from language.request import RequestError
 from language.sampling_params import SamplingParams
 from mmserve.http.drain import RETRY_AFTER_S
 from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
+from mmserve.http.lightllm_api import add_lightllm_routes
 from mmserve.http.metrics import CONTENT_TYPE
 from mmserve.http.openai_api import add_openai_routes
 from mmserve.http.openai_protocol import OpenAIOptions
@@ -26,12 +27,13 @@ from mmserve.http.protocol import (
     generate_group_response,
     generate_response,
     parse_generate_body,
-    stream_event,
 )
-from mmserve.http.request_io import collect_streams, read_request_body, watch_disconnect
+from mmserve.http.request_io import collect_streams, most_likely, read_request_body, watch_disconnect
 from mmserve.http.slow_clients import ClientTimeouts, ClosingStreamingResponse
+from mmserve.http.stream_events import StreamState, stream_events
 from mmserve.http.structured import lightllm_field
-from mmserve.ipc.messages import TextOutput, TokenDetail
+from mmserve.http.tokenize_api import add_tokenize_routes
+from mmserve.ipc.messages import TextOutput
 
 logger = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, but logs show what happened
@@ -53,14 +55,20 @@ def build_app(
 
     app = FastAPI(title="mmserve", lifespan=lifespan)
     app.state.client_timeouts = timeouts or ClientTimeouts()
-    add_openai_routes(app, client, openai or OpenAIOptions())  # /v1/models, /v1/chat/completions, /v1/completions
+    openai = openai or OpenAIOptions()
+    serving = add_openai_routes(app, client, openai)  # /v1/models, /v1/chat/completions, ...
+    add_tokenize_routes(app, serving)  # /tokenize, /detokenize, /v1/models/{model}
+    add_lightllm_routes(app, client, openai)  # /healthz, /liveness, /readiness, /token_load, ...
 
-    @app.get("/health", **HEALTH_ROUTE)
+    @app.api_route("/health", methods=["GET", "HEAD"], **HEALTH_ROUTE)
     async def health() -> Response:
+        # `message` is LightLLM's field ("Ok" / "Error"); `status` and `error` are ours
         if client.healthy():
             reason = client.degraded()  # text is served: still 200, so that a liveness probe keeps the server
-            return JSONResponse({"status": "ok"} if reason is None else {"status": "degraded", "error": reason})
-        return JSONResponse({"status": "unhealthy", "error": client.failure or "a child process is down"}, 503)
+            body = {"status": "ok"} if reason is None else {"status": "degraded", "error": reason}
+            return JSONResponse({**body, "message": "Ok"})
+        error = client.failure or "a child process is down"
+        return JSONResponse({"status": "unhealthy", "error": error, "message": "Error"}, 503)
 
     @app.get("/metrics", **METRICS_ROUTE)
     async def metrics() -> Response:
@@ -82,9 +90,7 @@ def build_app(
         for out, _, _ in results:
             if out.error is not None:
                 return _error(_refused(out.error, params))
-        if len(results) > params.n:  # best_of: the n sequences with the highest cumulative log-probability
-            ranked = sorted(range(len(results)), key=lambda i: -sum(t.logprob for t in results[i][2]))
-            results = [results[i] for i in sorted(ranked[: params.n])]
+        results = most_likely(results, params.n)  # best_of
         if len(results) == 1:
             out, text, tokens = results[0]
             body = generate_response(
@@ -96,9 +102,10 @@ def build_app(
                 streams[0].return_details,
                 out.cached_tokens,
                 out.prompt_logprobs,
+                streams[0].image_tokens,
             )
         else:
-            body = generate_group_response(results, streams[0].return_details)
+            body = generate_group_response(results, streams[0].return_details, streams[0].image_tokens)
         return JSONResponse(body)
 
     @app.post("/generate_stream", **generate_route(stream=True))
@@ -154,33 +161,15 @@ async def _submit(
 async def _sse(
     client: EngineClient, stream: RequestStream, first: TextOutput, disconnected: asyncio.Future
 ) -> AsyncIterator[str]:
-    """One event per text piece; tokens that completed no text yet ride along with the next piece. Events of
-    outputs that are already queued (the server is behind, under load) go out in one write: the same bytes, with
-    the response machinery run once instead of once per event."""
-    text: list[str] = []
-    tokens: list[TokenDetail] = []
-    scores = None  # the prompt's (prompt_logprobs), sent with the first event
+    """LightLLM's events (stream_events.py), one per token. Events of outputs that are already queued (the server
+    is behind, under load) go out in one write: the same bytes, with the response machinery run once instead of
+    once per event."""
+    state = StreamState(image_tokens=stream.image_tokens)
     events: list[str] = []  # not yet written
     out = first
     try:
         while True:
-            tokens.extend(out.tokens)
-            scores = scores or out.prompt_logprobs
-            if out.text or out.finished:
-                text.append(out.text)
-                full = "".join(text) if out.finished else None
-                events.append(stream_event(
-                    out.text,
-                    tokens,
-                    out.finished,
-                    out.finish_reason,
-                    full,
-                    out.prompt_tokens,
-                    out.output_tokens,
-                    out.cached_tokens,
-                    scores,
-                ))  # fmt: skip
-                tokens, scores = [], None
+            events += stream_events(out, state)
             if events and (out.finished or not stream.has_queued()):
                 yield "".join(events)
                 events = []

@@ -125,6 +125,7 @@ class TokenDetail:
     logprob: float
     # the most likely tokens at this position (top_logprobs > 0 asked): (id, the token decoded alone, logprob)
     top: tuple[tuple[int, str, float], ...] = ()
+    special: bool = False  # one of the tokenizer's special tokens (EOS, <|im_end|>, ...)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class TextOutput:
     error: RequestError | None = None
     cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # on the first output (prompt_logprobs asked)
+    scheduled_at: float | None = None  # RequestOutput.scheduled_at: when the engine admitted the request
 
 
 @dataclass

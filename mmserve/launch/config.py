@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, fields
 
 from language.options import EngineOptions, option
+from mmserve.http.reasoning_parsers import REASONING_PARSERS
+from mmserve.http.tool_parsers import TOOL_CALL_PARSERS
 from visual.options import VisualOptions
 
 # Image caps. LightLLM's --max_image_pixels defaults to 3686400 (2560x1440) and downsizes larger images; here an
@@ -31,6 +33,21 @@ class ServerConfig(EngineOptions, VisualOptions):
     )
     chat_template: str | None = option(
         None, _SERVING, "a Jinja chat template file; omitted: the checkpoint's", aliases=("--chat-template",)
+    )
+    tool_call_parser: str | None = option(
+        None,
+        _SERVING,
+        "the model's tool-call format, read into tool_calls (qwen25: Qwen2.5/Qwen3's <tool_call>; aliases qwen, "
+        "hermes); needed for a required or named tool_choice; omitted: tool calls stay in the text",
+        choices=sorted(TOOL_CALL_PARSERS),
+        aliases=("--tool-call-parser",),
+    )
+    reasoning_parser: str | None = option(
+        None,
+        _SERVING,
+        "the model's reasoning format, split into reasoning_content (qwen3: <think>...</think>); omitted: none",
+        choices=sorted(REASONING_PARSERS),
+        aliases=("--reasoning-parser",),
     )
     log_level: str = option(
         "info", _SERVING, "log level of every process", choices=["debug", "info", "warning", "error"]

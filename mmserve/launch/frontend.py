@@ -72,7 +72,14 @@ def run_frontend(
     vital = [c for c in children if c is not visual_child]
     client = EngineClient(preparer, vital, endpoints, metrics, config.tokenizer_workers, services=services)
     timeouts = ClientTimeouts(config.request_read_timeout, config.stream_write_timeout)
-    openai = OpenAIOptions(config.image_dir, config.served_model_name, config.chat_template, config.model_dir)
+    openai = OpenAIOptions(
+        config.image_dir,
+        config.served_model_name,
+        config.chat_template,
+        config.model_dir,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+    )
     app = build_app(client, openai, timeouts)
     gate = DrainGate(WriteTimeout(app, timeouts.write_s))
     server = DrainingServer(

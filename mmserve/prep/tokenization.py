@@ -74,6 +74,8 @@ class RequestPreparer:
         """Validate, tokenize (in the pool) and check limits; raises BadRequest."""
         images = self._images_of(req)
         add_special = req.params.add_special_tokens
+        if req.prompt_ids is not None:
+            return await self._prepare_ids(rid, req, run_sync)
         if len(req.prompt) > self._prefix_chars():  # refused on a bounded prefix, never tokenized in full
             await run_sync(self._refuse_far_too_long, req.prompt)
         # Before the prompt: a request with images would otherwise take this turn through the (shared, two-thread)
@@ -111,6 +113,22 @@ class RequestPreparer:
             images=prepared.images,
             wait_for_images=prepared.wait_for_images,
         )
+
+    async def _prepare_ids(self, rid: str, req: GenerateInput, run_sync: RunSync) -> TokenizedRequest:
+        """A prompt given as token ids (in the vocabulary: checked where it was parsed) runs as it is. On a server
+        with images its text goes through the image preparer, which refuses image placeholders (an id prompt
+        carries no images) and holds nothing for a prompt without them."""
+        params = await run_sync(self._with_stop_token_ids, req.params) if req.params.stop_sequences else req.params
+        if self.images is not None:
+            await self.images.prepare(rid, req.prompt, {}, run_sync)
+        try:
+            if req.fill_context:
+                params = replace(params, max_new_tokens=max(1, self.limits.max_req_total_len - len(req.prompt_ids)))
+            self._check_length(len(req.prompt_ids), params.max_new_tokens)
+        except BaseException:
+            self.release(rid)
+            raise
+        return TokenizedRequest(rid=rid, prompt_ids=list(req.prompt_ids), params=params)
 
     async def encode_deferred(self, rid: str) -> None:
         if self.images is not None:

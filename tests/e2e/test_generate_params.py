@@ -227,7 +227,7 @@ def test_refusal_bodies_are_exact(server, tokenizer):
     assert r.status_code == 400, r.text
     vocab = r.json()["error"].rsplit("size ", 1)[-1].rstrip(")")
     assert r.json() == {
-        "error": f"parameters.logit_bias: token id out of the vocabulary (size {vocab})",
+        "error": f"parameters.logit_bias: token ids [100000] are out of the vocabulary (size {vocab})",
         "field": "parameters.logit_bias",
     }
     prompt_len = len(tokenizer(PROMPT).input_ids)

@@ -282,7 +282,7 @@ def test_same_image_another_question_reuses_past_the_image(served):
     with httpx.stream("POST", served.srv.url + "/generate_stream", json=body, timeout=300) as r:
         events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
     assert events[-1]["finished"] and events[-1]["prompt_cache_len"] == len(ids) - 1
-    assert [t["id"] for e in events for t in e["tokens"]] == b.ids[:3]
+    assert [e["token"]["id"] for e in events] == b.ids[:3]
     served.tree.insert(fam.cache_ids(ids, [image]) + b.ids[:2])
     served.hits += len(ids) - 1
     served.check_tree()
@@ -487,7 +487,7 @@ def test_eviction_under_random_load(tmp_path):
             body = request_body(text, ims, {"max_new_tokens": 12, "ignore_eos": True})
             with httpx.stream("POST", srv.url + "/generate_stream", json=body, timeout=300) as r:
                 events = (json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:"))
-                first = next(e["tokens"][0]["id"] for e in events if e["tokens"])
+                first = next(events)["token"]["id"]
             return None, first  # the client hung up: the server aborts the request
 
         with ThreadPoolExecutor(4) as pool:

@@ -110,13 +110,17 @@ def test_sigterm_lets_a_request_in_flight_complete_refuses_new_ones_and_exits_0(
             srv.proc.send_signal(signal.SIGTERM)
             health = wait_draining(srv)
             assert health.status_code == 503 and health.json()["status"] == "draining"
+            ready = httpx.get(srv.url + "/readiness", timeout=5)  # LightLLM's probes: not ready, yet alive
+            assert ready.status_code == 503 and ready.json()["status"] == "not ready"
+            assert httpx.get(srv.url + "/healthz", timeout=5).json()["message"] == "Error"
+            assert httpx.get(srv.url + "/liveness", timeout=5).json() == {"status": "ok"}
             refused = httpx.post(srv.url + "/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
             assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0
             assert "shutting down" in refused.json()["error"]
             assert srv.proc.poll() is None  # still draining
             events = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
         assert events[-1]["finished"] and events[-1]["finish_reason"] == "length", (events[-1], srv.log())
-        assert events[-1]["count_output_tokens"] == 1000
+        assert events[-1]["token"]["count_output_tokens"] == 1000
         assert srv.proc.wait(30) == 0
     finally:
         if srv.proc.poll() is None:

@@ -11,6 +11,7 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from language.config import EngineConfig
 from language.engine import EngineCore
@@ -94,7 +95,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return LLM(model_dir, max_total_token_num=4096, device="cpu")
+    # On a GPU host these run on CUDA: decode steps replay CUDA graphs, masks go through pinned memory.
+    return LLM(model_dir, max_total_token_num=4096, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _prompt(i: int) -> str:

@@ -17,7 +17,8 @@ def make_gate() -> DrainGate:
     async def ok(request):
         return PlainTextResponse("ok")
 
-    routes = [Route(path, ok, methods=["GET", "POST"]) for path in ("/generate", "/health", "/metrics")]
+    paths = ("/generate", "/health", "/metrics", "/healthz", "/readiness", "/liveness")
+    routes = [Route(path, ok, methods=["GET", "POST"]) for path in paths]
     return DrainGate(Starlette(routes=routes))
 
 
@@ -38,6 +39,19 @@ def test_open_until_draining_then_503_with_retry_after():
     assert health.status_code == 503 and health.json()["status"] == "draining" and "retry-after" in health.headers
     assert asyncio.run(call(gate, "GET", "/metrics")).status_code == 200
     assert gate.active == 0
+
+
+def test_probes_while_draining_say_not_ready_yet_alive():
+    """LightLLM's probes: /readiness and /healthz fail in their own shape (a load balancer takes the server out);
+    /liveness still answers (an orchestrator must not kill the server while its requests finish)."""
+    gate = make_gate()
+    gate.draining = True
+    ready = asyncio.run(call(gate, "GET", "/readiness"))
+    assert ready.status_code == 503 and ready.json()["status"] == "not ready"
+    healthz = asyncio.run(call(gate, "GET", "/healthz"))
+    assert healthz.status_code == 503 and healthz.json()["message"] == "Error"
+    assert asyncio.run(call(gate, "GET", "/health")).json()["message"] == "Error"
+    assert asyncio.run(call(gate, "GET", "/liveness")).status_code == 200
 
 
 def test_a_request_in_flight_is_counted_until_answered():

@@ -8,8 +8,9 @@ import pytest
 
 from language.request import RequestError
 from mmserve.http.openai_api import _request_error
-from mmserve.http.protocol import BadRequest, generate_response, parse_generate_body, stream_event
-from mmserve.ipc.messages import TokenDetail
+from mmserve.http.protocol import BadRequest, generate_response, parse_generate_body
+from mmserve.http.stream_events import StreamState, stream_events
+from mmserve.ipc.messages import TextOutput, TokenDetail
 
 
 def parse(body) -> object:
@@ -73,15 +74,41 @@ def test_non_json_body():
 
 
 def test_response_shapes():
-    tokens = [TokenDetail(5, "He", -0.5), TokenDetail(6, "llo", -1.0)]
-    out = generate_response("Hello", tokens, "length", 3, 2, return_details=False)
-    assert out == {"generated_text": ["Hello"], "count_output_tokens": 2, "finish_reason": "length", "prompt_tokens": 3}
+    """LightLLM's /generate answer and /generate_stream events (its api_lightllm.py), field by field."""
+    tokens = [TokenDetail(5, "He", -0.5), TokenDetail(2, "llo", -1.0, special=True)]
+    out = generate_response("Hello", tokens, "length", 3, 2, return_details=False, image_tokens=1)
+    assert out == {
+        "generated_text": ["Hello"],
+        "count_output_tokens": 2,
+        "finish_reason": "length",
+        "prompt_tokens": 3,
+        "logprobs": [
+            {"5": {"logprob": -0.5, "rank": None, "decoded_token": "He"}},
+            {"2": {"logprob": -1.0, "rank": None, "decoded_token": "llo"}},
+        ],
+        "input_usage": {"input_text_tokens": 2, "input_audio_tokens": 0, "input_image_tokens": 1},
+    }
     out = generate_response("Hello", tokens, "length", 3, 2, return_details=True)
-    assert out["tokens"] == [{"id": 5, "text": "He", "logprob": -0.5}, {"id": 6, "text": "llo", "logprob": -1.0}]
-    event = stream_event("llo", tokens[1:], True, "length", "Hello", 3, 2)
-    assert event.startswith("data:") and event.endswith("\n\n")
-    data = json.loads(event[5:])
-    assert data["token"]["text"] == "llo" and data["finished"] and data["generated_text"] == "Hello"
+    assert out["tokens"] == [
+        {"id": 5, "text": "He", "logprob": -0.5, "special": False, "count_output_tokens": 1, "prompt_tokens": 3},
+        {"id": 2, "text": "llo", "logprob": -1.0, "special": True, "count_output_tokens": 2, "prompt_tokens": 3},
+    ]
+    state = StreamState()
+    events = stream_events(TextOutput("r", "Hello", tokens, True, "length", 3, 2), state)
+    assert len(events) == 2 and all(e.startswith("data:{") and e.endswith("}\n\n") for e in events)
+    first, last = (json.loads(e[5:]) for e in events)
+    assert first == {
+        "token": {"id": 5, "text": "", "logprob": -0.5, "special": False, "count_output_tokens": 1,
+                  "prompt_tokens": 3, "logprobs": {"5": {"logprob": -0.5, "rank": None, "decoded_token": "He"}}},
+        "generated_text": None, "finished": False, "finish_reason": None, "details": None,
+        "input_usage": {"input_text_tokens": 3, "input_audio_tokens": 0, "input_image_tokens": 0},
+        "prompt_cache_len": 0,
+    }  # fmt: skip
+    assert last["token"]["text"] == "Hello" and last["token"]["special"] and last["token"]["count_output_tokens"] == 2
+    assert last["finished"] and last["finish_reason"] == "length" and last["generated_text"] == "Hello"
+    aborted = stream_events(TextOutput("r", "", [], True, "abort", 3, 2), state)  # an end without a token
+    (end,) = (json.loads(e[5:]) for e in aborted)
+    assert end["token"]["id"] is None and end["token"]["logprobs"] == {} and end["finish_reason"] == "abort"
 
 
 @pytest.mark.parametrize(

@@ -132,7 +132,7 @@ def test_the_engines_records_cross_the_wire_as_they_are(router):
     assert all(type(o) is RequestOutput for b in batches for o in b.outputs)
     assert all(type(b.stats.engine) is EngineStats for b in batches)
     assert outputs_of(batches, "refused")[-1].error == RequestError(
-        400, "parameters.logit_bias", f"token id out of the vocabulary (size {vocab})"
+        400, "parameters.logit_bias", f"token ids [{vocab}] are out of the vocabulary (size {vocab})"
     )
     assert outputs_of(batches, "ok")[-1].error is None
     for batch in batches:

@@ -9,9 +9,10 @@ import json
 import pytest
 
 from language.sampling_params import StructuredOutput
-from mmserve.http.openai_protocol import completion_input, openai_param, sampling_params
+from mmserve.http.openai_protocol import completion_inputs, openai_param, sampling_params
 from mmserve.http.protocol import BadRequest, parse_parameters
 from mmserve.http.structured import CompileCache, lightllm_field, openai_field
+from mmserve.testing.checkpoints.tokenizer import build_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -53,10 +54,12 @@ def test_each_openai_and_vllm_field_maps_to_one_constraint(body, wanted):
     assert structured(body) == wanted
 
 
-def test_completions_take_the_same_fields():
-    params = completion_input({"prompt": "Hi", "response_format": {"type": "json_object"}}, 100).params
-    assert params.structured == StructuredOutput("json_object")
-    assert params.has_logit_masks  # the engine's masked path
+def test_completions_take_the_same_fields(tmp_path):
+    tokenizer = build_tokenizer(str(tmp_path))
+    body = {"prompt": ["Hi", "Ho"], "response_format": {"type": "json_object"}}
+    inputs = completion_inputs(body, 100, tokenizer)
+    assert [i.params.structured for i in inputs] == [StructuredOutput("json_object")] * 2  # every prompt's
+    assert inputs[0].params.has_logit_masks  # the engine's masked path
 
 
 def test_structural_tags_in_either_shape_become_xgrammar_s():
@@ -105,6 +108,7 @@ def test_structural_tags_in_either_shape_become_xgrammar_s():
         ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object", "boolean"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "response_format"),
         ({"guided_json": SCHEMA, "guided_choice": ["a"]}, "guided_choice", "guided_json"),
+        ({"guided_regex": "a", "allowed_token_ids": [1, 2]}, "allowed_token_ids", "guided_regex"),
         ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
         ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "not supported"),
         ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format",
@@ -133,8 +137,9 @@ def test_the_engine_s_compile_error_names_the_client_s_field():
          "response_format.json_schema.schema"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs.choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
     ]:  # fmt: skip
-        assert openai_field(body) == field
+        assert openai_field(body) == (None if field == "tools" else field)
         assert openai_param(engine, body, "messages") == (field, f"{field}: cannot compile")
     for kind, name in [("json", "guided_json"), ("regex", "regular_constraint"), ("grammar", "guided_grammar"),
                        ("json_object", "guided_grammar")]:  # fmt: skip
