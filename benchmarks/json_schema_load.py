@@ -5,7 +5,13 @@ constrained throughput can be set against the same load unconstrained.
 The built-in schema describes the objects in a picture: nested objects, enums, bounded integers and strings,
 booleans and fixed-length number arrays, the mix a form or receipt extraction asks for. Its `objects` list needs at
 least 64 entries of some 20 tokens each, so no answer can close it within 1000 new tokens: every request still runs
-its `max_new_tokens` under `ignore_eos`, token for token the unconstrained load's work, with a mask at every step."""
+its `max_new_tokens` under `ignore_eos`, token for token the unconstrained load's work, with a mask at every step.
+
+Against one running server, give each of the two runs its own `--image_round` (or neither after a warm-up of both):
+the second run of a load would otherwise find its images in the embedding cache.
+
+    python benchmarks/serve_bench.py --url URL --loads img336_x64 --image_round 1
+    python benchmarks/serve_bench.py --url URL --loads img336_x64 --image_round 2 --json_schema builtin"""
 
 from __future__ import annotations
 
