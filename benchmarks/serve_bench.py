@@ -342,7 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--json_schema",
         default=None,
-        help="PATH of a JSON schema, or builtin: every request's output follows it (guided_json)",
+        help="PATH of a JSON schema, builtin or builtin_maxlength (benchmarks/json_schema_load.py): every request's "
+        "output follows it (guided_json)",
     )
     ap.add_argument(
         "--image_round",
