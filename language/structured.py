@@ -7,7 +7,6 @@ Only steps with constrained rows do any of this: `live` (running requests with a
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
@@ -16,7 +15,6 @@ from language.grammar import GrammarError, Grammars
 from language.pinned_staging import PinnedStaging
 from language.request import Request
 
-_OTHER_CORES = 4  # left to this process's main thread and to the server's other processes
 _IDLE_WAIT_S = 0.005  # with nothing else to run, how long one step waits for a grammar to compile
 
 
@@ -102,7 +100,5 @@ class StructuredDecoding:
         if self._batch is None:
             import xgrammar as xgr  # imported by the compiles
 
-            # The fill of a bounded string (a maxLength) checks the whole vocabulary per row: spread the rows over
-            # the cores the other processes (HTTP, detokenizer, encoder) leave, not xgrammar's default of half.
-            self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, len(os.sched_getaffinity(0)) - _OTHER_CORES))
+            self._batch = xgr.BatchGrammarMatcher()  # threads: half the cores (more were no faster on an H100 host)
         return self._batch
