@@ -81,8 +81,14 @@ class Qwen2VLVisionModel:
 
     @classmethod
     def load_video_processor(cls, model_dir: str) -> Qwen2VLVideoProcessor | None:
-        """The checkpoint's video processor (video_preprocessor_config.json, else its image processor's config)."""
-        return cls.video_processor_class.from_pretrained(model_dir) if cls.video_processor_class else None
+        """The checkpoint's video processor (video_preprocessor_config.json, processor_config.json's nested one, else
+        its image processor's config); with none of them, the class's defaults, as HF's processor then builds it."""
+        if cls.video_processor_class is None:
+            return None
+        try:
+            return cls.video_processor_class.from_pretrained(model_dir)
+        except OSError:
+            return cls.video_processor_class()
 
     def __init__(
         self,
