@@ -64,7 +64,7 @@ class VisualEncoder:
 
     def submit(self, job: EncodeJob) -> None:
         arrived = time.perf_counter()
-        fut = self.pool.submit(job.data)
+        fut = self.pool.submit(job.data, job.video)
         self._incoming.put((job.key, arrived, fut))
         fut.add_done_callback(self._on_done)
         self._wake.set()

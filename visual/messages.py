@@ -11,26 +11,33 @@ shared-memory segment named after the key.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class EncodeJob:
-    """Encode one image and store its embeddings under `key` (a new, PENDING cache entry)."""
+    """Encode one image or video and store its embeddings under `key` (a new, PENDING cache entry)."""
 
     key: str
-    data: bytes  # the image file's bytes, already validated by the HTTP process
+    data: bytes  # the image or video file's bytes, already checked by the HTTP process
+    video: dict | None = None  # a video's effective sampling parameters (JSON values); None: an image
 
     def frames(self) -> list[bytes]:
-        """The job as zmq frames: [key, data] (send_multipart with copy=False sends `data` in place)."""
-        return [self.key.encode(), self.data]
+        """The job as zmq frames: [key, data] or [key, data, video sampling as JSON] (send_multipart with copy=False
+        sends `data` in place)."""
+        head = [self.key.encode(), self.data]
+        return head if self.video is None else head + [json.dumps(self.video).encode()]
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> EncodeJob:
         """The job `frames` made; ValueError for anything else."""
-        if len(frames) != 2:
-            raise ValueError(f"an EncodeJob is 2 frames, got {len(frames)}")
-        return cls(bytes(frames[0]).decode(), bytes(frames[1]))
+        if len(frames) not in (2, 3):
+            raise ValueError(f"an EncodeJob is 2 or 3 frames, got {len(frames)}")
+        video = json.loads(bytes(frames[2])) if len(frames) == 3 else None
+        if video is not None and not isinstance(video, dict):
+            raise ValueError("an EncodeJob's video sampling is a JSON object")
+        return cls(bytes(frames[0]).decode(), bytes(frames[1]), video)
 
 
 @dataclass(frozen=True)

@@ -113,12 +113,29 @@ _IMAGE = {
         "data": {"type": "string", "description": "an http(s) URL, or the image file's bytes in base64"},
     },
 }
+_VIDEO = {
+    "type": "object",
+    "required": ["type", "data"],
+    "properties": {
+        "type": {"enum": ["url", "base64"]},
+        "data": {"type": "string", "description": "an http(s) URL, or the video file's bytes in base64"},
+    },
+}
+_MM_PROCESSOR_KWARGS = _nullable({
+    "type": "object", "additionalProperties": False,
+    "description": "the video processor's sampling for this request's videos (vLLM's name)",
+    "properties": {"fps": {"type": "number", "exclusiveMinimum": 0},
+                   **{k: {"type": "integer", "minimum": 1}
+                      for k in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels")}},
+})  # fmt: skip
 _GENERATE_FIELDS: dict[str, dict] = {
     "inputs": {"type": "string", "minLength": 1, "description": "the prompt, with the model's image placeholders"},
     "input": {"type": "string", "minLength": 1, "description": "another name for inputs"},
     "parameters": {"type": "object", "additionalProperties": False},  # properties filled in by generate_body()
     "multimodal_params": _nullable({"type": "object", "additionalProperties": False,
-                                    "properties": {"images": _nullable({"type": "array", "items": _IMAGE})}}),
+                                    "properties": {"images": _nullable({"type": "array", "items": _IMAGE}),
+                                                   "videos": _nullable({"type": "array", "items": _VIDEO}),
+                                                   "mm_processor_kwargs": _MM_PROCESSOR_KWARGS}}),
 }  # fmt: skip
 
 
@@ -238,6 +255,7 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "user": {"type": "string"},
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "chat_template_kwargs": _nullable({"type": "object"}),
+    "mm_processor_kwargs": _MM_PROCESSOR_KWARGS,
     "add_generation_prompt": _BOOL,
     "tools": _nullable({"type": "array", "items": _TOOL}),
     "tool_choice": _nullable(_TOOL_CHOICE),

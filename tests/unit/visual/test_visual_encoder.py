@@ -153,7 +153,9 @@ def test_a_batch_that_is_not_full_waits_for_images_still_preprocessing(model_dir
 def test_encode_job_frames_round_trip():
     job = EncodeJob("key:ü", b"\x00\x01 image bytes")
     assert EncodeJob.from_frames(job.frames()) == job
-    with pytest.raises(ValueError, match="2 frames"):
+    video = EncodeJob("key", b"video bytes", {"fps": 2.0, "max_pixels": 12544})
+    assert len(video.frames()) == 3 and EncodeJob.from_frames(video.frames()) == video
+    with pytest.raises(ValueError, match="2 or 3 frames"):
         EncodeJob.from_frames([b"only a key"])
 
 
