@@ -44,11 +44,13 @@ from benchmarks.loads import (  # noqa: E402
     Conversation,
     Load,
     RequestSpec,
+    arrival_times,
     chat_conversations,
     requests_for,
     select_loads,
     warmup_requests,
 )
+from benchmarks.openai_stream import one_openai_request, served_model  # noqa: E402
 from benchmarks.proc_cpu import cpu_delta, session_cpu  # noqa: E402
 
 try:
@@ -111,23 +113,44 @@ async def one_request(client: httpx.AsyncClient, url: str, body: bytes) -> Reque
     return r
 
 
+# The request sender of each API: LightLLM's /generate_stream (LightLLM, mmserve) or OpenAI's chat (vLLM, mmserve).
+SENDERS = {"lightllm": one_request, "openai": one_openai_request}
+
+
+def encode(spec: RequestSpec, max_new_tokens: int, args: argparse.Namespace) -> bytes:
+    """The request's body in the API under test (`args.api`; the OpenAI one names `args.model_name`)."""
+    if args.api == "openai":
+        return spec.openai_body(max_new_tokens, args.model_name)
+    return spec.body(max_new_tokens)
+
+
 async def run_concurrent(
-    url: str, bodies: list[bytes], desc: str, timeout: float, progress: bool = True
+    url: str,
+    bodies: list[bytes],
+    desc: str,
+    timeout: float,
+    progress: bool = True,
+    api: str = "lightllm",
+    send_at: list[float] | None = None,
 ) -> tuple[list[RequestResult], float, float]:
-    """All requests at once; (results, wall time from the first send to the last stream's end, this client's CPU
-    seconds meanwhile)."""
+    """All requests at once, or request i at `send_at[i]` s after the start (Poisson arrivals); (results, wall time
+    from the first send to the last stream's end, this client's CPU seconds meanwhile)."""
+    send = SENDERS[api]
     limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
     bar = tqdm(total=len(bodies), desc=desc, file=sys.stderr, leave=False) if tqdm and progress else None
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
-        async def tracked(body: bytes) -> RequestResult:
-            res = await one_request(client, url, body)
+        async def tracked(body: bytes, at: float) -> RequestResult:
+            if at > 0:
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            res = await send(client, url, body)
             if bar is not None:
                 bar.update(1)
             return res
 
+        times = send_at or [0.0] * len(bodies)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        results = await asyncio.gather(*(tracked(b) for b in bodies))
+        results = await asyncio.gather(*(tracked(b, at) for b, at in zip(bodies, times, strict=True)))
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if bar is not None:
         bar.close()
@@ -135,19 +158,27 @@ async def run_concurrent(
 
 
 def run_concurrent_in_procs(
-    url: str, bodies: list[bytes], desc: str, timeout: float, procs: int
+    url: str,
+    bodies: list[bytes],
+    desc: str,
+    timeout: float,
+    procs: int,
+    api: str = "lightllm",
+    send_at: list[float] | None = None,
 ) -> tuple[list[RequestResult], float, float]:
-    """run_concurrent split over `procs` client processes that start sending at one agreed instant, so that the
-    client's own CPU (httpx pushing multi-MB bodies, ~17 ms each, while it cannot read the first tokens) does not
-    bound the load: (results in the bodies' order, wall time from that instant to the last stream's end, the CPU
-    seconds of all the client processes)."""
+    """run_concurrent split over `procs` client processes that start sending at one agreed instant (each request at
+    its `send_at` from there), so that the client's own CPU (httpx pushing multi-MB bodies, ~17 ms each, while it
+    cannot read the first tokens) does not bound the load: (results in the bodies' order, wall time from that instant
+    to the last stream's end, the CPU seconds of all the client processes)."""
     shares = [bodies[i::procs] for i in range(procs)]  # round robin: each process gets a mix
+    times = [(send_at or [0.0] * len(bodies))[i::procs] for i in range(procs)]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=procs, mp_context=ctx) as pool:
         while len(set(pool.map(_client_ready, range(procs)))) < procs:  # until every process has started
             pass
         start_at = time.time() + 0.2
-        parts = list(pool.map(_client_share, [url] * procs, shares, [timeout] * procs, [start_at] * procs))
+        n = len(shares)
+        parts = list(pool.map(_client_share, [url] * n, shares, [timeout] * n, [start_at] * n, [api] * n, times))
     results: list[RequestResult] = [RequestResult()] * len(bodies)
     for i, (share_results, _, _) in enumerate(parts):
         results[i::procs] = share_results
@@ -161,27 +192,31 @@ def _client_ready(_: int) -> int:
     return os.getpid()
 
 
-def _client_share(url: str, bodies: list[bytes], timeout: float, start_at: float) -> tuple[list, float, float]:
-    """In a client process: wait for the agreed instant, send its share at once; (results, end time, CPU s)."""
+def _client_share(
+    url: str, bodies: list[bytes], timeout: float, start_at: float, api: str, send_at: list[float]
+) -> tuple[list, float, float]:
+    """In a client process: wait for the agreed instant, send its share (at once, or each at its time from that
+    instant); (results, end time, CPU s)."""
     time.sleep(max(0.0, start_at - time.time()))
-    results, wall, cpu = asyncio.run(run_concurrent(url, bodies, "", timeout, progress=False))
+    results, wall, cpu = asyncio.run(run_concurrent(url, bodies, "", timeout, False, api, send_at))
     return results, start_at + wall, cpu
 
 
 async def run_sequential(
-    url: str, bodies: list[bytes], desc: str, timeout: float
+    url: str, bodies: list[bytes], desc: str, timeout: float, api: str = "lightllm"
 ) -> tuple[list[RequestResult], float, float]:
+    send = SENDERS[api]
     results, wall, cpu0 = [], 0.0, time.process_time()
     async with httpx.AsyncClient(timeout=timeout) as client:
         for body in tqdm(bodies, desc=desc, file=sys.stderr, leave=False) if tqdm else bodies:
             t0 = time.perf_counter()
-            results.append(await one_request(client, url, body))
+            results.append(await send(client, url, body))
             wall += time.perf_counter() - t0
     return results, wall, time.process_time() - cpu0
 
 
 async def run_chats(
-    url: str, convs: list[Conversation], max_new_tokens: int, desc: str, timeout: float
+    url: str, convs: list[Conversation], desc: str, args: argparse.Namespace
 ) -> tuple[list[list[RequestResult]], float, float]:
     """The conversations at once, each one's turns in a row (turn k+1 sent when turn k's stream ended, with its
     answer in the history); after a failed turn the conversation stops, its later turns counted as errors. Wall time
@@ -189,13 +224,14 @@ async def run_chats(
     limits = httpx.Limits(max_connections=len(convs) + 8, max_keepalive_connections=len(convs) + 8)
     total = sum(len(c.turns) for c in convs)
     bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False) if tqdm else None
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    send = SENDERS[args.api]
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
 
         async def converse(conv: Conversation) -> list[RequestResult]:
             results: list[RequestResult] = []
             answers: list[str] = []
             for k in range(len(conv.turns)):
-                r = await one_request(client, url, conv.request(answers).body(max_new_tokens))
+                r = await send(client, url, encode(conv.request(answers), args.max_new_tokens, args))
                 results.append(r)
                 if bar is not None:
                     bar.update(1)
@@ -217,37 +253,56 @@ async def run_chats(
 
 def run_chat_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
     convs = chat_conversations(load, family, args.question_words)
-    per_conv, wall, cpu = asyncio.run(run_chats(url, convs, args.max_new_tokens, load.name, args.timeout))
-    summary = summarize([r for conv in per_conv for r in conv], wall)
+    per_conv, wall, cpu = asyncio.run(run_chats(url, convs, load.name, args))
+    results = [r for conv in per_conv for r in conv]
+    summary = summarize(results, wall)
     summary["client_cpu_s"] = round(cpu, 2)
     summary.update(conversations=len(convs), turns=load.turns)
     summary.update(by_turn(per_conv, with_headers="ttft_caveat" in summary))
-    if summary["output_tokens_min"] != args.max_new_tokens:
-        summary["short_requests_caveat"] = f"a request got {summary['output_tokens_min']} < {args.max_new_tokens}"
+    summary.update(short_requests(results, [args.max_new_tokens] * len(results)))
     return summary
+
+
+def short_requests(results: list[RequestResult], wanted: list[int]) -> dict:
+    """A caveat when a finished request got fewer tokens than it asked for (EOS is ignored, so none should)."""
+    short = [(r.tokens, n) for r, n in zip(results, wanted, strict=True) if r.error is None and r.tokens < n]
+    if not short:
+        return {}
+    got, asked = short[0]
+    return {"short_requests_caveat": f"{len(short)} request(s) got fewer tokens than asked, e.g. {got} < {asked}"}
 
 
 def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
     if load.is_chat:
         return run_chat_load(url, load, family, args)
     specs, warm = requests_for(load, family, args.question_words, args.image_round)
-    bodies = [s.body(args.max_new_tokens) for s in specs]
+    bodies = [encode(s, args.max_new_tokens, args) for s in specs]
     if warm is not None:  # the image is seen once before: the timed requests hit the embedding cache
-        res, _, _ = asyncio.run(run_sequential(url, [warm.body(args.max_new_tokens)], "cache warm", args.timeout))
+        warm_body = encode(warm, args.max_new_tokens, args)
+        res, _, _ = asyncio.run(run_sequential(url, [warm_body], "cache warm", args.timeout, args.api))
         if res[0].error:
             log(f"{load.name}: the cache-warming request failed: {res[0].error}")
+    send_at = arrival_times(load)
     if load.sequential:
-        results, wall, cpu = asyncio.run(run_sequential(url, bodies, load.name, args.timeout))
+        results, wall, cpu = asyncio.run(run_sequential(url, bodies, load.name, args.timeout, args.api))
     elif args.client_procs > 1:
-        results, wall, cpu = run_concurrent_in_procs(url, bodies, load.name, args.timeout, args.client_procs)
+        results, wall, cpu = run_concurrent_in_procs(
+            url, bodies, load.name, args.timeout, args.client_procs, args.api, send_at
+        )
     else:
-        results, wall, cpu = asyncio.run(run_concurrent(url, bodies, load.name, args.timeout))
+        results, wall, cpu = asyncio.run(
+            run_concurrent(url, bodies, load.name, args.timeout, api=args.api, send_at=send_at)
+        )
     summary = summarize(results, wall, sequential=load.sequential)
     summary["client_cpu_s"] = round(cpu, 2)  # while sending and reading: near wall_s, the client bounds the load
     if args.client_procs > 1 and not load.sequential:
         summary["client_procs"] = args.client_procs
-    if summary["output_tokens_min"] != args.max_new_tokens:
-        summary["short_requests_caveat"] = f"a request got {summary['output_tokens_min']} < {args.max_new_tokens}"
+    if send_at is not None:  # the offered load: req_per_s cannot pass it
+        summary.update(arrival_rate_per_s=load.rate, arrivals_span_s=send_at[-1])
+    wanted = [s.new_tokens(args.max_new_tokens) for s in specs]
+    if load.new_token_range is not None:
+        summary["new_tokens_asked"] = sum(wanted)
+    summary.update(short_requests(results, wanted))
     return summary
 
 
@@ -264,7 +319,8 @@ def measured(runner, url: str, load: Load, args: argparse.Namespace, session: in
 def warm_up(url: str, loads: list[Load], family: str, args: argparse.Namespace) -> None:
     specs: list[RequestSpec] = warmup_requests(loads, family, args.question_words)
     t0 = time.perf_counter()
-    results, _, _ = asyncio.run(run_concurrent(url, [s.body(16) for s in specs], "warm-up", args.timeout))
+    bodies = [encode(s, 16, args) for s in specs]
+    results, _, _ = asyncio.run(run_concurrent(url, bodies, "warm-up", args.timeout, api=args.api))
     errors = [r.error for r in results if r.error]
     log(
         f"warm-up: {len(specs)} requests in {time.perf_counter() - t0:.1f} s"
@@ -323,6 +379,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "to report their CPU seconds per load; the server started here is measured anyway",
     )
     ap.add_argument("--name", default=None, help='"server" in the JSON lines (default: mmserve)')
+    ap.add_argument(
+        "--api",
+        choices=tuple(SENDERS),
+        default="lightllm",
+        help="lightllm: /generate_stream; openai: /v1/chat/completions, streamed with usage (vLLM, mmserve)",
+    )
+    ap.add_argument(
+        "--model_name", default=None, help='--api openai: the "model" to send (default: the first /v1/models lists)'
+    )
     ap.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
     ap.add_argument("--model_dir", default=None, help="checkpoint for the server started here, and for --hf")
     ap.add_argument("--loads", default="all", help="comma-separated load names, or all")
@@ -361,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     loads = select_loads(args.loads, args.num_requests, args.repeats, args.counts)
     name = args.name or "mmserve"
-    common = {"server": name, "family": args.family, "max_new_tokens": args.max_new_tokens}
+    common = {"server": name, "family": args.family, "max_new_tokens": args.max_new_tokens, "api": args.api}
     proc = None
     url = args.url.rstrip("/") if args.url else None
     if loads and url is None:
@@ -369,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.startup:
             emit({**common, "load": "start_to_healthy", "startup_s": startup})
     try:
+        if loads and args.api == "openai" and args.model_name is None:
+            args.model_name = served_model(url)
         if loads and not args.no_warmup:
             warm_up(url, loads, args.family, args)
         session = proc.pid if proc is not None else args.server_session
