@@ -205,3 +205,10 @@ def test_openai_mode_end_to_end_lines_and_poisson_arrivals(server, capsys) -> No
         parse_args(["--api", "openai", "--model_name", "nope", "--max_new_tokens", "2"]),
     )
     assert wrong["errors"] == 1 and "404" in wrong["first_error"]
+
+
+def test_hf_baseline_skips_the_mixed_loads() -> None:
+    hf_baseline = pytest.importorskip("benchmarks.hf_baseline")
+    # no checkpoint is read when every load is skipped: the model is never loaded
+    lines = list(hf_baseline.run_hf_loads("qwen2_vl", "/nonexistent", [LOADS[n] for n in MIXED], 8, 4))
+    assert [line["load"] for line in lines] == list(MIXED) and all("mixed" in line["skipped"] for line in lines)
