@@ -18,6 +18,7 @@ the second run of a load would otherwise find its images in the embedding cache.
 
 from __future__ import annotations
 
+import functools
 import json
 
 BUILTIN = "builtin"
@@ -77,6 +78,7 @@ OBJECTS_SCHEMA: dict = {
 }  # fmt: skip
 
 
+@functools.cache  # read once per run, not once per request
 def load_schema(arg: str | None) -> dict | None:
     """--json_schema's value -> the schema: None (no constraint), "builtin", "builtin_maxlength", or a JSON file's
     path."""

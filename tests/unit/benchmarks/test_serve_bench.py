@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.bench_client import event_count, event_prompt_tokens, event_text
 from benchmarks.bench_stats import (
     LATENCY_MINUS_TTFT,
     PER_EVENT,
@@ -34,7 +35,7 @@ from benchmarks.loads import (
     select_loads,
     warmup_requests,
 )
-from benchmarks.serve_bench import event_count, event_prompt_tokens, event_text, parse_args
+from benchmarks.serve_bench import parse_args
 from mmserve.http.protocol import parse_parameters
 
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
