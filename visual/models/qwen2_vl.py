@@ -23,7 +23,12 @@ VISION_PREFIXES = ("visual.", "model.visual.")
 
 
 class Qwen2VLPreprocessor:
-    """Picklable image -> ImageInput (the processor holds no weights), run in the visual process's worker pool."""
+    """Picklable image -> ImageInput (the processor holds no weights), run in the visual process's worker pool.
+
+    transformers' processor is split in two, each half its own calls. Here, on the CPU: the image as a uint8 tensor,
+    resized to its grid. The resize stays on the CPU because only there is it the processor's native uint8 kernel; on
+    CUDA torchvision resizes in float, up to 22 levels away. Where the tower is (`to_patches`): rescale, normalize and
+    patchify, float work whose output is 8x the uint8 image's bytes (19 MB at 896 px)."""
 
     def __init__(self, processor: Qwen2VLImageProcessor, merge_size: int) -> None:
         self.processor = processor
@@ -32,14 +37,23 @@ class Qwen2VLPreprocessor:
         )
 
     def __call__(self, image: Image.Image) -> ImageInput:
-        out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        processor = self.processor
+        chw = processor.process_image(image, do_convert_rgb=processor.do_convert_rgb)  # [3, H, W] uint8
+        resized = processor.resize(
+            chw, size=processor.size, resample=processor.resample, factor=processor.patch_size * processor.merge_size
+        )
+        grid = self.grid.grid_thw(image.width, image.height)
         return ImageInput(
-            pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
+            pixel_values=resized,  # [3, grid h * patch, grid w * patch] uint8
             num_tokens=self.grid.grid_tokens(grid),
             patches=grid[0] * grid[1] * grid[2],
             grid_thw=grid,
         )
+
+    def to_patches(self, resized: list[torch.Tensor]) -> torch.Tensor:
+        """The processor's other steps for `__call__`'s images, on their device: [patches, C*T*P*P] float32."""
+        out = self.processor(images=resized, do_resize=False, input_data_format="channels_first", return_tensors="pt")
+        return out["pixel_values"]
 
 
 class Qwen2VLVisionModel:
@@ -106,12 +120,14 @@ class Qwen2VLVisionModel:
         return self._preprocessor.grid.grid_thw(width, height)
 
     def upload_pixels(self, images: list[ImageInput], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The batch's pixels on the device, [patches, C*T*P*P]: one gather into a (pinned) host buffer, one
-        asynchronous upload, the cast on the device."""
-        host = self._pixels.cat([im.pixel_values for im in images], device)
-        pixels = host.to(device, non_blocking=True).to(dtype)
+        """The batch's pixels on the device, [patches, C*T*P*P]: the uint8 images gathered into one (pinned) host
+        buffer, one asynchronous upload, then the processor's float steps and the cast on the device."""
+        host = self._pixels.cat([im.pixel_values.reshape(-1) for im in images], device)
+        uploaded = host.to(device, non_blocking=True)
         self._pixels.fence(device)  # the next batch's gather waits for this upload
-        return pixels
+        parts = torch.split(uploaded, [im.pixel_values.numel() for im in images])
+        resized = [part.view(im.pixel_values.shape) for part, im in zip(parts, images, strict=True)]
+        return self._preprocessor.to_patches(resized).to(dtype)
 
     def packed_inputs(self, grids: list[tuple[int, int, int]], device: torch.device) -> dict:
         """The tower's keyword arguments for a batch packed into one sequence, built on the host (no per-image device
