@@ -42,7 +42,7 @@ class Qwen2VLPreprocessor:
         resized = processor.resize(
             chw, size=processor.size, resample=processor.resample, factor=processor.patch_size * processor.merge_size
         )
-        grid = self.grid.grid_thw(image.width, image.height)
+        grid = (1, resized.shape[-2] // processor.patch_size, resized.shape[-1] // processor.patch_size)  # as patchify
         return ImageInput(
             pixel_values=resized,  # [3, grid h * patch, grid w * patch] uint8
             num_tokens=self.grid.grid_tokens(grid),
