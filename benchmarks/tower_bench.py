@@ -11,7 +11,7 @@ For each tower shape (random weights from mmserve/testing/checkpoints/qwen2_vl.p
    against HF's tower with `sdpa` attention (one SDPA call per image per block) on a batch of mixed sizes and on one
    of a single size (ours inside both), within bf16 tolerance;
 3. throughput, images/s, of both paths for 64 images at 336 px and 16 at 896 px (ours: the workers' uint8 images ->
-   device embeddings, the processor's float steps on the device; HF's: the processor's patches on the host -> embeddings).
+   embeddings, the processor's float steps on the device; HF's: the processor's patches on the host -> embeddings).
 Prints one JSON line per measurement; exits non-zero if a check fails.
 """
 
