@@ -27,7 +27,13 @@ VISION_PREFIXES = ("visual.", "model.visual.")
 
 class Qwen2VLPreprocessor:
     """Picklable image -> ImageInput and video file -> ImageInput (the processors hold no weights), run in the visual
-    process's worker pool."""
+    process's worker pool.
+
+    For an image, transformers' processor is split in two, each half its own calls. Here, on the CPU: the image as a
+    uint8 tensor, resized to its grid. The resize stays on the CPU because only there is it the processor's native
+    uint8 kernel; on CUDA torchvision resizes in float, up to 22 levels away. Where the tower is (`to_patches`):
+    rescale, normalize and patchify, float work whose output is 8x the uint8 image's bytes (19 MB at 896 px). A video
+    runs its whole video processor here (its frames come out as float patches)."""
 
     def __init__(
         self, processor: Qwen2VLImageProcessor, merge_size: int, video_processor: Qwen2VLVideoProcessor | None = None
@@ -39,10 +45,14 @@ class Qwen2VLPreprocessor:
         )
 
     def __call__(self, image: Image.Image) -> ImageInput:
-        out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        processor = self.processor
+        chw = processor.process_image(image, do_convert_rgb=processor.do_convert_rgb)  # [3, H, W] uint8
+        resized = processor.resize(
+            chw, size=processor.size, resample=processor.resample, factor=processor.patch_size * processor.merge_size
+        )
+        grid = (1, resized.shape[-2] // processor.patch_size, resized.shape[-1] // processor.patch_size)  # as patchify
         return ImageInput(
-            pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
+            pixel_values=resized,  # [3, grid h * patch, grid w * patch] uint8
             num_tokens=self.grid.grid_tokens(grid),
             patches=grid[0] * grid[1] * grid[2],
             grid_thw=grid,
@@ -70,6 +80,11 @@ class Qwen2VLPreprocessor:
             patches=grid[0] * grid[1] * grid[2],
             grid_thw=grid,
         )
+
+    def to_patches(self, resized: list[torch.Tensor]) -> torch.Tensor:
+        """The processor's other steps for `__call__`'s images, on their device: [patches, C*T*P*P] float32."""
+        out = self.processor(images=resized, do_resize=False, input_data_format="channels_first", return_tensors="pt")
+        return out["pixel_values"]
 
 
 class Qwen2VLVisionModel:
@@ -151,12 +166,28 @@ class Qwen2VLVisionModel:
         return self._preprocessor.grid.grid_thw(width, height)
 
     def upload_pixels(self, images: list[ImageInput], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The batch's pixels on the device, [patches, C*T*P*P]: one gather into a (pinned) host buffer, one
-        asynchronous upload, the cast on the device."""
-        host = self._pixels.cat([im.pixel_values for im in images], device)
-        pixels = host.to(device, non_blocking=True).to(dtype)
+        """The batch's pixels on the device, [patches, C*T*P*P]: every item's bytes gathered into one (pinned) host
+        buffer, one asynchronous upload; then, for each run of images (uint8, resized), the processor's float steps on
+        the device, while a video's float32 patches (its processor ran in the worker) are used as they come."""
+        raw = [im.pixel_values.reshape(-1).view(torch.uint8) for im in images]
+        host = self._pixels.cat(raw, device)
+        uploaded = host.to(device, non_blocking=True)
         self._pixels.fence(device)  # the next batch's gather waits for this upload
-        return pixels
+        parts = torch.split(uploaded, [r.numel() for r in raw])
+        pieces: list[torch.Tensor] = []
+        resized: list[torch.Tensor] = []  # the current run of images
+        for part, im in zip(parts, images, strict=True):
+            shape, kind = im.pixel_values.shape, im.pixel_values.dtype
+            if kind == torch.uint8:
+                resized.append(part.view(shape))
+                continue
+            if resized:
+                pieces.append(self._preprocessor.to_patches(resized))
+                resized = []
+            pieces.append(part.view(kind).view(shape))
+        if resized:
+            pieces.append(self._preprocessor.to_patches(resized))
+        return torch.cat(pieces).to(dtype) if len(pieces) > 1 else pieces[0].to(dtype)
 
     def packed_inputs(self, grids: list[tuple[int, int, int]], device: torch.device) -> dict:
         """The tower's keyword arguments for a batch packed into one sequence, built on the host (no per-image device
