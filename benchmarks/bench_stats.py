@@ -29,6 +29,8 @@ class RequestResult:
     prompt_tokens: int | None = None
     error: str | None = None
     text: str = ""  # the streamed text pieces joined (a chat's answer, fed back in its next turn)
+    first_chunk: float | None = None  # OpenAI API: s to the first chunk, content or not (the assistant role's)
+    no_text: bool = False  # OpenAI API: no token decoded to text, so the first event is `first_chunk`
 
     @property
     def ttft(self) -> float | None:
@@ -91,6 +93,7 @@ def summarize(results: list[RequestResult], wall: float, sequential: bool = Fals
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
         "tpot_p50_ms": percentile(tpot, 50) * 1e3,
+        "tpot_p99_ms": percentile(tpot, 99) * 1e3,
         "tpot_method": method,
         "latency_p50_s": percentile([r.latency for r in ok], 50),
         "wall_s": wall,
@@ -101,6 +104,7 @@ def summarize(results: list[RequestResult], wall: float, sequential: bool = Fals
     if prompts:
         out["prompt_tokens_p50"] = statistics.median(prompts)
     out["output_tokens_min"] = min((r.tokens for r in ok), default=0)
+    out.update(first_chunk_figures(ok))
     late = [n for n in (first_event_tokens(r) for r in ok) if n is not None and n > 1]
     if late:
         out["ttft_caveat"] = (
@@ -120,6 +124,19 @@ def summarize(results: list[RequestResult], wall: float, sequential: bool = Fals
     if errors:
         out["errors"] = len(errors)
         out["first_error"] = errors[0][:300]
+    return out
+
+
+def first_chunk_figures(ok: list[RequestResult]) -> dict:
+    """OpenAI API streams: the first chunk's arrival (both vLLM and mmserve send it, the assistant role alone, once
+    the first token is out, whether or not that token decodes to text), and how many requests had no text at all."""
+    firsts = [r.first_chunk for r in ok if r.first_chunk is not None]
+    if not firsts:
+        return {}
+    out = {"first_chunk_p50_s": percentile(firsts, 50), "first_chunk_p99_s": percentile(firsts, 99)}
+    no_text = sum(r.no_text for r in ok)
+    if no_text:
+        out["no_text_requests"] = no_text  # their TTFT is the first chunk's
     return out
 
 

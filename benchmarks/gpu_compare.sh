@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# Issue 13's serving comparison on the GPU host: mmserve, then (optionally) LightLLM v1.2.0 and HF transformers, on
-# one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl; an 8B-shaped
-# Qwen3-VL with --family qwen3_vl), with the same client (benchmarks/serve_bench.py) and loads.
+# Issue 13's serving comparison on the GPU host: mmserve, then (optionally) LightLLM v1.2.0, vLLM 0.26.0 and HF
+# transformers, on one 7B-shaped random bf16 checkpoint (Qwen2-VL by default, Qwen2.5-VL with --family qwen2_5_vl; an
+# 8B-shaped Qwen3-VL with --family qwen3_vl), with the same client (benchmarks/serve_bench.py) and loads.
 #
 # Before: the wheels the GPU host's image lacks in .whl (pybase64, uvloop and httptools, which pyproject installs and
 # uvicorn then runs on; openai for tests/e2e/test_openai*), and for --lightllm a LightLLM v1.2.0 install in .lightllm
-# (its serve.sh and make_qwen2vl_7b.py; not part of this repository); carry both. docs/performance.md says more.
+# (its serve.sh and make_qwen2vl_7b.py; not part of this repository); carry both. For --vllm, .vllm/bin (and the
+# install calls before: ../shared/vllm/serve.sh's header). docs/performance.md says more.
 # Without uvloop and httptools the HTTP process runs on asyncio and h11, slower than a user's install: the script warns.
 # On the GPU host, from the repo root, begin the command with the wheels header:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || exit 1; bash benchmarks/gpu_compare.sh [flags]
 # Flags:
 #   --lightllm        also LightLLM (bash .lightllm/serve.sh CKPT PORT): ~3 min start-up + ~1 min of loads
+#   --vllm            also vLLM 0.26.0 (bash .vllm/bin/serve.sh CKPT PORT, after bash .vllm/bin/install.sh), and
+#                     mmserve through the OpenAI API too (--api openai), so both run the same loads through one API;
+#                     ~2.5 min start-up + the loads. .vllm comes from ../shared/vllm/prepare.sh; its two install
+#                     calls are in serve.sh's header (this script runs install.sh too: a call carrying the last chunk
+#                     installs, then measures)
+#   --api A           the API mmserve is measured through: lightllm (/generate_stream, the default) or openai
+#                     (/v1/chat/completions; the default with --vllm). LightLLM is always measured through lightllm.
+#                     With openai the default loads are those of one image at most (serve.sh lets vLLM take one image
+#                     per prompt, so not chat896_5turn): a --vllm --no_mmserve call and an --api openai call run
+#                     the same loads
 #   --hf              also HF transformers generate on --hf_loads (default img336_x64,img896_x64): ~1.5 min
 #   --no_mmserve      skip our server (e.g. a second call for LightLLM only)
 #   --family F        qwen2_vl (default), qwen2_5_vl, qwen3_vl or internvl: serve_bench's --family and the default
 #                     checkpoint
-#   --loads LIST      server loads (default all); --hf_loads LIST
+#   --loads LIST      server loads (default all; with the OpenAI API, all of one image at most); --hf_loads LIST
 #   --ckpt DIR        default per family: /tmp/q2vl7b (Qwen2-VL-7B-shaped, .lightllm/make_qwen2vl_7b.py when carried,
 #                     else mmserve.testing.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
 #                     python3 -m mmserve.testing.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
@@ -34,12 +45,14 @@ cd "$(dirname "$0")/.."
 python3 -c "import uvloop, httptools" 2>/dev/null \
   || echo "warning: uvloop or httptools missing: the server runs on asyncio/h11, slower than an installed mmserve" >&2
 
-lightllm=0; hf=0; mmserve=1; loads=all; hf_loads=img336_x64,img896_x64; family=qwen2_vl; ckpt=""; bench_args=""
-client_procs=4
-port=18080; lport=18090
+lightllm=0; vllm=0; hf=0; mmserve=1; loads=""; hf_loads=img336_x64,img896_x64; family=qwen2_vl; ckpt=""
+bench_args=""; api=""; client_procs=4
+port=18080; lport=18090; vport=18091
 while [ $# -gt 0 ]; do
   case "$1" in
     --lightllm) lightllm=1 ;;
+    --vllm) vllm=1 ;;
+    --api) api=$2; shift ;;
     --hf) hf=1 ;;
     --no_mmserve) mmserve=0 ;;
     --loads) loads=$2; shift ;;
@@ -52,6 +65,13 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+if [ -z "$api" ]; then api=lightllm; [ "$vllm" = 1 ] && api=openai; fi
+case "$api" in lightllm|openai) ;; *) echo "unknown --api $api (lightllm or openai)" >&2; exit 2 ;; esac
+if [ -z "$loads" ] && [ "$api" = openai ]; then  # the loads vLLM can take: one image per prompt at most
+  loads=$(python3 -c 'import sys; sys.path.insert(0, "."); from benchmarks.loads import LOADS
+print(",".join(n for n, load in LOADS.items() if load.max_images <= 1))') || exit 1
+fi
+loads=${loads:-all}
 case "$family" in
   qwen2_vl) ckpt=${ckpt:-/tmp/q2vl7b} ;;
   qwen2_5_vl) ckpt=${ckpt:-/tmp/q25vl7b} ;;
@@ -101,8 +121,9 @@ fi
 
 status=0
 if [ "$mmserve" = 1 ]; then
-  say "mmserve: start (issue 13's flags) -> healthy, then loads $loads"
-  bench mmserve_bench --name mmserve --model_dir "$ckpt" --startup --loads "$loads" --port "$port" || status=1
+  say "mmserve: start (issue 13's flags) -> healthy, then loads $loads through the $api API"
+  bench mmserve_bench --name mmserve --api "$api" --model_dir "$ckpt" --startup --loads "$loads" --port "$port" \
+    || status=1
 fi
 
 if [ "$lightllm" = 1 ]; then
@@ -120,6 +141,29 @@ if [ "$lightllm" = 1 ]; then
       status=1
     fi
     bash .lightllm/serve.sh --stop >&2
+  fi
+fi
+
+if [ "$vllm" = 1 ]; then
+  installed=""
+  [ -f .vllm/bin/install.sh ] && installed=$(bash .vllm/bin/install.sh) && echo "$installed" >&2
+  if [ ! -f .vllm/bin/serve.sh ]; then
+    say "no .vllm/bin: run ../shared/vllm/prepare.sh here and carry .vllm/bin (serve.sh's header)"; status=1
+  elif ! grep -q '^PEERS_VLLM_READY' <<< "$installed"; then
+    say "vLLM is not installed yet: carry .vllm/call1, then .vllm/call2, in two calls on one warm machine"; status=1
+  else
+    say "vLLM: start -> healthy, then loads $loads through the openai API"
+    t0=$(date +%s.%N)
+    if bash .vllm/bin/serve.sh "$ckpt" "$vport" >&2; then
+      startup=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$t0" "$(date +%s.%N)")
+      echo "{\"server\": \"vllm\", \"load\": \"start_to_healthy\", \"startup_s\": $startup," \
+        "\"note\": \"serve.sh: /health polled every 2 s\"}" | collect
+      bench vllm_bench --name vllm --api openai --model_name model --url "http://127.0.0.1:$vport" \
+        --server_session "$(cat /tmp/vllm.pgid)" --loads "$loads" || status=1
+    else
+      status=1
+    fi
+    bash .vllm/bin/serve.sh --stop >&2
   fi
 fi
 

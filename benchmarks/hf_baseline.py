@@ -5,7 +5,8 @@ left-padded batches of `batch`, greedy, exactly `new_tokens` new tokens (EOS off
 Concurrent loads report req/s and output tok/s over the whole load (HF has no streaming, so no TTFT there; TPOT is
 the batch's wall time per token). Sequential loads (one_336, ...) run batch 1: TTFT is a `generate` of one new token,
 TPOT is (full generate - TTFT) / (new_tokens - 1), medians over the repeats. Multi-turn chat loads (chat896_5turn)
-are not run here (each turn needs the previous turn's answer, and per-turn TTFT is a serving figure): their line
+are not run here (each turn needs the previous turn's answer, and per-turn TTFT is a serving figure), nor are the
+mixed loads (text_mixed_x256, img_mixed_x64, poisson12_x256: lengths per request, arrivals over time): their line
 says `skipped`."""
 
 from __future__ import annotations
@@ -177,19 +178,26 @@ class HFRunner:
         }
 
 
+def skip_reason(load: Load) -> str | None:
+    if load.is_chat:
+        return "multi-turn chat: not run by the HF baseline (serving servers only)"
+    if load.mixed:
+        return "mixed lengths or arrivals over time: not run by the HF baseline (serving servers only)"
+    return None
+
+
 def run_hf_loads(
     family: str, model_dir: str, loads: list[Load], new_tokens: int, batch: int, n_words: int = 64
 ) -> Iterator[dict]:
     """One result dict per load (the model is loaded once); a load that fails (e.g. out of memory) says so, and a
-    multi-turn chat load is skipped."""
-    skipped = {"skipped": "multi-turn chat: not run by the HF baseline (serving servers only)"}
-    if all(load.is_chat for load in loads):  # nothing to load the model for
-        yield from ({"load": load.name, **skipped} for load in loads)
+    multi-turn chat or mixed load is skipped."""
+    if all(skip_reason(load) for load in loads):  # nothing to load the model for
+        yield from ({"load": load.name, "skipped": skip_reason(load)} for load in loads)
         return
     runner = HFRunner(family, model_dir)
     for load in loads:
-        if load.is_chat:
-            yield {"load": load.name, **skipped}
+        if skip_reason(load):
+            yield {"load": load.name, "skipped": skip_reason(load)}
             continue
         try:
             yield {"load": load.name, **runner.run(load, new_tokens, batch, n_words)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import random
 from dataclasses import dataclass, replace
@@ -30,6 +31,16 @@ class Load:
     sequential: bool = False  # one request alone, `num` times in a row; medians reported
     # a multi-turn chat: the side in px of the image each turn adds (None: none); `num` conversations at once
     turn_images: tuple[int | None, ...] = ()
+    # mixed lengths (seeded per request, bounds included): image width and height in px each (instead of `size`),
+    # words in the question (else the run's --question_words), new tokens (else the run's --max_new_tokens)
+    size_range: tuple[int, int] | None = None
+    word_range: tuple[int, int] | None = None
+    new_token_range: tuple[int, int] | None = None
+    rate: float | None = None  # Poisson arrivals at this many requests per second (seeded); None: all at once
+
+    @property
+    def has_images(self) -> bool:
+        return self.size is not None or self.size_range is not None
 
     @property
     def concurrency(self) -> int:
@@ -45,8 +56,20 @@ class Load:
 
     @property
     def image_sizes(self) -> set[int]:
-        """Image sides the load sends (for the warm-up)."""
-        return {s for s in (self.size, *self.turn_images) if s is not None}
+        """Image sides the load sends (for the warm-up: a mixed-size load's smallest and largest)."""
+        return {s for s in (self.size, *self.turn_images, *(self.size_range or ())) if s is not None}
+
+    @property
+    def max_images(self) -> int:
+        """Images in one request (a chat's last turn carries every turn's)."""
+        if self.is_chat:
+            return sum(1 for s in self.turn_images if s is not None)
+        return int(self.has_images)
+
+    @property
+    def mixed(self) -> bool:
+        """Requests differ in shape or arrive over time: not a batch HF generate runs alike."""
+        return any(r is not None for r in (self.size_range, self.word_range, self.new_token_range, self.rate))
 
 
 LOADS: dict[str, Load] = {
@@ -63,6 +86,11 @@ LOADS: dict[str, Load] = {
         Load("text_x256", 256, None),
         # the prefix-cache issue: 5 turns, an 896 px image in the first and a 336 px one in the third
         Load("chat896_5turn", 4, 896, turn_images=(896, None, 336, None, None)),
+        # issue 29's mixed lengths: text only, and images of mixed sizes (each side 224-1344 px)
+        Load("text_mixed_x256", 256, None, word_range=(16, 512), new_token_range=(16, 512)),
+        Load("img_mixed_x64", 64, None, size_range=(224, 1344), word_range=(16, 512), new_token_range=(16, 512)),
+        # issue 29's Poisson arrivals: 12 requests/s over ~21 s, images of mixed sizes, mixed output lengths
+        Load("poisson12_x256", 256, None, size_range=(224, 1344), new_token_range=(16, 512), rate=12.0),
     )
 }
 
@@ -143,12 +171,41 @@ def build_prompt(family: str, text: str, with_image: bool) -> str:
     return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{mark}{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def random_png(seed: int, size: int) -> bytes:
-    """Uniform random RGB noise: distinct, incompressible; stored (compress_level 0): deflate cannot shrink noise."""
-    arr = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+def random_png(seed: int, size: int, height: int | None = None) -> bytes:
+    """Uniform random RGB noise, `size` px wide and `height` (default `size`) high: distinct, incompressible; stored
+    (compress_level 0): deflate cannot shrink noise."""
+    arr = np.random.default_rng(seed).integers(0, 256, (height or size, size, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(arr, "RGB").save(buf, format="PNG", compress_level=0)
     return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message as the OpenAI API carries it; a user message's image goes before its text, as the prompt's
+    image mark does."""
+
+    role: str  # system, user or assistant
+    text: str
+    image_png: bytes | None = None
+
+    def openai(self) -> dict:
+        if self.image_png is None:
+            return {"role": self.role, "content": self.text}
+        url = "data:image/png;base64," + base64.b64encode(self.image_png).decode()
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": self.text}]
+        return {"role": self.role, "content": parts}
+
+
+def chat_messages(family: str, turns: list[tuple[str, bytes | None]], answers: list[str]) -> tuple[Message, ...]:
+    """The messages whose chat template renders what `build_prompt` / `chat_prompt` write: the system message
+    (not for LLaVA, whose prompt has none), then each (question, image) turn and the answer after it, if any."""
+    out = [] if family == "llava" else [Message("system", SYSTEM)]
+    for k, (text, image) in enumerate(turns):
+        out.append(Message("user", text, image))
+        if k < len(answers):
+            out.append(Message("assistant", answers[k]))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -156,17 +213,48 @@ class RequestSpec:
     prompt: str
     image_png: bytes | None
     more_images: tuple[bytes, ...] = ()  # after image_png, in the order of the prompt's image marks (chat turns)
+    max_new_tokens: int | None = None  # this request's own (mixed-length loads); None: the run's
+    messages: tuple[Message, ...] = ()  # the same request for the OpenAI chat API
 
     @property
     def images(self) -> list[bytes]:
         return ([self.image_png] if self.image_png is not None else []) + list(self.more_images)
 
-    def body(self, max_new_tokens: int) -> bytes:
-        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the images as base64."""
-        data: dict = {"inputs": self.prompt, "parameters": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    def new_tokens(self, default: int) -> int:
+        return default if self.max_new_tokens is None else self.max_new_tokens
+
+    def body(self, max_new_tokens: int, json_schema: dict | None = None) -> bytes:
+        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the images as base64;
+        `max_new_tokens` unless the request has its own; with `json_schema`, the output follows it (LightLLM's
+        guided_json)."""
+        params = {"max_new_tokens": self.new_tokens(max_new_tokens), "ignore_eos": True}
+        if json_schema is not None:
+            params["guided_json"] = json_schema
+        data: dict = {"inputs": self.prompt, "parameters": params}
         if self.images:
             items = [{"type": "base64", "data": base64.b64encode(png).decode()} for png in self.images]
             data["multimodal_params"] = {"images": items}
+        return json.dumps(data).encode()
+
+    def openai_body(self, max_new_tokens: int, model: str | None, json_schema: dict | None = None) -> bytes:
+        """The OpenAI /v1/chat/completions JSON of the same work: the messages (images as data: URLs), greedy
+        (temperature 0), EOS ignored (`ignore_eos`, an extra field vLLM and mmserve take), streamed with usage
+        (`include_usage` for the final count; `continuous_usage_stats`, vLLM's, for each chunk's count so far);
+        with `json_schema`, OpenAI's response_format json_schema."""
+        if not self.messages:
+            raise ValueError("this request has no chat messages for the OpenAI API")
+        data: dict = {
+            "messages": [m.openai() for m in self.messages],
+            "max_tokens": self.new_tokens(max_new_tokens),
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        if model:
+            data["model"] = model
+        if json_schema is not None:
+            data["response_format"] = {"type": "json_schema", "json_schema": {"name": "load", "schema": json_schema}}
         return json.dumps(data).encode()
 
 
@@ -182,23 +270,69 @@ def requests_for(
     load: Load, family: str, n_words: int = 64, image_round: int = 0
 ) -> tuple[list[RequestSpec], RequestSpec | None]:
     """(timed requests, the cache-warming request sent before them or None). Question i of every load is the same
-    text (so text_x64 is img336_x64 with the image removed); image seeds are unique per load and request, and per
-    `image_round`: a repeat of a load against one running server with a new round misses the embedding cache."""
+    text (so text_x64 is img336_x64 with the image removed; a mixed-length load's has its own length); image seeds are
+    unique per load and request, and per `image_round`: a repeat of a load against one running server with a new
+    round misses the embedding cache. A mixed load's lengths and sizes stay the same from round to round."""
     if load.is_chat:
         raise ValueError(f"{load.name} is a multi-turn chat: its requests depend on the answers (chat_conversations)")
     base = _load_index(load) * 100_000 + image_round * ROUND_STRIDE
-    with_image = load.size is not None
-    shared = random_png(base + 99_999, load.size) if load.same_image and with_image else None
+    shared = random_png(base + 99_999, load.size) if load.same_image and load.size is not None else None
+    shapes = request_shapes(load, n_words)
     specs = []
-    for i in range(load.num):
-        image = None
-        if with_image:
-            image = shared if shared is not None else random_png(base + i, load.size)
-        specs.append(RequestSpec(build_prompt(family, question(i, n_words), with_image), image))
+    for i, shape in enumerate(shapes):
+        image = shared
+        if image is None and shape.image is not None:
+            image = random_png(base + i, *shape.image)
+        specs.append(single_turn(family, question(i, shape.words), image, shape.new_tokens))
     warm = None
     if shared is not None:  # the first question about the image: not one of the timed 64
-        warm = RequestSpec(build_prompt(family, question(99_999, n_words), True), shared)
+        warm = single_turn(family, question(99_999, n_words), shared)
     return specs, warm
+
+
+def single_turn(family: str, text: str, image: bytes | None, max_new_tokens: int | None = None) -> RequestSpec:
+    messages = chat_messages(family, [(text, image)], [])
+    return RequestSpec(build_prompt(family, text, image is not None), image, (), max_new_tokens, messages)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One request's lengths: words in its question, its image's (width, height) or None, its new tokens (None:
+    the run's)."""
+
+    words: int
+    image: tuple[int, int] | None
+    new_tokens: int | None
+
+
+def request_shapes(load: Load, n_words: int = 64) -> list[Shape]:
+    """Each request's lengths: fixed ones from the load (or `n_words`), and a mixed load's drawn uniformly within
+    its bounds from a generator seeded by the load's name, so every run and server gets the same."""
+    rng = random.Random(f"{load.name}:shapes")
+    shapes = []
+    for _ in range(load.num):
+        words = rng.randint(*load.word_range) if load.word_range else n_words
+        image = (load.size, load.size) if load.size is not None else None
+        if load.size_range:
+            image = (rng.randint(*load.size_range), rng.randint(*load.size_range))
+        new_tokens = rng.randint(*load.new_token_range) if load.new_token_range else None
+        shapes.append(Shape(words, image, new_tokens))
+    return shapes
+
+
+def poisson_arrivals(rate: float, num: int, seed: str | int) -> list[float]:
+    """Send times in s of `num` requests arriving as a Poisson process at `rate` per second: exponential gaps of
+    mean 1/rate from a seeded generator, the first request at 0."""
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(rate) for _ in range(num - 1)]
+    return [0.0, *itertools.accumulate(gaps)] if num > 0 else []
+
+
+def arrival_times(load: Load) -> list[float] | None:
+    """The load's send times from its start (seeded by its name), or None when every request goes at once."""
+    if load.rate is None or load.sequential:
+        return None
+    return poisson_arrivals(load.rate, load.num, f"{load.name}:arrivals")
 
 
 def warmup_requests(loads: list[Load], family: str, n_words: int = 64) -> list[RequestSpec]:
@@ -208,7 +342,7 @@ def warmup_requests(loads: list[Load], family: str, n_words: int = 64) -> list[R
     for k, size in enumerate(kinds):
         for j in range(2):
             image = random_png(900_000 + 10 * k + j, size) if size else None
-            out.append(RequestSpec(build_prompt(family, question(900_000 + j, n_words), size > 0), image))
+            out.append(single_turn(family, question(900_000 + j, n_words), image))
     return out
 
 
@@ -261,9 +395,11 @@ class Conversation:
         if k >= len(self.turns):
             raise ValueError(f"the conversation has {len(self.turns)} turns; {k} answers leave none to ask")
         turns = list(self.turns[: k + 1])
-        prompt = chat_prompt(self.family, turns, [clean_answer(self.family, a) for a in answers])
+        cleaned = [clean_answer(self.family, a) for a in answers]
+        prompt = chat_prompt(self.family, turns, cleaned)
         images = [t.image_png for t in turns if t.image_png is not None]
-        return RequestSpec(prompt, images[0] if images else None, tuple(images[1:]))
+        messages = chat_messages(self.family, [(t.question, t.image_png) for t in turns], cleaned)
+        return RequestSpec(prompt, images[0] if images else None, tuple(images[1:]), messages=messages)
 
 
 def chat_conversations(load: Load, family: str, n_words: int = 64) -> list[Conversation]:

@@ -1,14 +1,20 @@
 """Serving benchmark (issue 13): the named loads against a running server that speaks LightLLM's `/generate_stream`
-(mmserve or LightLLM itself, `--url`), or against an mmserve server this script starts (`--model_dir`, no `--url`).
-One JSON line per load on stdout; progress bars and logs on stderr.
+(mmserve or LightLLM itself, `--url`), or with `--api openai` OpenAI's `/v1/chat/completions` (vLLM or mmserve), or
+against an mmserve server this script starts (`--model_dir`, no `--url`). One JSON line per load on stdout; progress
+bars and logs on stderr.
 
     python benchmarks/serve_bench.py --url http://127.0.0.1:18090 --name lightllm --loads img336_x64,one_336
     python benchmarks/serve_bench.py --model_dir /tmp/q7 --startup --hf --hf_loads img336_x64,img896_x64
     python benchmarks/serve_bench.py --url http://127.0.0.1:18123 --num_requests 4 --repeats 2 --max_new_tokens 8
+    python benchmarks/serve_bench.py --url http://127.0.0.1:18091 --api openai --model_name model --loads poisson12_x256
+    python benchmarks/serve_bench.py --url http://127.0.0.1:18123 --loads img336_x64,text_x64 --json_schema builtin
 
 Loads (benchmarks/loads.py): img336_x64, img896_x64, img896_same_x64, one_336, one_896, img336_x256, text_x64,
-text_one, text_x256, chat896_5turn. 128 new tokens, greedy, `ignore_eos`, streamed; token counts from the final
-event's `token.count_output_tokens`; TTFT is the first event's arrival; TPOT as benchmarks/bench_stats.py explains.
+text_one, text_x256, chat896_5turn, and the mixed ones text_mixed_x256, img_mixed_x64 (lengths and image sizes per
+request) and poisson12_x256 (Poisson arrivals at 12 req/s). 128 new tokens (a mixed load's own per request), greedy,
+`ignore_eos`, streamed (`--json_schema PATH|builtin|builtin_maxlength`: each output constrained to a JSON schema,
+benchmarks/json_schema_load.py); token counts from the final event's `token.count_output_tokens`; TTFT is the first
+event's arrival; TPOT as benchmarks/bench_stats.py explains. Through the OpenAI API: benchmarks/openai_stream.py.
 `--client_procs N` splits each concurrent load over N client processes that start sending at one instant: one
 asyncio client spends ~17 ms of CPU pushing each 3.2 MB body (896 px) and cannot read first tokens meanwhile.
 
@@ -25,163 +31,53 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/serve_bench.py` from anywhere
 
+from benchmarks.bench_client import (  # noqa: E402
+    SENDERS,
+    log,
+    run_concurrent,
+    run_concurrent_in_procs,
+    run_sequential,
+    tqdm,
+)
 from benchmarks.bench_stats import RequestResult, by_turn, summarize  # noqa: E402
+from benchmarks.json_schema_load import load_schema  # noqa: E402
 from benchmarks.loads import (  # noqa: E402
     FAMILIES,
     Conversation,
     Load,
     RequestSpec,
+    arrival_times,
     chat_conversations,
     requests_for,
     select_loads,
     warmup_requests,
 )
+from benchmarks.openai_stream import served_model  # noqa: E402
 from benchmarks.proc_cpu import cpu_delta, session_cpu  # noqa: E402
 
-try:
-    from tqdm import tqdm
-except ImportError:  # progress bars are a nicety
-    tqdm = None
 
-
-def log(msg: str) -> None:
-    print(f"[serve_bench] {msg}", file=sys.stderr, flush=True)
-
-
-def event_count(event: dict) -> int | None:
-    """Cumulative output tokens of a stream event (under "token", in both servers' events)."""
-    token = event.get("token")
-    return token.get("count_output_tokens") if isinstance(token, dict) else None
-
-
-def event_text(event: dict) -> str:
-    """The event's new text piece (`token.text` in both servers' events)."""
-    token = event.get("token")
-    text = token.get("text") if isinstance(token, dict) else None
-    return text if isinstance(text, str) else ""
-
-
-def event_prompt_tokens(event: dict) -> int | None:
-    token = event.get("token")
-    return token.get("prompt_tokens") if isinstance(token, dict) else None
-
-
-async def one_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:
-    r = RequestResult()
-    t0 = time.perf_counter()
-    try:
-        headers = {"Content-Type": "application/json"}
-        async with client.stream("POST", url + "/generate_stream", content=body, headers=headers) as resp:
-            r.headers = time.perf_counter() - t0
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                now = time.perf_counter() - t0
-                event = json.loads(line[5:])
-                if "error" in event:
-                    r.error = str(event["error"])
-                    break
-                r.events.append((now, event_count(event)))
-                r.text += event_text(event)
-                if r.prompt_tokens is None:
-                    r.prompt_tokens = event_prompt_tokens(event)
-                if event.get("finished"):
-                    r.tokens = event_count(event) or 0
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        r.error = f"{type(e).__name__}: {e}"
-    r.latency = time.perf_counter() - t0
-    if r.error is None and not r.tokens:
-        r.error = "stream ended without a finished event"
-    return r
-
-
-async def run_concurrent(
-    url: str, bodies: list[bytes], desc: str, timeout: float, progress: bool = True
-) -> tuple[list[RequestResult], float, float]:
-    """All requests at once; (results, wall time from the first send to the last stream's end, this client's CPU
-    seconds meanwhile)."""
-    limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
-    bar = tqdm(total=len(bodies), desc=desc, file=sys.stderr, leave=False) if tqdm and progress else None
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-
-        async def tracked(body: bytes) -> RequestResult:
-            res = await one_request(client, url, body)
-            if bar is not None:
-                bar.update(1)
-            return res
-
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        results = await asyncio.gather(*(tracked(b) for b in bodies))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    if bar is not None:
-        bar.close()
-    return list(results), wall, cpu
-
-
-def run_concurrent_in_procs(
-    url: str, bodies: list[bytes], desc: str, timeout: float, procs: int
-) -> tuple[list[RequestResult], float, float]:
-    """run_concurrent split over `procs` client processes that start sending at one agreed instant, so that the
-    client's own CPU (httpx pushing multi-MB bodies, ~17 ms each, while it cannot read the first tokens) does not
-    bound the load: (results in the bodies' order, wall time from that instant to the last stream's end, the CPU
-    seconds of all the client processes)."""
-    shares = [bodies[i::procs] for i in range(procs)]  # round robin: each process gets a mix
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=procs, mp_context=ctx) as pool:
-        while len(set(pool.map(_client_ready, range(procs)))) < procs:  # until every process has started
-            pass
-        start_at = time.time() + 0.2
-        parts = list(pool.map(_client_share, [url] * procs, shares, [timeout] * procs, [start_at] * procs))
-    results: list[RequestResult] = [RequestResult()] * len(bodies)
-    for i, (share_results, _, _) in enumerate(parts):
-        results[i::procs] = share_results
-    wall = max(end for _, end, _ in parts) - start_at
-    log(f"{desc}: {len(bodies)} requests from {procs} client processes in {wall:.2f} s")
-    return results, wall, sum(cpu for _, _, cpu in parts)
-
-
-def _client_ready(_: int) -> int:
-    time.sleep(0.1)  # held a moment, so that each process of the pool takes one of these
-    return os.getpid()
-
-
-def _client_share(url: str, bodies: list[bytes], timeout: float, start_at: float) -> tuple[list, float, float]:
-    """In a client process: wait for the agreed instant, send its share at once; (results, end time, CPU s)."""
-    time.sleep(max(0.0, start_at - time.time()))
-    results, wall, cpu = asyncio.run(run_concurrent(url, bodies, "", timeout, progress=False))
-    return results, start_at + wall, cpu
-
-
-async def run_sequential(
-    url: str, bodies: list[bytes], desc: str, timeout: float
-) -> tuple[list[RequestResult], float, float]:
-    results, wall, cpu0 = [], 0.0, time.process_time()
-    async with httpx.AsyncClient(timeout=timeout) as client:
-        for body in tqdm(bodies, desc=desc, file=sys.stderr, leave=False) if tqdm else bodies:
-            t0 = time.perf_counter()
-            results.append(await one_request(client, url, body))
-            wall += time.perf_counter() - t0
-    return results, wall, time.process_time() - cpu0
+def encode(spec: RequestSpec, max_new_tokens: int, args: argparse.Namespace) -> bytes:
+    """The request's body in the API under test (`args.api`; the OpenAI one names `args.model_name`), its output
+    constrained to `args.json_schema` if given."""
+    schema = load_schema(args.json_schema)
+    if args.api == "openai":
+        return spec.openai_body(max_new_tokens, args.model_name, schema)
+    return spec.body(max_new_tokens, schema)
 
 
 async def run_chats(
-    url: str, convs: list[Conversation], max_new_tokens: int, desc: str, timeout: float
+    url: str, convs: list[Conversation], desc: str, args: argparse.Namespace
 ) -> tuple[list[list[RequestResult]], float, float]:
     """The conversations at once, each one's turns in a row (turn k+1 sent when turn k's stream ended, with its
     answer in the history); after a failed turn the conversation stops, its later turns counted as errors. Wall time
@@ -189,13 +85,14 @@ async def run_chats(
     limits = httpx.Limits(max_connections=len(convs) + 8, max_keepalive_connections=len(convs) + 8)
     total = sum(len(c.turns) for c in convs)
     bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False) if tqdm else None
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    send = SENDERS[args.api]
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
 
         async def converse(conv: Conversation) -> list[RequestResult]:
             results: list[RequestResult] = []
             answers: list[str] = []
             for k in range(len(conv.turns)):
-                r = await one_request(client, url, conv.request(answers).body(max_new_tokens))
+                r = await send(client, url, encode(conv.request(answers), args.max_new_tokens, args))
                 results.append(r)
                 if bar is not None:
                     bar.update(1)
@@ -217,37 +114,56 @@ async def run_chats(
 
 def run_chat_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
     convs = chat_conversations(load, family, args.question_words)
-    per_conv, wall, cpu = asyncio.run(run_chats(url, convs, args.max_new_tokens, load.name, args.timeout))
-    summary = summarize([r for conv in per_conv for r in conv], wall)
+    per_conv, wall, cpu = asyncio.run(run_chats(url, convs, load.name, args))
+    results = [r for conv in per_conv for r in conv]
+    summary = summarize(results, wall)
     summary["client_cpu_s"] = round(cpu, 2)
     summary.update(conversations=len(convs), turns=load.turns)
     summary.update(by_turn(per_conv, with_headers="ttft_caveat" in summary))
-    if summary["output_tokens_min"] != args.max_new_tokens:
-        summary["short_requests_caveat"] = f"a request got {summary['output_tokens_min']} < {args.max_new_tokens}"
+    summary.update(short_requests(results, [args.max_new_tokens] * len(results)))
     return summary
+
+
+def short_requests(results: list[RequestResult], wanted: list[int]) -> dict:
+    """A caveat when a finished request got fewer tokens than it asked for (EOS is ignored, so none should)."""
+    short = [(r.tokens, n) for r, n in zip(results, wanted, strict=True) if r.error is None and r.tokens < n]
+    if not short:
+        return {}
+    got, asked = short[0]
+    return {"short_requests_caveat": f"{len(short)} request(s) got fewer tokens than asked, e.g. {got} < {asked}"}
 
 
 def run_load(url: str, load: Load, family: str, args: argparse.Namespace) -> dict:
     if load.is_chat:
         return run_chat_load(url, load, family, args)
     specs, warm = requests_for(load, family, args.question_words, args.image_round)
-    bodies = [s.body(args.max_new_tokens) for s in specs]
+    bodies = [encode(s, args.max_new_tokens, args) for s in specs]
     if warm is not None:  # the image is seen once before: the timed requests hit the embedding cache
-        res, _, _ = asyncio.run(run_sequential(url, [warm.body(args.max_new_tokens)], "cache warm", args.timeout))
+        warm_body = encode(warm, args.max_new_tokens, args)
+        res, _, _ = asyncio.run(run_sequential(url, [warm_body], "cache warm", args.timeout, args.api))
         if res[0].error:
             log(f"{load.name}: the cache-warming request failed: {res[0].error}")
+    send_at = arrival_times(load)
     if load.sequential:
-        results, wall, cpu = asyncio.run(run_sequential(url, bodies, load.name, args.timeout))
+        results, wall, cpu = asyncio.run(run_sequential(url, bodies, load.name, args.timeout, args.api))
     elif args.client_procs > 1:
-        results, wall, cpu = run_concurrent_in_procs(url, bodies, load.name, args.timeout, args.client_procs)
+        results, wall, cpu = run_concurrent_in_procs(
+            url, bodies, load.name, args.timeout, args.client_procs, args.api, send_at
+        )
     else:
-        results, wall, cpu = asyncio.run(run_concurrent(url, bodies, load.name, args.timeout))
+        results, wall, cpu = asyncio.run(
+            run_concurrent(url, bodies, load.name, args.timeout, api=args.api, send_at=send_at)
+        )
     summary = summarize(results, wall, sequential=load.sequential)
     summary["client_cpu_s"] = round(cpu, 2)  # while sending and reading: near wall_s, the client bounds the load
     if args.client_procs > 1 and not load.sequential:
         summary["client_procs"] = args.client_procs
-    if summary["output_tokens_min"] != args.max_new_tokens:
-        summary["short_requests_caveat"] = f"a request got {summary['output_tokens_min']} < {args.max_new_tokens}"
+    if send_at is not None:  # the offered load: req_per_s cannot pass it
+        summary.update(arrival_rate_per_s=load.rate, arrivals_span_s=send_at[-1])
+    wanted = [s.new_tokens(args.max_new_tokens) for s in specs]
+    if load.new_token_range is not None:
+        summary["new_tokens_asked"] = sum(wanted)
+    summary.update(short_requests(results, wanted))
     return summary
 
 
@@ -264,7 +180,8 @@ def measured(runner, url: str, load: Load, args: argparse.Namespace, session: in
 def warm_up(url: str, loads: list[Load], family: str, args: argparse.Namespace) -> None:
     specs: list[RequestSpec] = warmup_requests(loads, family, args.question_words)
     t0 = time.perf_counter()
-    results, _, _ = asyncio.run(run_concurrent(url, [s.body(16) for s in specs], "warm-up", args.timeout))
+    bodies = [encode(s, 16, args) for s in specs]
+    results, _, _ = asyncio.run(run_concurrent(url, bodies, "warm-up", args.timeout, api=args.api))
     errors = [r.error for r in results if r.error]
     log(
         f"warm-up: {len(specs)} requests in {time.perf_counter() - t0:.1f} s"
@@ -323,6 +240,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "to report their CPU seconds per load; the server started here is measured anyway",
     )
     ap.add_argument("--name", default=None, help='"server" in the JSON lines (default: mmserve)')
+    ap.add_argument(
+        "--api",
+        choices=tuple(SENDERS),
+        default="lightllm",
+        help="lightllm: /generate_stream; openai: /v1/chat/completions, streamed with usage (vLLM, mmserve)",
+    )
+    ap.add_argument(
+        "--model_name", default=None, help='--api openai: the "model" to send (default: the first /v1/models lists)'
+    )
     ap.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
     ap.add_argument("--model_dir", default=None, help="checkpoint for the server started here, and for --hf")
     ap.add_argument("--loads", default="all", help="comma-separated load names, or all")
@@ -332,6 +258,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max_new_tokens", type=int, default=128)
     ap.add_argument("--question_words", type=int, default=64, help="words in each question")
     ap.add_argument("--no_warmup", action="store_true")
+    ap.add_argument(
+        "--json_schema",
+        default=None,
+        help="PATH of a JSON schema, builtin or builtin_maxlength (benchmarks/json_schema_load.py): every request's "
+        "output follows it (guided_json)",
+    )
     ap.add_argument(
         "--image_round",
         type=int,
@@ -361,7 +293,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     loads = select_loads(args.loads, args.num_requests, args.repeats, args.counts)
     name = args.name or "mmserve"
-    common = {"server": name, "family": args.family, "max_new_tokens": args.max_new_tokens}
+    common = {"server": name, "family": args.family, "max_new_tokens": args.max_new_tokens, "api": args.api}
+    if args.json_schema is not None:
+        common["json_schema"] = args.json_schema
     proc = None
     url = args.url.rstrip("/") if args.url else None
     if loads and url is None:
@@ -369,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.startup:
             emit({**common, "load": "start_to_healthy", "startup_s": startup})
     try:
+        if loads and args.api == "openai" and args.model_name is None:
+            args.model_name = served_model(url)
         if loads and not args.no_warmup:
             warm_up(url, loads, args.family, args)
         session = proc.pid if proc is not None else args.server_session

@@ -10,7 +10,8 @@ For each tower shape (random weights from mmserve/testing/checkpoints/qwen2_vl.p
 2. our tower (`Qwen2VLVisionModel.encode`: our fused layers, packed attention, host-built index, pinned upload)
    against HF's tower with `sdpa` attention (one SDPA call per image per block) on a batch of mixed sizes and on one
    of a single size (ours inside both), within bf16 tolerance;
-3. throughput, images/s, of both paths for 64 images at 336 px and 16 at 896 px (host pixels -> device embeddings).
+3. throughput, images/s, of both paths for 64 images at 336 px and 16 at 896 px (ours: the workers' uint8 images ->
+   embeddings, the processor's float steps on the device; HF's: the processor's patches on the host -> embeddings).
 Prints one JSON line per measurement; exits non-zero if a check fails.
 """
 
@@ -24,7 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from transformers import Qwen2VLConfig, Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
@@ -59,7 +62,7 @@ def build_towers(shape: str, dtype: torch.dtype, device: torch.device) -> tuple[
         s.name: make_tensor(s, dtype, generator, str(device)) for s in vision_tensor_specs(cfg["vision_config"], "")
     }
     vision_config._attn_implementation = "sdpa"
-    processor = Qwen2VLImageProcessor(image_mean=CLIP_MEAN, image_std=CLIP_STD)  # unused by encode
+    processor = Qwen2VLImageProcessor(image_mean=CLIP_MEAN, image_std=CLIP_STD)  # max_pixels 1003520: 896 px fits
     # Qwen2VLVisionModel swaps our layers into its own tower; the other stays HF's, with sdpa attention.
     ours = Qwen2VLVisionModel(_tower(vision_config, state, dtype, device), processor, cache_salt="bench")
     return ours, _tower(vision_config, state, dtype, device)
@@ -74,24 +77,24 @@ def _tower(vision_config, state: dict[str, torch.Tensor], dtype: torch.dtype, de
     return tower.eval()
 
 
-def random_images(sides: list[tuple[int, int]], seed: int = 0) -> list[ImageInput]:
-    """Preprocessed-image stand-ins: normalized pixel patches of each size's grid (what the processor emits)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for w, h in sides:
-        grid = (1, h // PATCH, w // PATCH)
-        pixels = torch.randn(grid[1] * grid[2], 3 * 2 * PATCH * PATCH, generator=g)  # [patches, C*T*P*P]
-        out.append(ImageInput(pixels, num_tokens=grid[1] * grid[2] // MERGE**2, grid_thw=grid))
-    return out
+def random_images(ours: Qwen2VLVisionModel, sides: list[tuple[int, int]], seed: int = 0) -> list[ImageInput]:
+    """Random images of each size (width, height), as the worker pool hands them to `encode` (uint8, resized)."""
+    rng = np.random.default_rng(seed)
+    return [ours.preprocess(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))) for w, h in sides]
+
+
+def hf_inputs(ours: Qwen2VLVisionModel, images: list[ImageInput]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's tower inputs for the same images: the processor's patches [patches, C*T*P*P] on the host, the grids."""
+    patches = ours.preprocessor().to_patches([im.pixel_values for im in images])
+    return patches, torch.tensor([im.grid_thw for im in images])
 
 
 @torch.inference_mode()
-def hf_encode(tower: torch.nn.Module, images: list[ImageInput]) -> torch.Tensor:
-    """The old path: pixels uploaded as they are, grid on the device, HF's per-image SDPA attention."""
+def hf_encode(tower: torch.nn.Module, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The old path: patches uploaded as they are, grid on the device, HF's per-image SDPA attention."""
     device, dtype = tower.get_device(), tower.get_dtype()
-    pixels = torch.cat([im.pixel_values for im in images]).to(device=device, dtype=dtype)
-    grid = torch.tensor([im.grid_thw for im in images], device=device)
-    return tower(pixels, grid_thw=grid).pooler_output  # [tokens, hidden]
+    patches, grid = inputs
+    return tower(patches.to(device=device, dtype=dtype), grid_thw=grid.to(device)).pooler_output  # [tokens, hidden]
 
 
 def close(ours: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -161,8 +164,8 @@ def bench_shape(shape: str, dtype: torch.dtype, device: torch.device, loads: lis
     tower_checks = []
     with torch.inference_mode():
         for sides in (CHECK_SIDES, UNIFORM_SIDES):
-            images = random_images(sides)
-            tower_checks.append(close(torch.cat(ours.encode(images)), hf_encode(hf, images)))
+            images = random_images(ours, sides)
+            tower_checks.append(close(torch.cat(ours.encode(images)), hf_encode(hf, hf_inputs(ours, images))))
     print(json.dumps({"shape": shape, "check": "kernel", **kernel_check}))
     for sides, check in zip((CHECK_SIDES, UNIFORM_SIDES), tower_checks, strict=True):
         print(json.dumps({"shape": shape, "check": "tower vs HF sdpa", "sides": sides, **check}))
@@ -170,8 +173,9 @@ def bench_shape(shape: str, dtype: torch.dtype, device: torch.device, loads: lis
         for row in attention_timings(device, dtype, vc.num_heads, vc.embed_dim // vc.num_heads, iters):
             print(json.dumps({"shape": shape, "attention": "flash vs ours", **row}))
     for side, batch in loads:
-        imgs = random_images([(side, side)] * batch, seed=side)
-        old = images_per_s(lambda: hf_encode(hf, imgs), batch, iters, device)  # noqa: B023 - called right here
+        imgs = random_images(ours, [(side, side)] * batch, seed=side)
+        inputs = hf_inputs(ours, imgs)
+        old = images_per_s(lambda: hf_encode(hf, inputs), batch, iters, device)  # noqa: B023 - called right here
         new = images_per_s(lambda: ours.encode(imgs), batch, iters, device)  # noqa: B023
         result = {"hf_sdpa_images_per_s": round(old, 1), "packed_images_per_s": round(new, 1)}
         print(json.dumps({"shape": shape, "px": side, "batch": batch, **result, "speedup": round(new / old, 2)}))

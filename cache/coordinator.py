@@ -51,9 +51,15 @@ class CacheCoordinator:
         self.images_encoded = 0
         self.down_reason: str | None = None  # set while the visual process is down
 
-    async def acquire(self, images: list[tuple[str, bytes | None]], options: dict | None = None) -> list[CacheEntry]:
-        """Hold the cache entries of one request's images (key, bytes), in order, once all are READY; `options`:
-        the request's preprocessing options, sent with each new image (its key must cover them). Waits while
+    async def acquire(
+        self,
+        images: list[tuple[str, bytes | None]],
+        videos: dict[str, dict] | None = None,
+        options: dict | None = None,
+    ) -> list[CacheEntry]:
+        """Hold the cache entries of one request's images (key, bytes), in order, once all are READY. `videos` maps
+        the keys that are videos to their sampling parameters; `options` are the request's preprocessing options for
+        its images (their keys cover them); each new item's encode job carries what applies to it. Waits while
         the cache has no free room. Bytes may be None for an image the caller expects to be cached already; if it
         is not, MissingImageData is raised before anything changes. Raises CacheCapacityError (too many images for
         the cache), ImageEncodeError or EncoderUnavailable; on any error, or if cancelled, nothing stays held."""
@@ -72,7 +78,8 @@ class CacheCoordinator:
                 await self._room.wait()
         for key in new:
             self._pending[key] = asyncio.get_running_loop().create_future()
-            self._send_job(EncodeJob(key, data[key], options or {}))
+            video = (videos or {}).get(key)
+            self._send_job(EncodeJob(key, data[key], video, (options or {}) if video is None else {}))
         # Every future now, before the first wait: a result pops its key's future, maybe while we wait on another.
         waits = {e.key: self._pending[e.key] for e in entries if e.state is EntryState.PENDING}
         try:

@@ -31,6 +31,7 @@ class FamilySpec:
     # Optional capabilities:
     checks_image_size: bool = False  # prompt processor's `check_image_size(w, h)`: a refused size is a 400
     images_in_prompt: bool = False  # prompt processor's `image_items`: images named inside the prompt (Qwen-VL)
+    videos: bool = False  # video input: the prompt processor's video methods and the vision preprocessor's `video`
     dummy_vision_weights: bool = False  # vision's `from_pretrained(..., dummy=True)`: --load_format dummy
     # prompt processor's `encode_tiled` and the preprocessor's `max_patches`: LightLLM's `image_max_patch_num`
     tiles_images: bool = False

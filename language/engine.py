@@ -7,15 +7,15 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 
 from language.config import EngineConfig, resolve_device
-from language.engine_stats import EngineStats
+from language.engine_stats import EngineStats, StepCounters
 from language.grammar import Grammars, VocabularyBuilder
 from language.model_builder import build_kv_cache, load_model, model_config
+from language.model_info import ModelInfo
 from language.model_runner import InflightStep, ModelRunner
 from language.parallel.group import TPGroup, init_tp
 from language.parallel.step_sync import StepChannel
@@ -30,7 +30,6 @@ from language.request import (
     RequestStatus,
     TopLogprobs,
     length_error,
-    request_limit,
 )
 from language.sampling_params import InvalidParams
 from language.scheduler import Scheduler, StepPlan
@@ -39,46 +38,6 @@ from language.structured import StructuredDecoding
 from language.warmup import warmup
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    architecture: str
-    eos_token_ids: tuple[int, ...]
-    vocab_size: int
-    hidden_size: int
-    mm_embed_width: int  # columns of an image-embedding row (the hidden size, or more: Qwen3-VL's DeepStack)
-    dtype: torch.dtype
-    device: torch.device
-    max_total_token_num: int
-    max_req_total_len: int
-
-    @property
-    def request_limit(self) -> int:
-        return request_limit(self.max_req_total_len, self.max_total_token_num)
-
-
-@dataclass
-class StepCounters:
-    """Cumulative work of the engine, for throughput logs."""
-
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    busy_s: float = 0.0  # wall time inside step() that ran a batch
-    tower_waits: int = 0  # decode-only steps held back while the vision tower ran (the router's tower turn)
-
-    def summary(self, since: StepCounters, elapsed_s: float) -> str:
-        """Throughput since an earlier snapshot. `busy` is host time inside step(), which with the overlapped
-        loop includes waiting for the device."""
-        steps = self.steps - since.steps
-        busy = self.busy_s - since.busy_s
-        return (
-            f"{steps} steps ({busy / max(steps, 1) * 1e3:.1f} ms each), "
-            f"prefill {(self.prefill_tokens - since.prefill_tokens) / elapsed_s:.0f} tok/s, "
-            f"decode {(self.decode_tokens - since.decode_tokens) / elapsed_s:.0f} tok/s, busy {busy / elapsed_s:.0%}"
-            + (f", {self.tower_waits - since.tower_waits} steps held for the tower" if self.tower_waits else "")
-        )
 
 
 class EngineCore:

@@ -83,6 +83,7 @@ class MultimodalItem:
     key: str = ""  # the embedding cache key, so the owner can release it
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid, for M-RoPE positions
     length: int = 0  # placeholder tokens, when there are no embeddings
+    second_per_grid_t: float | None = None  # a video's seconds per temporal patch (M-RoPE time axis); None: an image
 
     @property
     def num_tokens(self) -> int:

@@ -64,7 +64,7 @@ class VisualEncoder:
 
     def submit(self, job: EncodeJob) -> None:
         arrived = time.perf_counter()
-        fut = self.pool.submit(job.data, job.options)
+        fut = self.pool.submit(job.data, job.video, job.options)
         self._incoming.put((job.key, arrived, fut))
         fut.add_done_callback(self._on_done)
         self._wake.set()

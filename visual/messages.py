@@ -3,11 +3,12 @@
     HTTP --EncodeJob--> visual --EncodeDone | EncodeFailed--> HTTP
     visual --VisualReady--> parent (once, over the start pipe, after the model loaded)
 
-Small pickled dataclasses, but for EncodeJob: two frames, its key and the image bytes, sent without a copy (pickling
-a 2.4 MB PNG and handing it to zmq copied it twice, ~5 ms of the HTTP process per 896 px image), and a third, JSON,
-for a request's preprocessing options when it has any (InternVL's tile cap). The image bytes
-travel once (HTTP -> visual, compressed as uploaded); the embeddings never cross a socket, they are written into the
-shared-memory segment named after the key.
+Small pickled dataclasses, but for EncodeJob: two frames, its key and the file's bytes, sent without a copy (pickling
+a 2.4 MB PNG and handing it to zmq copied it twice, ~5 ms of the HTTP process per 896 px image), and a third, a JSON
+object, when the item has preprocessing parameters: {"video": {...}} (a video's sampling) and/or {"options": {...}}
+(the request's preprocessor keyword arguments, e.g. InternVL's tile cap). The bytes travel once (HTTP -> visual,
+compressed as uploaded); the embeddings never cross a socket, they are written into the shared-memory segment named
+after the key.
 """
 
 from __future__ import annotations
@@ -18,28 +19,41 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class EncodeJob:
-    """Encode one image and store its embeddings under `key` (a new, PENDING cache entry)."""
+    """Encode one image or video and store its embeddings under `key` (a new, PENDING cache entry). `video` and
+    `options` change what the preprocessing makes, so the HTTP process's `key` covers them (with the bytes)."""
 
     key: str
-    data: bytes  # the image file's bytes, already validated by the HTTP process
-    # keyword arguments of the family's preprocessor for this request (e.g. {"max_patches": 6}); part of `key`
-    options: dict = field(default_factory=dict)
+    data: bytes  # the image or video file's bytes, already checked by the HTTP process
+    video: dict | None = None  # a video's effective sampling parameters (JSON values); None: an image
+    options: dict = field(default_factory=dict)  # the preprocessor's keyword arguments (e.g. {"max_patches": 6})
 
     def frames(self) -> list[bytes]:
-        """The job as zmq frames: [key, data] or [key, data, options as JSON] (send_multipart with copy=False sends
+        """The job as zmq frames: [key, data] or [key, data, params as JSON] (send_multipart with copy=False sends
         `data` in place)."""
         head = [self.key.encode(), self.data]
-        return head + [json.dumps(self.options).encode()] if self.options else head
+        params = self._params()
+        return head + [json.dumps(params).encode()] if params else head
+
+    def _params(self) -> dict[str, dict]:
+        params = {}
+        if self.video is not None:
+            params["video"] = self.video
+        if self.options:
+            params["options"] = self.options
+        return params
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> EncodeJob:
         """The job `frames` made; ValueError for anything else."""
         if len(frames) not in (2, 3):
             raise ValueError(f"an EncodeJob is 2 or 3 frames, got {len(frames)}")
-        options = json.loads(bytes(frames[2])) if len(frames) == 3 else {}
-        if not isinstance(options, dict):
-            raise ValueError("an EncodeJob's options are a JSON object")
-        return cls(bytes(frames[0]).decode(), bytes(frames[1]), options)
+        params = json.loads(bytes(frames[2])) if len(frames) == 3 else {}
+        if not isinstance(params, dict) or not set(params) <= {"video", "options"}:
+            raise ValueError("an EncodeJob's third frame is a JSON object of 'video' and 'options'")
+        video, options = params.get("video"), params.get("options", {})
+        if not (video is None or isinstance(video, dict)) or not isinstance(options, dict):
+            raise ValueError("an EncodeJob's video sampling and options are JSON objects")
+        return cls(bytes(frames[0]).decode(), bytes(frames[1]), video, options)
 
 
 @dataclass(frozen=True)

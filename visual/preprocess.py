@@ -144,9 +144,21 @@ def decode_and_preprocess(
     return out
 
 
-def _worker_task(data: bytes, shm_prefix: str, options: dict | None = None) -> ImageInput:
+def decode_video_and_preprocess(data: bytes, sampling: dict, preprocessor=None) -> ImageInput:
+    """Video file bytes -> the model's input: the family's preprocessor's `video` (families that serve video, see
+    families/spec.py) samples, decodes and preprocesses the frames. Raises BadImage (BadVideo) for a bad file."""
+    start = time.perf_counter()
+    out = (preprocessor or _worker_preprocessor).video(data, sampling)
+    out.preprocess_s = time.perf_counter() - start  # decoding and preprocessing interleave in one call
+    return out
+
+
+def _worker_task(data: bytes, shm_prefix: str, video: dict | None = None, options: dict | None = None) -> ImageInput:
     """In a worker process: the model input, its pixels left in a shared-memory segment."""
-    out = decode_and_preprocess(data, None, options)
+    if video is None:
+        out = decode_and_preprocess(data, None, options)
+    else:
+        out = decode_video_and_preprocess(data, video)
     out.pixel_values = share_tensor(out.pixel_values, shm_prefix)
     return out
 
@@ -184,7 +196,7 @@ class PreprocessPool:
         if num_workers > 0:
             self._start_processes(model.preprocessor(), num_workers, shm_prefix)
         else:
-            self._start_threads(model.preprocess, num_workers, shm_prefix)
+            self._start_threads(model.preprocess, num_workers, shm_prefix, model.preprocessor())
 
     @classmethod
     def of_preprocessor(cls, preprocessor: Preprocessor, num_workers: int, shm_prefix: str | None = None):
@@ -227,8 +239,11 @@ class PreprocessPool:
             initargs=(self._pickled, self._handoff),
         )
 
-    def _start_threads(self, preprocess: Preprocessor, num_workers: int, shm_prefix: str | None) -> None:
+    def _start_threads(
+        self, preprocess: Preprocessor, num_workers: int, shm_prefix: str | None, video_preprocessor=None
+    ) -> None:
         self._preprocessor = preprocess
+        self._video_preprocessor = video_preprocessor or preprocess  # the object whose `video` reads videos
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
         self._executor = ThreadPoolExecutor(max(1, num_workers), thread_name_prefix="preprocess")
         self._starting = []
@@ -251,16 +266,18 @@ class PreprocessPool:
         if self._handoff is not None:
             self._handoff.barrier = None
 
-    def submit(self, data: bytes, options: dict | None = None) -> Future[ImageInput]:
-        """Decode + preprocess in the pool (`options`: the preprocessor's keyword arguments for this image); pass
-        the finished future to `collect` (once)."""
+    def submit(self, data: bytes, video: dict | None = None, options: dict | None = None) -> Future[ImageInput]:
+        """Decode + preprocess an image (`options`: the preprocessor's keyword arguments for it) or a video (with its
+        sampling parameters) in the pool; pass the finished future to `collect` (once)."""
         if self._preprocessor is not None:
+            if video is not None:
+                return self._executor.submit(decode_video_and_preprocess, data, video, self._video_preprocessor)
             return self._executor.submit(decode_and_preprocess, data, self._preprocessor, options)
         try:
-            return self._executor.submit(_worker_task, data, self._shm_prefix, options)
+            return self._executor.submit(_worker_task, data, self._shm_prefix, video, options)
         except BrokenProcessPool:  # a worker died: what the pool held has failed; a new pool takes this image
             self._replace_broken_pool()
-            return self._executor.submit(_worker_task, data, self._shm_prefix, options)
+            return self._executor.submit(_worker_task, data, self._shm_prefix, video, options)
 
     def _replace_broken_pool(self) -> None:
         """The broken executor has already stopped its other workers and failed their futures; its workers here

@@ -17,15 +17,19 @@ from mmserve.http.chat_tools import TOOL_FIELDS, ToolRequest, assistant_tool_cal
 from mmserve.http.openai_extras import EXTRA_NAMES, check_batch_size, completion_prompts, extra_kwargs
 from mmserve.http.protocol import BadRequest, GenerateInput
 from mmserve.http.reasoning_parsers import prompt_opens_thinking
+from mmserve.http.structured import OPENAI_NAMES as STRUCTURED_NAMES
+from mmserve.http.structured import openai_constraint, openai_field, with_constraint
 from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy
 from mmserve.prep.multimodal.qwen_vl import read_allowed_path
 
 SAMPLING_NAMES = frozenset(
     {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
-     "ignore_eos", "user", "model"}
+     "ignore_eos", "user", "model", *STRUCTURED_NAMES}
 ) | EXTRA_NAMES  # fmt: skip
-CHAT_NAMES = SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt"} | TOOL_FIELDS
+CHAT_NAMES = (
+    SAMPLING_NAMES | {"messages", "chat_template_kwargs", "add_generation_prompt", "mm_processor_kwargs"} | TOOL_FIELDS
+)
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
 
 
@@ -60,8 +64,8 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         if body.get(name) is not None:
             kwargs[name] = body[name]
     kwargs.update(extra_kwargs(body))
-    try:
-        params = SamplingParams(**kwargs).validate()
+    try:  # the output constraint last: its compile check is the costly one
+        params = with_constraint(SamplingParams(**kwargs).validate(), openai_constraint(body))
     except InvalidParams as e:  # named as the pipeline names it: openai_param maps it to the client's field
         raise BadRequest(e.field, e.message) from None
     if body.get("stream") and params.num_sequences > params.n:
@@ -92,6 +96,8 @@ def openai_param(e: BadRequest, body: dict | None, prompt_field: str) -> tuple[s
     prompt (`inputs`) and its images are `prompt_field` (messages or prompt), max_new_tokens is the max_tokens or
     max_completion_tokens the client sent, and the message says so too."""
     names = {**_OPENAI_NAMES, "max_new_tokens": max_tokens_field(body or {})}
+    # the engine's compile error: of the constraint the client sent, else of its tools' (tool_choice)
+    names["structured"] = openai_field(body or {}) or ("tools" if (body or {}).get("tools") else "response_format")
     for sent in ("prompt_logprobs", "do_sample"):  # vLLM's and LightLLM's own fields, when the client sent them
         if (body or {}).get(sent) is not None:
             names[sent] = sent
@@ -101,8 +107,9 @@ def openai_param(e: BadRequest, body: dict | None, prompt_field: str) -> tuple[s
     else:
         param = names.get(field, field)
     message = _PIPELINE_NAME.sub(lambda m: names[m.group(1)], e.message)
-    if e.field.startswith("multimodal_params"):  # which image: image[i], in prompt order
-        return param, f"{e.field.replace('multimodal_params.images', 'image')}: {message}"
+    if e.field.startswith("multimodal_params"):  # which image or video: image[i] / video[i], in prompt order
+        where = e.field.replace("multimodal_params.images", "image").replace("multimodal_params.videos", "video")
+        return param, f"{where}: {message}"
     return param, f"{param}: {message}"
 
 
@@ -176,15 +183,18 @@ def image_item(url: object, param: str, image_dir: str | None) -> dict:
     return {"type": "base64", "data": base64.b64encode(data).decode()}
 
 
-def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -> tuple[list[dict], list[dict]]:
-    """OpenAI messages -> (messages for apply_chat_template, image entries in prompt order). Image parts become
-    {"type": "image"} parts, which every published VLM template turns into its family's placeholder. A server
+def chat_messages(
+    raw: object, image_dir: str | None, multimodal: bool = True
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """OpenAI messages -> (messages for apply_chat_template, image entries, video entries, each in prompt order).
+    Image parts become {"type": "image"} parts, and `video_url` parts (vLLM's) {"type": "video"} parts, which the
+    published VLM templates turn into their family's placeholders. A server
     without --enable_multimodal refuses an image part before anything is read or rendered, as /generate does.
     Any role goes to the template (system, user, assistant, tool, developer, a custom one), as vLLM's: the template
     refuses what it does not know; a tool turn keeps its tool_call_id and name, an assistant turn its tool_calls."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("messages", "must be a non-empty list")
-    messages, images = [], []
+    messages, images, videos = [], [], []
     for i, message in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -216,10 +226,18 @@ def chat_messages(raw: object, image_dir: str | None, multimodal: bool = True) -
                     raise BadRequest(f"{at}.image_url", "this server was started without --enable_multimodal")
                 images.append(image_item(image_url.get("url"), f"{at}.image_url.url", image_dir))
                 parts.append({"type": "image"})
+            elif kind == "video_url":
+                video_url = part.get("video_url")
+                if not isinstance(video_url, dict):
+                    raise BadRequest(f"{at}.video_url", 'must be an object {"url": ...}')
+                if not multimodal:
+                    raise BadRequest(f"{at}.video_url", "this server was started without --enable_multimodal")
+                videos.append(image_item(video_url.get("url"), f"{at}.video_url.url", image_dir))
+                parts.append({"type": "video"})
             else:
-                raise BadRequest(f"{at}.type", "must be 'text' or 'image_url'")
+                raise BadRequest(f"{at}.type", "must be 'text', 'image_url' or 'video_url'")
         messages.append({"role": role, "content": parts, **turn})
-    return messages, images
+    return messages, images, videos
 
 
 def _turn_fields(message: dict, where: str) -> dict:
@@ -327,11 +345,14 @@ def chat_input(
     params = sampling_params(body, default_max)
     params = replace(params, top_logprobs=logprobs_request(body, chat=True) or 0)
     tools = tool_request(body, options.tool_call_parser)
-    messages, images = chat_messages(body.get("messages"), image_dir, multimodal)
+    messages, images, videos = chat_messages(body.get("messages"), image_dir, multimodal)
     prompt = render_chat(tokenizer, template, messages, body, tools.tools)
     params = _with_tool_constraint(params, tools, prompt, options.reasoning_parser)
     unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-    return GenerateInput(prompt, params, {"images": images} if images else {}, fill_context=unset)
+    mm = {"images": images} if images else {}
+    if videos:
+        mm = {**mm, "videos": videos, "mm_processor_kwargs": body.get("mm_processor_kwargs")}
+    return GenerateInput(prompt, params, mm, fill_context=unset)
 
 
 def _with_tool_constraint(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi.responses import PlainTextResponse, Response
 
 from language.sampling_params import (
+    MAX_CONSTRAINT_CHARS,
     MAX_DECAY_FACTOR,
     MAX_REPETITION_PENALTY,
     MAX_SEQUENCES,
@@ -28,7 +29,7 @@ from mmserve.http.openai_extras import (
     TOKENIZE_NAMES,
 )
 from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, MAX_COMPLETION_LOGPROBS
-from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES, UNSUPPORTED_PARAMETERS
+from mmserve.http.protocol import PARAMETER_NAMES, TOP_LEVEL_NAMES
 from mmserve.http.slow_clients import MAX_BODY_BYTES
 
 
@@ -54,6 +55,8 @@ _TOP_P = _number(MIN_TOP_P, 1)
 _REPETITION_PENALTY = _number(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
 _STRING = {"type": "string", "minLength": 1}
 _STOP = _nullable({"anyOf": [_STRING, {"type": "array", "items": _STRING}]})
+_SCHEMA = {"type": "object", "description": "a JSON schema"}
+_CONSTRAINT_TEXT = {"type": "string", "maxLength": MAX_CONSTRAINT_CHARS}
 _SEQUENCES = _nullable({"type": "integer", "minimum": 1, "maximum": MAX_SEQUENCES})
 
 # /generate's `parameters` (LightLLM's names; ranges as SamplingParams.validate checks them).
@@ -99,8 +102,11 @@ PARAMETER_SCHEMAS: dict[str, dict] = {
     },
     "group_request_id": {**_nullable({"type": "integer"}), "description": "accepted, ignored"},
     "prompt_logprobs": _nullable({"anyOf": [_BOOL, {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}]}),
+    # LightLLM's output constraints (one per request, not with allowed_token_ids); null, false or "": none
+    "guided_json": {**_nullable({"anyOf": [_SCHEMA, _CONSTRAINT_TEXT]}), "description": "a JSON schema (or its text)"},
+    "regular_constraint": {**_nullable(_CONSTRAINT_TEXT), "description": "a regular expression"},
+    "guided_grammar": {**_nullable(_CONSTRAINT_TEXT), "description": 'an EBNF grammar; "json": any JSON object'},
 }
-_REFUSED = {"enum": [None, False], "description": "not supported: only null or false is accepted"}
 
 _IMAGE = {
     "type": "object",
@@ -110,18 +116,34 @@ _IMAGE = {
         "data": {"type": "string", "description": "an http(s) URL, or the image file's bytes in base64"},
     },
 }
+_VIDEO = {
+    "type": "object",
+    "required": ["type", "data"],
+    "properties": {
+        "type": {"enum": ["url", "base64"]},
+        "data": {"type": "string", "description": "an http(s) URL, or the video file's bytes in base64"},
+    },
+}
+_MM_PROCESSOR_KWARGS = _nullable({
+    "type": "object", "additionalProperties": False,
+    "description": "the video processor's sampling for this request's videos (vLLM's name)",
+    "properties": {"fps": {"type": "number", "exclusiveMinimum": 0},
+                   **{k: {"type": "integer", "minimum": 1}
+                      for k in ("num_frames", "min_frames", "max_frames", "min_pixels", "max_pixels")}},
+})  # fmt: skip
 _GENERATE_FIELDS: dict[str, dict] = {
     "inputs": {"type": "string", "minLength": 1, "description": "the prompt, with the model's image placeholders"},
     "input": {"type": "string", "minLength": 1, "description": "another name for inputs"},
     "parameters": {"type": "object", "additionalProperties": False},  # properties filled in by generate_body()
     "multimodal_params": _nullable({"type": "object", "additionalProperties": False,
-                                    "properties": {"images": _nullable({"type": "array", "items": _IMAGE})}}),
+                                    "properties": {"images": _nullable({"type": "array", "items": _IMAGE}),
+                                                   "videos": _nullable({"type": "array", "items": _VIDEO}),
+                                                   "mm_processor_kwargs": _MM_PROCESSOR_KWARGS}}),
 }  # fmt: skip
 
 
 def generate_body() -> dict:
     parameters = {name: PARAMETER_SCHEMAS[name] for name in sorted(PARAMETER_NAMES)}
-    parameters |= {name: _REFUSED for name in sorted(UNSUPPORTED_PARAMETERS)}
     _check_covered(PARAMETER_SCHEMAS, PARAMETER_NAMES, "PARAMETER_SCHEMAS")
     fields = {name: _GENERATE_FIELDS[name] for name in sorted(TOP_LEVEL_NAMES)}
     _check_covered(_GENERATE_FIELDS, TOP_LEVEL_NAMES, "_GENERATE_FIELDS")
@@ -176,6 +198,42 @@ _TOOL_CHOICE = {"anyOf": [
      "properties": {"type": {"const": "function"},
                     "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}},
 ], "description": "required and a named function are enforced (needs --tool_call_parser)"}  # fmt: skip
+# Output constraints (structured.py): one per request.
+_JSON_SCHEMA_FORMAT = {
+    "type": "object", "required": ["name", "schema"], "additionalProperties": False,
+    "properties": {"name": {"type": "string", "minLength": 1}, "schema": _SCHEMA,
+                   "description": _nullable({"type": "string"}), "strict": _nullable(_BOOL)},
+}  # fmt: skip
+_STRUCTURAL_TAG = {"type": "object", "description": "xgrammar's structural tag: {format}, or {structures, triggers}"}
+_RESPONSE_FORMAT = {"anyOf": [
+    {"type": "object", "required": ["type"], "additionalProperties": False,
+     "properties": {"type": {"enum": ["text", "json_object"]}}, "description": "text: no constraint"},
+    {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+     "properties": {"type": {"const": "json_schema"}, "json_schema": _JSON_SCHEMA_FORMAT}},
+    {**_STRUCTURAL_TAG, "required": ["type"], "properties": {"type": {"const": "structural_tag"}}},
+]}  # fmt: skip
+_CHOICE = {"type": "array", "minItems": 1, "items": {"type": "string"}, "description": "the output is one of these"}
+STRUCTURED_SCHEMAS: dict[str, dict] = {
+    "response_format": _nullable(_RESPONSE_FORMAT),
+    "structured_outputs": _nullable({
+        "type": "object", "additionalProperties": False, "minProperties": 1,
+        "description": "vLLM's: exactly one of json, regex, choice, grammar, json_object, structural_tag",
+        "properties": {
+            "json": {"anyOf": [_SCHEMA, _CONSTRAINT_TEXT]}, "regex": _CONSTRAINT_TEXT, "choice": _CHOICE,
+            "grammar": {**_CONSTRAINT_TEXT, "description": "EBNF (GBNF)"}, "json_object": _nullable(_BOOL),
+            "structural_tag": {"anyOf": [_STRUCTURAL_TAG, _CONSTRAINT_TEXT]},
+            "disable_fallback": _nullable(_BOOL), "disable_additional_properties": _nullable(_BOOL),
+            "disable_any_whitespace": {"enum": [None, False], "description": "not supported"},
+            "whitespace_pattern": {"type": "null", "description": "not supported"},
+        },
+    }),
+    "guided_json": _nullable({"anyOf": [_SCHEMA, _CONSTRAINT_TEXT]}),
+    "guided_regex": _nullable(_CONSTRAINT_TEXT),
+    "guided_choice": _nullable(_CHOICE),
+    "guided_grammar": _nullable({**_CONSTRAINT_TEXT, "description": "EBNF (GBNF)"}),
+    "guided_decoding_backend": _nullable({"type": "string", "pattern": "^(xgrammar|auto)(:.*)?$"}),
+    "guided_whitespace_pattern": {"type": "null", "description": "not supported"},
+}  # fmt: skip
 _MAX_TOKENS = _nullable({"type": "integer", "minimum": 1})
 OPENAI_SCHEMAS: dict[str, dict] = {
     "model": {"type": "string", "description": "the served model's id (GET /v1/models), or absent"},
@@ -200,6 +258,7 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "user": {"type": "string"},
     "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
     "chat_template_kwargs": _nullable({"type": "object"}),
+    "mm_processor_kwargs": _MM_PROCESSOR_KWARGS,
     "add_generation_prompt": _BOOL,
     "tools": _nullable({"type": "array", "items": _TOOL}),
     "tool_choice": _nullable(_TOOL_CHOICE),
@@ -210,6 +269,7 @@ OPENAI_SCHEMAS: dict[str, dict] = {
                               "tokenizer's vocabulary); choice i * n + j answers prompt i; prompts x best_of (or n) "
                               f"<= {MAX_BATCH_SEQUENCES}"},
     "echo": _BOOL,
+    **STRUCTURED_SCHEMAS,
 }  # fmt: skip
 # vLLM's extra sampling fields (and LightLLM's do_sample), as /generate's parameters run them (openai_extras.py)
 OPENAI_EXTRA_SCHEMAS: dict[str, dict] = {

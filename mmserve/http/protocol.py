@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from language.request import PromptLogprobs, RequestError
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 from mmserve.http import json_body
+from mmserve.http.structured import LIGHTLLM_KINDS, lightllm_constraint, with_constraint
 from mmserve.ipc.messages import TokenDetail
 
 PARAMETER_NAMES = frozenset(
@@ -44,14 +45,9 @@ PARAMETER_NAMES = frozenset(
         # Each prompt token's log-probability given its prefix: true or k (0..20 alternatives per position, as
         # vLLM's prompt_logprobs); answered in LightLLM's shape (prompt_token_ids, prompt_logprobs).
         "prompt_logprobs",
+        *LIGHTLLM_KINDS,  # the output constraint (structured.py): guided_json, regular_constraint, guided_grammar
     }
 )
-# LightLLM names that are refused by name when given (anything but null): constrained decoding is not implemented.
-UNSUPPORTED_PARAMETERS = {
-    "guided_json": "constrained decoding is not supported",
-    "regular_constraint": "constrained decoding is not supported",
-    "guided_grammar": "constrained decoding is not supported",
-}
 MAX_IMAGE_PATCHES = 64  # the most tiles image_max_patch_num may ask for (InternVL publishes 12; its docs go to 40)
 TOP_LEVEL_NAMES = frozenset({"inputs", "input", "parameters", "multimodal_params"})
 
@@ -139,13 +135,10 @@ def parse_parameters(raw: object) -> SamplingParams:
         raw = {}
     if not isinstance(raw, dict):
         raise BadRequest("parameters", "must be a JSON object")
-    for name, value in raw.items():
-        if name in UNSUPPORTED_PARAMETERS:
-            if value is not None and value is not False:
-                raise BadRequest(f"parameters.{name}", UNSUPPORTED_PARAMETERS[name])
-        elif name not in PARAMETER_NAMES:
+    for name in raw:
+        if name not in PARAMETER_NAMES:
             raise BadRequest(f"parameters.{name}", "unknown parameter")
-    kwargs = {k: v for k, v in raw.items() if k not in UNSUPPORTED_PARAMETERS}
+    kwargs = {k: v for k, v in raw.items() if k not in LIGHTLLM_KINDS}
     _check_ignored(kwargs)
     _convert_lists(kwargs)
     for name in ("n", "best_of", "min_new_tokens", "add_special_tokens"):
@@ -163,9 +156,13 @@ def parse_parameters(raw: object) -> SamplingParams:
     if "return_details" in kwargs and not isinstance(kwargs["return_details"], bool):
         raise BadRequest("parameters.return_details", "must be a boolean")
     try:
-        return SamplingParams(**kwargs).validate()
+        params = SamplingParams(**kwargs).validate()
     except InvalidParams as e:
         raise BadRequest(f"parameters.{e.field}", str(e).split(": ", 1)[-1]) from None
+    try:  # its errors name the client's field in full (parameters.guided_json)
+        return with_constraint(params, lightllm_constraint(raw), "parameters.")
+    except InvalidParams as e:
+        raise BadRequest(e.field, e.message) from None
 
 
 def prompt_logprobs_count(value: object, field_name: str) -> int | None:

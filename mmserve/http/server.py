@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from language.request import RequestError
 from language.sampling_params import SamplingParams
 from mmserve.http.drain import RETRY_AFTER_S
 from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
@@ -30,6 +31,7 @@ from mmserve.http.protocol import (
 from mmserve.http.request_io import collect_streams, most_likely, read_request_body, watch_disconnect
 from mmserve.http.slow_clients import ClientTimeouts, ClosingStreamingResponse
 from mmserve.http.stream_events import StreamState, stream_events
+from mmserve.http.structured import lightllm_field
 from mmserve.http.tokenize_api import add_tokenize_routes
 from mmserve.ipc.messages import TextOutput
 
@@ -87,7 +89,7 @@ def build_app(
             return Response(status_code=_CLIENT_CLOSED)
         for out, _, _ in results:
             if out.error is not None:
-                return _error(BadRequest.of(out.error))
+                return _error(_refused(out.error, params))
         results = most_likely(results, params.n)  # best_of
         if len(results) == 1:
             out, text, tokens = results[0]
@@ -111,7 +113,7 @@ def build_app(
         streams_or_error = await _submit(client, request, streaming=True)
         if isinstance(streams_or_error, Response):
             return streams_or_error
-        (stream,), _ = streams_or_error
+        (stream,), params = streams_or_error
         disconnected = watch_disconnect(request)
         # Wait for the first piece before answering 200, so that a rejection or a failure that comes before any
         # token still gets its proper status code.
@@ -123,7 +125,7 @@ def build_app(
             return _server_failure(e) if isinstance(e, ServerFailure) else Response(status_code=_CLIENT_CLOSED)
         if first.error is not None:
             disconnected.cancel()
-            return _error(BadRequest.of(first.error))
+            return _error(_refused(first.error, params))
         return ClosingStreamingResponse(_sse(client, stream, first, disconnected), media_type="text/event-stream")
 
     return app
@@ -182,6 +184,13 @@ async def _sse(
         disconnected.cancel()
         if not stream.finished:
             client.abort(stream.rid)
+
+
+def _refused(error: RequestError, params: SamplingParams) -> BadRequest:
+    """A request the router or the engine refused, named by the client's own parameter."""
+    refused = BadRequest.of(error)
+    name = lightllm_field(refused.field, params.structured)
+    return refused if name == refused.field else BadRequest(name, refused.message, refused.status)
 
 
 def _error(e: BadRequest) -> JSONResponse:

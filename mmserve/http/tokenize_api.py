@@ -26,9 +26,10 @@ def tokenize(serving: OpenAIServing, body: dict) -> dict:
     if not isinstance(add_special, bool):
         raise BadRequest("add_special_tokens", "must be a boolean")
     if chat:
-        messages, images = chat_messages(body["messages"], serving.image_dir, serving.multimodal)
-        if images:
-            raise BadRequest("messages", "/tokenize counts text: image parts are expanded only when a request runs")
+        messages, images, videos = chat_messages(body["messages"], serving.image_dir, serving.multimodal)
+        if images or videos:
+            raise BadRequest("messages", "/tokenize counts text: image and video parts are expanded only when a "
+                                         "request runs")  # fmt: skip
         text = render_chat(serving.tokenizer, serving.template, messages, body)
     else:
         text = body.get("prompt")

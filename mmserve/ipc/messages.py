@@ -32,6 +32,7 @@ class ImageRef:
     # False: the embedding cache does not hold it (it was evicted since it was seen), and it is not encoded unless
     # the router finds that the prefix cache does not cover it (then it asks: RouterBatch.encode_needed).
     embedded: bool = True
+    second_per_grid_t: float | None = None  # a video's seconds per temporal patch (M-RoPE time axis); None: an image
 
 
 @dataclass

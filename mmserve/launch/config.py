@@ -17,6 +17,14 @@ from visual.options import VisualOptions
 # camera photos (an RGB decode of at most 100 MB), and everything above it is refused before decoding.
 DEFAULT_MAX_IMAGE_PIXELS = 1 << 25
 DEFAULT_MAX_IMAGES_PER_REQUEST = 16
+# Video caps (per request): 768 frames is the Qwen2-VL video processor's own max_frames; 2**27 resized pixels is
+# about 85k video tokens of Qwen2-VL, and 1.6 GB of float32 pixels in a preprocessing worker.
+DEFAULT_MAX_VIDEO_BYTES = 32 << 20
+DEFAULT_MAX_VIDEO_FRAMES = 768
+DEFAULT_MAX_VIDEO_PIXELS = 1 << 27
+DEFAULT_MAX_VIDEO_SECONDS = 600.0
+DEFAULT_MAX_VIDEOS_PER_REQUEST = 4
+DEFAULT_VIDEO_FPS = 2.0  # qwen-vl-utils' FPS, when neither the request nor the checkpoint's processor sets one
 
 
 # Their --help groups (mmserve/launch/cli.py orders them)
@@ -86,6 +94,29 @@ class ServerConfig(EngineOptions, VisualOptions):
     max_images_per_request: int = option(
         DEFAULT_MAX_IMAGES_PER_REQUEST, _LIMITS, "most images in one request; more: a 400"
     )
+    max_videos_per_request: int = option(
+        DEFAULT_MAX_VIDEOS_PER_REQUEST, _LIMITS, "most videos in one request; more: a 400"
+    )
+    max_video_bytes: int = option(
+        DEFAULT_MAX_VIDEO_BYTES, _LIMITS, "most bytes of one video file (base64 payload decoded, or downloaded)"
+    )
+    max_video_seconds: float = option(
+        DEFAULT_MAX_VIDEO_SECONDS, _LIMITS, "longest video (its container's duration); longer: a 400"
+    )
+    max_video_frames: int = option(
+        DEFAULT_MAX_VIDEO_FRAMES, _LIMITS, "most frames sampled from the videos of one request; more: a 400"
+    )
+    max_video_pixels: int = option(
+        DEFAULT_MAX_VIDEO_PIXELS,
+        _LIMITS,
+        "most pixels of the sampled frames of one request's videos, after the video processor's resize; more: a 400",
+    )
+    video_fps: float = option(
+        DEFAULT_VIDEO_FPS,
+        _VISION,
+        "frames sampled per second of video when neither the request's mm_processor_kwargs nor the checkpoint's video "
+        "processor sets fps or num_frames",
+    )
     graceful_timeout: float = option(
         30.0, _LIMITS, "on SIGTERM/SIGINT: seconds in-flight requests may take to finish while new ones get 503"
     )
@@ -123,6 +154,13 @@ class ServerConfig(EngineOptions, VisualOptions):
             raise ValueError("--cache_capacity must be >= 1")
         if self.max_image_pixels < 1:
             raise ValueError("--max_image_pixels must be >= 1")
+        for name in ("max_video_bytes", "max_video_frames", "max_video_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1")
+        if self.max_videos_per_request < 0:
+            raise ValueError("--max_videos_per_request must be >= 0")
+        if not (self.max_video_seconds > 0 and self.video_fps > 0):
+            raise ValueError("--max_video_seconds and --video_fps must be > 0")
         if self.max_images_per_request < 1:
             raise ValueError("--max_images_per_request must be >= 1")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

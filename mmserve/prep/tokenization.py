@@ -96,8 +96,9 @@ class RequestPreparer:
                                                  max_patches=req.image_max_patch_num)  # fmt: skip
             if add_special is False:
                 prepared = self._without_special_tokens(prepared)
-        elif images:
-            raise BadRequest("multimodal_params.images", "this server was started without --enable_multimodal")
+        elif images or req.multimodal_params.get("videos"):
+            name = "images" if images else "videos"
+            raise BadRequest(f"multimodal_params.{name}", "this server was started without --enable_multimodal")
         elif add_special is None:
             prepared = PreparedPrompt(await run_sync(self.tokenizer.encode, req.prompt))
         else:
@@ -176,10 +177,8 @@ class RequestPreparer:
     @staticmethod
     def _images_of(req: GenerateInput) -> list:
         for name in req.multimodal_params:
-            if name == "videos":
-                raise BadRequest("multimodal_params.videos", "video input is not supported (images only)")
-            if name != "images":
-                raise BadRequest(f"multimodal_params.{name}", "unknown field (expected 'images')")
+            if name not in ("images", "videos", "mm_processor_kwargs"):
+                raise BadRequest(f"multimodal_params.{name}", "unknown field (expected 'images' or 'videos')")
         images = req.multimodal_params.get("images") or []
         if not isinstance(images, list):
             raise BadRequest("multimodal_params.images", "must be a list")

@@ -28,6 +28,7 @@ from mmserve.launch.processes import parent_alive, run_child
 from mmserve.prep.multimodal.image_io import ImagePolicy
 from mmserve.prep.multimodal.preparer import MultimodalPreparer
 from mmserve.prep.multimodal.url_fetch import FetchPolicy
+from mmserve.prep.multimodal.video_io import VideoPolicy
 from mmserve.prep.tokenization import PreparedPrompt, RunSync
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.weights import read_json
@@ -99,10 +100,15 @@ class VisualLink:
         self.cache_salt = ready.cache_salt
         self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="image")
         spec = family(ready.architecture)
+        video_policy = VideoPolicy(
+            max_videos=config.max_videos_per_request, max_bytes=config.max_video_bytes,
+            max_seconds=config.max_video_seconds, max_frame_pixels=config.max_image_pixels,
+            max_frames=config.max_video_frames, max_pixels=config.max_video_pixels, fps=config.video_fps,
+        )  # fmt: skip
         self.preparer = MultimodalPreparer(
             processor, self.coordinator, ready.cache_salt, policy, self._image_pool,
             check_size=processor.check_image_size if spec.checks_image_size else None,
-            images_in_prompt=spec.images_in_prompt,
+            images_in_prompt=spec.images_in_prompt, videos=spec.videos, video_policy=video_policy,
             encode_tiled=processor.encode_tiled if spec.tiles_images else None,
         )  # fmt: skip
         self._prefix_cache = config.prefix_cache  # what deferring an evicted image relies on

@@ -166,7 +166,7 @@ class Router:
                 raise ValueError("this server has no image support (start it with --enable_multimodal)")
             items = [
                 MultimodalItem(r.offset, self._read_embeds(msg.rid, r) if r.embedded or all_embedded else None, r.key,
-                               r.grid_thw, length=r.num_tokens)
+                               r.grid_thw, length=r.num_tokens, second_per_grid_t=r.second_per_grid_t)
                 for r in msg.images
             ]  # fmt: skip
         # Families with multi-axis positions (Qwen2-VL) derive them from the prompt and the image grids in the engine.

@@ -124,8 +124,8 @@ def test_text_options(server, tokenizer):
 @pytest.mark.parametrize(
     "path,parameters,field",
     [
-        ("/generate", {"guided_json": {"type": "object"}}, "parameters.guided_json"),
-        ("/generate", {"regular_constraint": "a+"}, "parameters.regular_constraint"),
+        ("/generate", {"guided_json": {"type": "foo"}}, "parameters.guided_json"),
+        ("/generate", {"regular_constraint": "(a+"}, "parameters.regular_constraint"),
         ("/generate", {"guided_grammar": "root ::= x"}, "parameters.guided_grammar"),
         ("/generate", {"prompt_logprobs": 21}, "parameters.prompt_logprobs"),
         ("/generate", {"skip_special_token": True}, "parameters.skip_special_token"),

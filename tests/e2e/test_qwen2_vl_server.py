@@ -6,16 +6,24 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
 from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 from mmserve.testing.images import picture
 from tests.e2e import qwen_vl_cases as cases
+from tests.e2e import qwen_vl_video_cases as video
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 
 FAMILY = QwenVLFamily("qwen2_vl", "Qwen2VLForConditionalGeneration", build_qwen2_vl, Qwen2VLForConditionalGeneration,
                       Qwen2VLProcessor, Qwen2VLVideoProcessor)  # fmt: skip
-model_dir, server, hf = cases.server_fixtures(FAMILY)
+# --max_video_frames 16: a clip sampled at a high fps is over it (qwen_vl_video_cases)
+model_dir, server, hf = cases.server_fixtures(FAMILY, "--max_video_frames", "16")
+
+
+@pytest.fixture(scope="module")
+def hf_video(model_dir):
+    return video.hf_video_greedy(FAMILY, model_dir)
 
 
 def test_concurrent_generate_equals_hf(server, hf):
@@ -29,3 +37,16 @@ def test_concurrent_requests_sharing_a_new_image_encode_it_once(server):
         answers = list(pool.map(lambda _: cases.generate(server, prompt, [image], 4), range(4)))
     assert all(a == answers[0] for a in answers)
     assert server.metrics()[cases.ENCODED] == before + 1
+
+
+def test_video_generate_equals_hf(server, hf_video):
+    """A clip, then a clip and an image in one prompt: HF's greedy tokens and prompt length."""
+    video.check_generate_equals_hf(server, hf_video)
+
+
+def test_two_turn_video_chat_equals_hf(server, hf_video):
+    video.check_two_turn_chat_equals_hf(server, hf_video, FAMILY.name)
+
+
+def test_bad_videos_get_400(server):
+    video.check_bad_videos_get_400(server)

@@ -77,17 +77,18 @@ def check_vision_features(family: QwenVLFamily, dialect: str, published_dir: str
     vision = vision_model_class(family.arch).from_pretrained(model_dir, torch.device("cpu"), torch.float32)
     assert vision.hidden_size == hf_model.config.text_config.hidden_size
     preprocess = pickle.loads(pickle.dumps(vision.preprocessor()))  # as the visual process's worker pool runs it
-    images = [preprocess(random_image(w, h, i)) for i, (w, h) in enumerate(sizes)]
+    pils = [random_image(w, h, i) for i, (w, h) in enumerate(sizes)]
+    images = [preprocess(pil) for pil in pils]
+    hf_inputs = Qwen2VLImageProcessor.from_pretrained(model_dir)(images=pils, return_tensors="pt")
+    assert [im.grid_thw for im in images] == [tuple(g) for g in hf_inputs["image_grid_thw"].tolist()]
     for im, (w, h) in zip(images, sizes, strict=True):
-        assert im.num_tokens == vision.num_tokens(w, h) == im.pixel_values.shape[0] // 4
+        assert im.num_tokens == vision.num_tokens(w, h) == im.patches // 4
         assert im.grid_thw == vision.grid_thw(w, h)
     assert len({im.num_tokens for im in images}) == len(images)
     ours = vision.encode(images)
 
     with torch.inference_mode():
-        pixels = torch.cat([im.pixel_values for im in images])
-        grid = torch.tensor([im.grid_thw for im in images])
-        out = hf_model.model.get_image_features(pixels, image_grid_thw=grid)
+        out = hf_model.model.get_image_features(hf_inputs["pixel_values"], image_grid_thw=hf_inputs["image_grid_thw"])
     theirs = hf_rows(vision, out, images)
     width = getattr(vision, "embed_width", vision.hidden_size)  # columns of a row: more than hidden with DeepStack
     assert len(ours) == len(theirs)
@@ -199,10 +200,11 @@ def check_packed_tower_matches_hf_sdpa(ours, device: torch.device, dtype: torch.
     hf_bf16.set_attn_implementation("sdpa")
     hf_fp32 = copy.deepcopy(hf_bf16).float()
     sizes = [(150, 100), (60, 200), (333, 77), (224, 224), (640, 480)]  # within the tiny max_pixels: up to 256 tokens
-    images = [ours.preprocess(random_image(w, h, i)) for i, (w, h) in enumerate(sizes)]
+    pils = [random_image(w, h, i) for i, (w, h) in enumerate(sizes)]
+    images = [ours.preprocess(pil) for pil in pils]
     got = torch.cat(ours.encode(images)).float()
     with torch.inference_mode():
-        pixels = torch.cat([im.pixel_values for im in images]).to(device)
+        pixels = ours.processor(images=pils, return_tensors="pt")["pixel_values"].to(device)  # HF's, on the CPU
         grid = torch.tensor([im.grid_thw for im in images], device=device)
         exact = hf_rows(hf_fp32(pixels, grid_thw=grid)).float()
         hf = hf_rows(hf_bf16(pixels.to(dtype), grid_thw=grid)).float()

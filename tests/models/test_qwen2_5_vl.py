@@ -80,10 +80,6 @@ def test_mrope_positions_match_hf_get_rope_index(published_dir: str, hf_model) -
     vl.check_mrope_positions(FAMILY, published_dir, hf_model, SIZES)
 
 
-def test_video_placeholder_is_refused(published_dir: str) -> None:
-    vl.check_video_placeholder_refused(FAMILY, published_dir)
-
-
 @pytest.mark.parametrize("chunked_prefill_size", [4096, 6])
 def test_greedy_generation_matches_hf(published_dir: str, hf_model, chunked_prefill_size: int) -> None:
     """1 image, 2 images of different sizes and a text-only prompt, batched in our engine: each equals HF generate,

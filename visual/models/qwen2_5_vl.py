@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import Qwen2VLImageProcessor
+from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.vision_utils import get_vision_window_index
 
@@ -71,8 +71,9 @@ class Qwen2_5_VLVisionModel(Qwen2VLVisionModel):
         tower: Qwen2_5_VisionTransformerPretrainedModel,
         processor: Qwen2VLImageProcessor,
         cache_salt: str,
+        video_processor: Qwen2VLVideoProcessor | None = None,
     ) -> None:
-        super().__init__(tower, processor, cache_salt)
+        super().__init__(tower, processor, cache_salt, video_processor)
         self.hidden_size = tower.config.out_hidden_size  # the merger's output: the LLM's width
         self.window_size: int = tower.config.window_size
         self.patch_size: int = tower.config.patch_size

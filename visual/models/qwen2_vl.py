@@ -6,40 +6,85 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoConfig, Qwen2VLImageProcessor
+from transformers import AutoConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from families.qwen2_vl_grid import Qwen2VLGrid
+from families.qwen2_vl_video import plan_video, size_of
 from visual.models.base import ImageInput
 from visual.models.fused_layers import use_fused_layers
 from visual.models.packed_attention import pack_index
 from visual.models.weights import load_prefixed_tensors
 from visual.staging import HostStaging
+from visual.video_decode import BadVideo, probe_video, read_frames
 
 # Published checkpoints name the tower `visual.*`; transformers >= 4.52 saves it as `model.visual.*`.
 VISION_PREFIXES = ("visual.", "model.visual.")
 
 
 class Qwen2VLPreprocessor:
-    """Picklable image -> ImageInput (the processor holds no weights), run in the visual process's worker pool."""
+    """Picklable image -> ImageInput and video file -> ImageInput (the processors hold no weights), run in the visual
+    process's worker pool.
 
-    def __init__(self, processor: Qwen2VLImageProcessor, merge_size: int) -> None:
+    For an image, transformers' processor is split in two, each half its own calls. Here, on the CPU: the image as a
+    uint8 tensor, resized to its grid. The resize stays on the CPU because only there is it the processor's native
+    uint8 kernel; on CUDA torchvision resizes in float, up to 22 levels away. Where the tower is (`to_patches`):
+    rescale, normalize and patchify, float work whose output is 8x the uint8 image's bytes (19 MB at 896 px). A video
+    runs its whole video processor here (its frames come out as float patches)."""
+
+    def __init__(
+        self, processor: Qwen2VLImageProcessor, merge_size: int, video_processor: Qwen2VLVideoProcessor | None = None
+    ) -> None:
         self.processor = processor
+        self.video_processor = video_processor
         self.grid = Qwen2VLGrid(
             processor.patch_size, merge_size, processor.size.shortest_edge, processor.size.longest_edge
         )
 
     def __call__(self, image: Image.Image) -> ImageInput:
-        out = self.processor(images=[image.convert("RGB")], return_tensors="pt")
-        grid = tuple(int(x) for x in out["image_grid_thw"][0])
+        processor = self.processor
+        chw = processor.process_image(image, do_convert_rgb=processor.do_convert_rgb)  # [3, H, W] uint8
+        resized = processor.resize(
+            chw, size=processor.size, resample=processor.resample, factor=processor.patch_size * processor.merge_size
+        )
+        grid = (1, resized.shape[-2] // processor.patch_size, resized.shape[-1] // processor.patch_size)  # as patchify
         return ImageInput(
-            pixel_values=out["pixel_values"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
+            pixel_values=resized,  # [3, grid h * patch, grid w * patch] uint8
             num_tokens=self.grid.grid_tokens(grid),
             patches=grid[0] * grid[1] * grid[2],
             grid_thw=grid,
         )
+
+    def video(self, data: bytes, sampling: dict) -> ImageInput:
+        """A video file -> the tower's input: the frames the checkpoint's video processor samples (`sampling`: the
+        request's effective parameters, families/qwen2_vl_video.py), decoded and preprocessed by it. The frames are
+        already sampled here, so the processor runs with do_sample_frames False."""
+        metadata = probe_video(data)
+        try:
+            plan = plan_video(self.video_processor, metadata, sampling)
+        except ValueError as e:
+            raise BadVideo(str(e)) from None
+        frames = read_frames(data, np.asarray(plan.indices))
+        out = self.video_processor(
+            videos=[frames], do_sample_frames=False, size=size_of(self.video_processor, sampling), return_tensors="pt"
+        )
+        grid = tuple(int(x) for x in out["video_grid_thw"][0])
+        if grid != plan.grid_thw:  # the prompt was expanded for plan.grid_thw
+            raise RuntimeError(f"the video processor made a {grid} grid, not the planned {plan.grid_thw}")
+        return ImageInput(
+            pixel_values=out["pixel_values_videos"],  # [t*h*w patches, 3 * temporal_patch * patch * patch]
+            num_tokens=self.grid.grid_tokens(grid),
+            patches=grid[0] * grid[1] * grid[2],
+            grid_thw=grid,
+        )
+
+    def to_patches(self, resized: list[torch.Tensor]) -> torch.Tensor:
+        """The processor's other steps for `__call__`'s images, on their device: [patches, C*T*P*P] float32."""
+        out = self.processor(images=resized, do_resize=False, input_data_format="channels_first", return_tensors="pt")
+        return out["pixel_values"]
 
 
 class Qwen2VLVisionModel:
@@ -47,12 +92,25 @@ class Qwen2VLVisionModel:
     tower_class = Qwen2VisionTransformerPretrainedModel
     family = "qwen2_vl"  # in the cache salt
     display_name = "Qwen2-VL"  # in error messages
+    video_processor_class: type | None = Qwen2VLVideoProcessor  # None: the family serves no video here
+
+    @classmethod
+    def load_video_processor(cls, model_dir: str) -> Qwen2VLVideoProcessor | None:
+        """The checkpoint's video processor (video_preprocessor_config.json, processor_config.json's nested one, else
+        its image processor's config); with none of them, the class's defaults, as HF's processor then builds it."""
+        if cls.video_processor_class is None:
+            return None
+        try:
+            return cls.video_processor_class.from_pretrained(model_dir)
+        except OSError:
+            return cls.video_processor_class()
 
     def __init__(
         self,
         tower: Qwen2VisionTransformerPretrainedModel,
         processor: Qwen2VLImageProcessor,
         cache_salt: str,
+        video_processor: Qwen2VLVideoProcessor | None = None,
     ) -> None:
         self.tower = tower.eval()
         use_fused_layers(self.tower)  # our attention (one varlen call per block), activation and patch embedding
@@ -60,14 +118,16 @@ class Qwen2VLVisionModel:
         self.cache_salt = cache_salt
         self.hidden_size: int = tower.config.hidden_size
         self.merge_size: int = tower.config.spatial_merge_size
-        self._preprocessor = Qwen2VLPreprocessor(processor, self.merge_size)
+        self._preprocessor = Qwen2VLPreprocessor(processor, self.merge_size, video_processor)
         self._pixels = HostStaging()  # pinned (on CUDA) host buffer the batch's pixels are gathered into
 
     @classmethod
     def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> Qwen2VLPreprocessor:
         """The preprocessor from the config files alone (the pool starts it while the tower loads)."""
         merge_size = AutoConfig.from_pretrained(model_dir).vision_config.spatial_merge_size
-        return Qwen2VLPreprocessor(Qwen2VLImageProcessor.from_pretrained(model_dir), merge_size)
+        return Qwen2VLPreprocessor(
+            Qwen2VLImageProcessor.from_pretrained(model_dir), merge_size, cls.load_video_processor(model_dir)
+        )
 
     @classmethod
     def from_pretrained(
@@ -90,7 +150,7 @@ class Qwen2VLVisionModel:
             )
         size = processor.size
         salt = json.dumps([cls.family, os.path.realpath(model_dir), size.shortest_edge, size.longest_edge, str(dtype)])
-        return cls(tower.to(device=device, dtype=dtype), processor, salt)
+        return cls(tower.to(device=device, dtype=dtype), processor, salt, cls.load_video_processor(model_dir))
 
     def preprocessor(self) -> Qwen2VLPreprocessor:
         return self._preprocessor
@@ -106,12 +166,28 @@ class Qwen2VLVisionModel:
         return self._preprocessor.grid.grid_thw(width, height)
 
     def upload_pixels(self, images: list[ImageInput], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The batch's pixels on the device, [patches, C*T*P*P]: one gather into a (pinned) host buffer, one
-        asynchronous upload, the cast on the device."""
-        host = self._pixels.cat([im.pixel_values for im in images], device)
-        pixels = host.to(device, non_blocking=True).to(dtype)
+        """The batch's pixels on the device, [patches, C*T*P*P]: every item's bytes gathered into one (pinned) host
+        buffer, one asynchronous upload; then, for each run of images (uint8, resized), the processor's float steps on
+        the device, while a video's float32 patches (its processor ran in the worker) are used as they come."""
+        raw = [im.pixel_values.reshape(-1).view(torch.uint8) for im in images]
+        host = self._pixels.cat(raw, device)
+        uploaded = host.to(device, non_blocking=True)
         self._pixels.fence(device)  # the next batch's gather waits for this upload
-        return pixels
+        parts = torch.split(uploaded, [r.numel() for r in raw])
+        pieces: list[torch.Tensor] = []
+        resized: list[torch.Tensor] = []  # the current run of images
+        for part, im in zip(parts, images, strict=True):
+            shape, kind = im.pixel_values.shape, im.pixel_values.dtype
+            if kind == torch.uint8:
+                resized.append(part.view(shape))
+                continue
+            if resized:
+                pieces.append(self._preprocessor.to_patches(resized))
+                resized = []
+            pieces.append(part.view(kind).view(shape))
+        if resized:
+            pieces.append(self._preprocessor.to_patches(resized))
+        return torch.cat(pieces).to(dtype) if len(pieces) > 1 else pieces[0].to(dtype)
 
     def packed_inputs(self, grids: list[tuple[int, int, int]], device: torch.device) -> dict:
         """The tower's keyword arguments for a batch packed into one sequence, built on the host (no per-image device

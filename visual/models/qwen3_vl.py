@@ -32,8 +32,11 @@ class Qwen3VLVisionModel(Qwen2VLVisionModel):
     tower_class = Qwen3VLTower
     family = "qwen3_vl"
     display_name = "Qwen3-VL"
+    video_processor_class = None  # its timestamped video prompts are not served yet
 
-    def __init__(self, tower: Qwen3VLTower, processor: Qwen2VLImageProcessor, cache_salt: str) -> None:
+    def __init__(
+        self, tower: Qwen3VLTower, processor: Qwen2VLImageProcessor, cache_salt: str, video_processor: None = None
+    ) -> None:
         super().__init__(tower, processor, cache_salt)
         self.hidden_size = tower.config.out_hidden_size  # the mergers' output: the LLM's width
         self.num_deepstack = len(tower.config.deepstack_visual_indexes)

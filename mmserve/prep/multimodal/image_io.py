@@ -52,19 +52,19 @@ class LoadedImage:
     height: int
 
 
-def decode_base64(text: str, max_bytes: int) -> bytes:
+def decode_base64(text: str, max_bytes: int, what: str = "image") -> bytes:
     """Strict base64 (whitespace and a `data:image/...;base64,` prefix are tolerated). First pybase64 (SIMD): the
     standard library's decoder took ~8 ms of GIL-held time per 896 px PNG, the HTTP process's largest cost per
     image. What it refuses goes through the standard library's, which accepts what it always did (line breaks once
     stripped, and excess "=" padding, which pybase64 refuses) and words the errors."""
     if not isinstance(text, str):
-        raise BadImage("base64 image data must be a string")
+        raise BadImage(f"base64 {what} data must be a string")
     if text.startswith("data:"):
         head, _, text = text.partition(",")
         if not head.endswith(";base64"):
-            raise BadImage("a data: URL image must be base64-encoded")
+            raise BadImage(f"a data: URL {what} must be base64-encoded")
     if len(text) > (max_bytes + 2) // 3 * 4 + len(text) // 64 + 4:  # room for line breaks, checked again below
-        raise BadImage(f"image is larger than {max_bytes} bytes")
+        raise BadImage(f"{what} is larger than {max_bytes} bytes")
     try:
         data = pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
@@ -72,11 +72,11 @@ def decode_base64(text: str, max_bytes: int) -> bytes:
         try:
             data = base64.b64decode("".join(text.split()), validate=True)
         except (binascii.Error, ValueError) as e:
-            raise BadImage(f"malformed base64 image data: {e}") from None
+            raise BadImage(f"malformed base64 {what} data: {e}") from None
     if len(data) > max_bytes:
-        raise BadImage(f"image is larger than {max_bytes} bytes")
+        raise BadImage(f"{what} is larger than {max_bytes} bytes")
     if not data:
-        raise BadImage("empty image data")
+        raise BadImage(f"empty {what} data")
     return data
 
 
@@ -105,21 +105,21 @@ def load_image(item: object, policy: ImagePolicy = ImagePolicy()) -> LoadedImage
     return LoadedImage(data, image, image.width, image.height)
 
 
-def load_image_bytes(item: object, policy: ImagePolicy = ImagePolicy()) -> bytes:
+def load_image_bytes(item: object, policy: ImagePolicy = ImagePolicy(), what: str = "image") -> bytes:
     """The image file of one entry (bytes: a URL entry's, as fetch_item downloaded them), not decoded yet."""
     if isinstance(item, bytes):
         return item
     if not isinstance(item, dict):
-        raise BadImage('each image must be an object {"type": "base64" | "url", "data": ...}')
+        raise BadImage(f'each {what} must be an object {{"type": "base64" | "url", "data": ...}}')
     kind, payload = item.get("type"), item.get("data")
     if not isinstance(payload, str) or not payload:
-        raise BadImage('image "data" must be a non-empty string')
+        raise BadImage(f'{what} "data" must be a non-empty string')
     if kind == "base64":
-        data = decode_base64(payload, policy.max_bytes)
+        data = decode_base64(payload, policy.max_bytes, what)
     elif kind == "url":
         raise TypeError("a URL entry is downloaded by fetch_item first")
     else:
-        raise BadImage(f'unknown image type {kind!r}; expected "base64" or "url"')
+        raise BadImage(f'unknown {what} type {kind!r}; expected "base64" or "url"')
     return data
 
 

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -44,11 +45,29 @@ from mmserve.prep.multimodal.image_io import (
 )
 from mmserve.prep.multimodal.prompt import MultimodalPrompt, PromptImageMismatch, PromptProcessor
 from mmserve.prep.multimodal.url_fetch import UrlFetcher
+from mmserve.prep.multimodal.video_io import FIELD as VIDEO_FIELD
+from mmserve.prep.multimodal.video_io import (
+    LoadedVideo,
+    VideoPolicy,
+    check_request_totals,
+    load_video,
+    request_sampling,
+)
 from mmserve.prep.tokenization import PreparedPrompt, RunSync
 
 FIELD = "multimodal_params.images"
 logger = logging.getLogger(__name__)
 SizeCheck = Callable[[int, int], None]  # (width, height) -> None, or BadImage: a size the family cannot take
+
+
+@dataclass(frozen=True)
+class JobParams:
+    """What one request's encode jobs carry beside the bytes (visual/messages.py's EncodeJob), each covered by its
+    item's cache key: the sampling parameters of its videos (by key: video_io.video_key hashes them with the bytes)
+    and the preprocessing options of its images (load_and_key's salt ends with them)."""
+
+    videos: dict[str, dict] = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
 
 
 class SeenImages:
@@ -117,13 +136,13 @@ def load_and_key(
 class MultimodalPreparer:
     def __init__(self, prompt_processor: PromptProcessor, coordinator: CacheCoordinator, cache_salt: str,
                  policy: ImagePolicy | None = None, image_executor: Executor | None = None, *,
-                 check_size: SizeCheck | None = None, images_in_prompt: bool = False,
-                 encode_tiled: Callable | None = None):  # fmt: skip
-        """check_size, images_in_prompt, encode_tiled: the prompt processor's optional capabilities its family
+                 check_size: SizeCheck | None = None, images_in_prompt: bool = False, videos: bool = False,
+                 video_policy: VideoPolicy | None = None, encode_tiled: Callable | None = None):  # fmt: skip
+        """check_size, images_in_prompt, videos, encode_tiled: the prompt processor's optional capabilities its family
         declares (families/spec.py), e.g. Qwen2-VL's aspect-ratio bound checked from each image's header before
-        anything is sent or tokenized, Qwen-VL's images named inside the prompt, and InternVL's per-request tile cap
-        (`encode_tiled(prompt, sizes, max_patches)`: a request's cap goes to the prompt, the cache key and the
-        visual process's preprocessor)."""
+        anything is sent or tokenized, Qwen-VL's images named inside the prompt, video input (video_io.py), and
+        InternVL's per-request tile cap (`encode_tiled(prompt, sizes, max_patches)`: a request's cap goes to the
+        prompt, the images' cache keys and the visual process's preprocessor)."""
         self.prompt_processor = prompt_processor
         self.image_executor = image_executor  # None: the event loop's default executor
         self.coordinator = coordinator
@@ -132,14 +151,16 @@ class MultimodalPreparer:
         self.fetcher = UrlFetcher(self.policy.fetch)
         self._check_size = check_size
         self._images_in_prompt = images_in_prompt
+        self._videos = videos
+        self.video_policy = video_policy or VideoPolicy()
         self._encode_tiled = encode_tiled
         if images_in_prompt:  # Qwen-VL reads allowed paths itself: the same size limit
             prompt_processor.max_image_bytes = self.policy.max_bytes
         self._held: dict[str, list[CacheEntry]] = {}  # rid -> its cache entries
         self._seen = SeenImages()
-        # rid -> (its image entries, keys, bytes so far, the keys deferred, its preprocessing options): images not
-        # encoded unless the router asks (see the module's docstring)
-        self._deferred: dict[str, tuple[list, list[str], list[bytes | None], set[str], dict]] = {}
+        # rid -> (its image entries, keys, bytes so far, the keys deferred, its job parameters): images not encoded
+        # unless the router asks (see the module's docstring)
+        self._deferred: dict[str, tuple[list, list[str], list[bytes | None], set[str], JobParams]] = {}
         self.encodes_skipped = 0  # deferred images the router never asked for: their KV was in the prefix cache
         self._encoding: set[str] = set()  # rids in encode_deferred (release drops them: it must not hold after)
 
@@ -165,24 +186,31 @@ class MultimodalPreparer:
             raise BadRequest(FIELD, str(PromptImageMismatch(
                 f"the prompt has {expected} image placeholder(s) but {len(items)} image(s) were sent; "
                 "each placeholder stands for one image, in order")))  # fmt: skip
-        loaded = await self._load(items, options)
+        video_items = self._video_items(prompt, multimodal_params)
+        loaded, videos = await asyncio.gather(
+            self._load(items, options), self._load_videos(video_items, multimodal_params.get("mm_processor_kwargs"))
+        )
         images, keys = [im for im, _ in loaded], [key for _, key in loaded]
         t_load = time.perf_counter()
         # Send the new images to the visual process first, then tokenize while they encode.
-        acquire = asyncio.ensure_future(self._acquire(rid, items, keys, [im.data for im in images], defer, options))
+        all_keys, blobs = keys + [v.key for v in videos], [im.data for im in images] + [v.data for v in videos]
+        params = JobParams({v.key: v.sampling for v in videos}, options)
+        acquire = asyncio.ensure_future(self._acquire(rid, items + video_items, all_keys, blobs, defer, params))
         sizes = [(im.width, im.height) for im in images]
         try:
-            if self._encode_tiled is not None:
+            if videos:
                 mm_prompt: MultimodalPrompt = await run_sync(
-                    self._encode_tiled, prompt, sizes, options.get("max_patches")
+                    self.prompt_processor.encode, prompt, sizes, [v.plan for v in videos]
                 )
+            elif self._encode_tiled is not None:
+                mm_prompt = await run_sync(self._encode_tiled, prompt, sizes, options.get("max_patches"))
             else:
                 mm_prompt = await run_sync(self.prompt_processor.encode, prompt, sizes)
             t_prompt = time.perf_counter()
             await acquire
         except PromptImageMismatch as e:
             await self._cancel(rid, acquire)
-            raise BadRequest(FIELD, str(e)) from None
+            raise BadRequest(VIDEO_FIELD if "video" in str(e) else FIELD, str(e)) from None
         except BaseException:
             await self._cancel(rid, acquire)
             raise
@@ -192,11 +220,60 @@ class MultimodalPreparer:
                          "total_ms=%.1f", rid, len(images), (t_load - start) * 1e3, (t_prompt - t_load) * 1e3,
                          (now - t_prompt) * 1e3, (now - start) * 1e3)  # fmt: skip
         deferred = self._deferred[rid][3] if rid in self._deferred else set()
-        refs = tuple(
-            ImageRef(key, offset, n, mm_prompt.grid_thw[i] if mm_prompt.grid_thw else None, key not in deferred)
-            for i, (key, offset, n) in enumerate(zip(keys, mm_prompt.offsets, mm_prompt.num_tokens, strict=True))
-        )
+        refs = self._refs(mm_prompt, all_keys, deferred)
         return PreparedPrompt(mm_prompt.token_ids, refs, False)  # images are ready (or deferred): no wait
+
+    @staticmethod
+    def _refs(mm_prompt: MultimodalPrompt, keys: list[str], deferred: set[str]) -> tuple[ImageRef, ...]:
+        """The references in prompt order (images and videos interleaved where the prompt says so)."""
+        sources = mm_prompt.sources or list(range(len(keys)))
+        seconds = mm_prompt.second_per_grid_t or [None] * len(keys)
+        grids = mm_prompt.grid_thw or [None] * len(keys)
+        return tuple(
+            ImageRef(keys[src], offset, n, grid, keys[src] not in deferred, second_per_grid_t=sec)
+            for src, offset, n, grid, sec in zip(sources, mm_prompt.offsets, mm_prompt.num_tokens, grids, seconds,
+                                                 strict=True)
+        )  # fmt: skip
+
+    def _video_items(self, prompt: str, multimodal_params: dict) -> list:
+        """The request's video entries, checked against the prompt's video placeholders and the count limit."""
+        items = multimodal_params.get("videos") or []
+        if not isinstance(items, list):
+            raise BadRequest(VIDEO_FIELD, "must be a list")
+        if not self._videos:
+            if items:
+                raise BadRequest(VIDEO_FIELD, "video input is not supported by this model family (images only)")
+            return []
+        if len(items) > self.video_policy.max_videos:
+            raise BadRequest(VIDEO_FIELD, f"{len(items)} videos in one request, more than the limit of "
+                                          f"{self.video_policy.max_videos} (--max_videos_per_request)")  # fmt: skip
+        expected = self.prompt_processor.count_videos(prompt)
+        if expected != len(items):
+            raise BadRequest(VIDEO_FIELD, f"the prompt has {expected} video placeholder(s) but {len(items)} video(s) "
+                                          "were sent; each placeholder stands for one video, in order")  # fmt: skip
+        return items
+
+    async def _load_videos(self, items: list, kwargs: object) -> list[LoadedVideo]:
+        """Each video fetched (URLs on the loop), then its header read, sampling planned and key made in the image
+        threads; then the request's totals checked."""
+        if not items:
+            return []
+        sampling = request_sampling(kwargs, self.prompt_processor.default_video_sampling(), self.video_policy)
+        loop = asyncio.get_running_loop()
+
+        async def one(item: object) -> LoadedVideo:
+            item = await fetch_item(item, self.fetcher, self.video_policy.max_bytes)
+            return await loop.run_in_executor(self.image_executor, load_video, item, self.video_policy,
+                                              self.cache_salt, sampling, self.prompt_processor.plan_video)  # fmt: skip
+
+        results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, BadImage):
+                raise BadRequest(f"{VIDEO_FIELD}[{index}]", str(result))
+            if isinstance(result, BaseException):
+                raise result
+        check_request_totals(results, self.video_policy)
+        return results
 
     async def encode_deferred(self, rid: str) -> None:
         """The router found that the prefix cache does not cover `rid`'s deferred images: encode them now (held
@@ -204,12 +281,12 @@ class MultimodalPreparer:
         deferred = self._deferred.pop(rid, None)
         if deferred is None:
             return
-        items, keys, data, missing, options = deferred
+        items, keys, data, missing, params = deferred
         self._encoding.add(rid)
         try:
             data = await self._fill_bytes(items, keys, data, missing)
             wanted = [(key, blob) for key, blob in zip(keys, data, strict=True) if key in missing]
-            entries = await self._guarded_acquire(wanted, options)
+            entries = await self._guarded_acquire(wanted, params)
         except BaseException:
             self._encoding.discard(rid)
             raise
@@ -280,21 +357,17 @@ class MultimodalPreparer:
         self.release(rid)
 
     async def _acquire(
-        self,
-        rid: str,
-        items: list,
-        keys: list[str],
-        data: list[bytes | None],
-        defer: bool = False,
-        options: dict | None = None,
-    ) -> None:
+        self, rid: str, items: list, keys: list[str], data: list[bytes | None], defer: bool = False,
+        params: JobParams | None = None,
+    ) -> None:  # fmt: skip
+        """params: what the encode jobs carry beside the bytes (the videos' sampling, the images' options)."""
         if not keys:
             return
         pairs = list(zip(keys, data, strict=True))
         missing: set[str] = set()
         while True:
             try:
-                entries = await self._guarded_acquire([(k, d) for k, d in pairs if k not in missing], options)
+                entries = await self._guarded_acquire([(k, d) for k, d in pairs if k not in missing], params)
                 break
             except MissingImageData as e:  # seen before, but evicted since
                 if not defer:  # decode them after all
@@ -303,15 +376,16 @@ class MultimodalPreparer:
                     continue
                 missing |= set(e.keys)  # left to the router (see the module's docstring); the rest is held
         if missing:
-            self._deferred[rid] = (items, keys, data, missing, options or {})
+            self._deferred[rid] = (items, keys, data, missing, params or JobParams())
         self._held[rid] = entries
 
     async def _guarded_acquire(
-        self, images: list[tuple[str, bytes | None]], options: dict | None = None
+        self, images: list[tuple[str, bytes | None]], params: JobParams | None = None
     ) -> list[CacheEntry]:
         """coordinator.acquire, its errors as the client should see them (MissingImageData passes through)."""
+        params = params or JobParams()
         try:
-            return await self.coordinator.acquire(images, options)
+            return await self.coordinator.acquire(images, params.videos, params.options)
         except CacheCapacityError as e:
             raise BadRequest(FIELD, str(e)) from None
         except EncoderUnavailable as e:
@@ -321,6 +395,6 @@ class MultimodalPreparer:
             ) from None
         except ImageEncodeError as e:
             if e.bad_image:
-                raise BadRequest(FIELD, str(e)) from None
+                raise BadRequest(VIDEO_FIELD if e.key in params.videos else FIELD, str(e)) from None
             # Not the image's fault (a preprocessing worker killed, shared memory full, ...): a 503, to retry.
             raise ServerFailure(f"the visual process failed to encode an image ({e.error}); retry shortly") from None

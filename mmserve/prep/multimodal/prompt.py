@@ -30,6 +30,11 @@ class MultimodalPrompt:
     offsets: list[int]  # per image: index in token_ids of its first placeholder token
     num_tokens: list[int]  # per image: placeholder tokens (= embedding rows)
     grid_thw: list[tuple[int, int, int] | None] = field(default_factory=list)  # per image (Qwen2-VL), else empty
+    # With videos (families that serve them): per entry, its index in the request's images + videos (the entries
+    # above are in prompt order, images and videos interleaved), and a video's seconds per temporal patch (None for
+    # an image). Empty: the entries are the images, in order.
+    sources: list[int] = field(default_factory=list)
+    second_per_grid_t: list[float | None] = field(default_factory=list)
 
 
 class PromptProcessor(Protocol):
@@ -51,6 +56,10 @@ class PromptProcessor(Protocol):
     # - `image_items(prompt, sent)` (images_in_prompt): the request's images in prompt order when the prompt itself
     #   names images (Qwen-VL's `<img>path or URL</img>`), with the attributes `image_dir` (--image_dir, where paths
     #   may point) and `max_image_bytes` that the server sets.
+    # - videos (`videos`): `count_videos(prompt)`, `default_video_sampling()` (the checkpoint's video processor's
+    #   fps / num_frames, {} if it sets neither), `plan_video(metadata, sampling)` (families/qwen2_vl_video.py's
+    #   VideoPlan; ValueError for sampling it refuses) and `encode(prompt, image_sizes, videos)` with the videos'
+    #   plans in prompt order, returning `sources` and `second_per_grid_t`.
 
 
 def prompt_processor_class(architecture: str) -> type:

@@ -1,5 +1,7 @@
 """Qwen2-VL prompts: each `<|image_pad|>` (written as `<|vision_start|><|image_pad|><|vision_end|>`) expands to its
-image's token count, which dynamic resolution makes size-dependent; the prompt also gets its 3-D M-RoPE positions.
+image's token count, which dynamic resolution makes size-dependent, and each `<|video_pad|>` to its video's (the
+frames the checkpoint's video processor samples, families/qwen2_vl_video.py); the engine derives the 3-D M-RoPE
+positions from the grids.
 
 The image processor's `smart_resize` refuses an aspect ratio above 200:1 (it raises, in transformers' Qwen2-VL,
 Qwen2.5-VL and Qwen3-VL processors alike): `check_image_size` refuses such an image from its header, with a 400,
@@ -7,9 +9,14 @@ before the prompt is expanded or anything is encoded."""
 
 from __future__ import annotations
 
-from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessor
+from collections.abc import Sequence
 
+from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+from families import family
 from families.qwen2_vl_grid import Qwen2VLGrid
+from families.qwen2_vl_video import VideoPlan, plan_video
 from mmserve.http.protocol import BadRequest
 from mmserve.prep.multimodal.prompt import (
     MAX_ASPECT_RATIO,
@@ -19,7 +26,7 @@ from mmserve.prep.multimodal.prompt import (
 )
 
 IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"  # the chat template's video placeholder: rejected with a 400
+VIDEO_PAD = "<|video_pad|>"
 
 
 class Qwen2VLPromptProcessor:
@@ -32,16 +39,22 @@ class Qwen2VLPromptProcessor:
         merge_size: int,
         min_pixels: int,
         max_pixels: int,
+        video_token_id: int | None = None,
+        video_processor: Qwen2VLVideoProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.vision_start_token_id = vision_start_token_id
         self.grid = Qwen2VLGrid(patch_size, merge_size, min_pixels, max_pixels)
+        self.video_token_id = video_token_id
+        self.video_processor = video_processor
 
     @classmethod
     def from_pretrained(cls, model_dir: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLPromptProcessor:
         config = AutoConfig.from_pretrained(model_dir)
         processor = Qwen2VLImageProcessor.from_pretrained(model_dir)
+        # The family's vision model names the video processor it reads videos with (None: no video served).
+        vision = family(config.architectures[0]).part("vision")
         return cls(
             tokenizer,
             config.image_token_id,
@@ -50,6 +63,8 @@ class Qwen2VLPromptProcessor:
             processor.merge_size,
             processor.size.shortest_edge,
             processor.size.longest_edge,
+            getattr(config, "video_token_id", None),
+            vision.load_video_processor(model_dir),
         )
 
     def check_image_size(self, width: int, height: int) -> None:
@@ -59,26 +74,57 @@ class Qwen2VLPromptProcessor:
         """The patch grid the image processor will produce for an image of this size (it resizes the same way)."""
         return self.grid.grid_thw(width, height)
 
+    def count_videos(self, prompt: str) -> int:
+        return prompt.count(VIDEO_PAD)
+
     def count_images(self, prompt: str) -> int:
-        if VIDEO_PAD in prompt:
+        if self.video_processor is None and VIDEO_PAD in prompt:  # a family whose videos are not served here
             raise BadRequest("inputs", f"video input is not supported: the prompt has {VIDEO_PAD} (images only)")
         return prompt.count(IMAGE_PAD)
 
-    def encode(self, prompt: str, image_sizes: list[tuple[int, int]]) -> MultimodalPrompt:
+    def default_video_sampling(self) -> dict:
+        """The checkpoint's video processor's own sampling setting (fps or num_frames), {} if it sets none."""
+        vp = self.video_processor
+        if vp is None:
+            return {}
+        return {"num_frames": vp.num_frames} if vp.num_frames is not None else ({"fps": vp.fps} if vp.fps else {})
+
+    def plan_video(self, metadata: VideoMetadata, sampling: dict) -> VideoPlan:
+        if self.video_processor is None:
+            raise ValueError("this model's videos are not served")
+        return plan_video(self.video_processor, metadata, sampling)
+
+    def encode(
+        self, prompt: str, image_sizes: list[tuple[int, int]], videos: Sequence[VideoPlan] = ()
+    ) -> MultimodalPrompt:
         check_image_count(self.count_images(prompt), len(image_sizes), IMAGE_PAD)
+        check_image_count(self.count_videos(prompt), len(videos), VIDEO_PAD)
         ids = self.tokenizer.encode(prompt)
-        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        check_image_count(len(pads), len(image_sizes), IMAGE_PAD)
-        grids = [self.grid_thw(w, h) for w, h in image_sizes]
-        counts = [self.grid.grid_tokens(grid) for grid in grids]
+        kinds = {self.image_token_id: 0, self.video_token_id: 1}
+        pads = [(i, kinds[t]) for i, t in enumerate(ids) if t in kinds]
+        check_image_count(sum(1 for _, video in pads if not video), len(image_sizes), IMAGE_PAD)
+        check_image_count(sum(1 for _, video in pads if video), len(videos), VIDEO_PAD)
+        image_grids = iter([self.grid_thw(w, h) for w, h in image_sizes])
+        next_image, next_video = iter(range(len(image_sizes))), iter(range(len(videos)))
         token_ids: list[int] = []
-        offsets: list[int] = []
+        out = MultimodalPrompt(token_ids=token_ids, offsets=[], num_tokens=[])
         prev = 0
-        for pad, count in zip(pads, counts, strict=True):
+        for pad, video in pads:
+            if video:
+                index = next(next_video)
+                plan = videos[index]
+                grid, seconds, source = plan.grid_thw, plan.second_per_grid_t, len(image_sizes) + index
+            else:
+                grid, seconds, source = next(image_grids), None, next(next_image)
+            count = self.grid.grid_tokens(grid)
             token_ids += ids[prev:pad]
-            offsets.append(len(token_ids))
-            token_ids += [self.image_token_id] * count
+            out.offsets.append(len(token_ids))
+            token_ids += [ids[pad]] * count
             prev = pad + 1
+            out.num_tokens.append(count)
+            out.grid_thw.append(grid)
+            out.sources.append(source)
+            out.second_per_grid_t.append(seconds)
         token_ids += ids[prev:]
-        # The grids travel with the image references; the engine derives the M-RoPE positions from them.
-        return MultimodalPrompt(token_ids=token_ids, offsets=offsets, num_tokens=counts, grid_thw=grids)
+        # The grids travel with the references; the engine derives the M-RoPE positions from them.
+        return out

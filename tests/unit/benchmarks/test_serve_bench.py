@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.bench_client import event_count, event_prompt_tokens, event_text
 from benchmarks.bench_stats import (
     LATENCY_MINUS_TTFT,
     PER_EVENT,
@@ -22,6 +23,7 @@ from benchmarks.bench_stats import (
     summarize,
     tpot_method,
 )
+from benchmarks.json_schema_load import OBJECTS_SCHEMA, load_schema
 from benchmarks.loads import (
     FAMILIES,
     LOADS,
@@ -33,7 +35,8 @@ from benchmarks.loads import (
     select_loads,
     warmup_requests,
 )
-from benchmarks.serve_bench import event_count, event_prompt_tokens, event_text, parse_args
+from benchmarks.serve_bench import parse_args
+from mmserve.http.protocol import parse_parameters
 
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -340,3 +343,18 @@ def test_tp_parity_judges_divergences_by_the_logprob_rule() -> None:
     c = [[pos("x", -0.1), pos("v", -0.05), pos("w", -0.2)], [pos("p", -0.5), pos("q", -0.3)]]  # y is not in c's top
     broken = compare("tp1 vs tp2", a, c)
     assert broken["logprob_rule_holds"] == 1 and broken["divergence_gaps"] == [None] and broken["worst_gap"] is None
+
+
+def test_json_schema_option_constrains_every_body(tmp_path) -> None:
+    assert parse_args([]).json_schema is None and load_schema(None) is None
+    assert parse_args(["--json_schema", "builtin"]).json_schema == "builtin"
+    assert load_schema("builtin") is OBJECTS_SCHEMA
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    assert load_schema(str(path))["properties"] == {"a": {"type": "integer"}}
+    (spec,), _ = requests_for(select_loads("one_336", None, 1, None)[0], "qwen2_vl")
+    plain, constrained = json.loads(spec.body(128)), json.loads(spec.body(128, OBJECTS_SCHEMA))
+    assert constrained["parameters"].pop("guided_json") == OBJECTS_SCHEMA
+    assert constrained == plain  # the same load otherwise
+    # mmserve's /generate takes it: the schema compiles (xgrammar) and becomes the request's constraint
+    assert parse_parameters(constrained["parameters"] | {"guided_json": OBJECTS_SCHEMA}).structured.kind == "json"

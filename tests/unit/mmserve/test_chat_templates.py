@@ -37,7 +37,7 @@ def tokenizer(tmp_path_factory):
 
 
 def render(tokenizer, template: str, raw: list[dict], **body) -> str:
-    messages, images = chat_messages(raw, None)
+    messages, images, _ = chat_messages(raw, None)
     assert len(images) == sum(1 for m in raw if isinstance(m["content"], list) for p in m["content"] if p is IMG)
     return render_chat(tokenizer, template, messages, body)
 

@@ -187,10 +187,13 @@ def test_modes_are_converted_as_hf_processors_do(preprocessors, family, name):
     model, model_dir = preprocessors[family]
     data = MODES[name]
     assert Image.open(io.BytesIO(data)).mode == EXPECTED_MODE.get(name, name)
-    ours = decode_and_preprocess(data, model.preprocessor()).pixel_values
+    ours = decode_and_preprocess(data, model.preprocessor())
     hf = AutoImageProcessor.from_pretrained(model_dir)(images=[Image.open(io.BytesIO(data))], return_tensors="pt")
     want = hf["pixel_values"]
-    assert torch.equal(ours, want[0] if family == "llava" else want)
+    if family == "llava":
+        assert torch.equal(ours.pixel_values, want[0])
+    else:  # the worker's uint8 image, its float steps where the tower is
+        assert torch.equal(model.upload_pixels([ours], torch.device("cpu"), torch.float32), want)
 
 
 def test_transparency_goes_onto_white_for_hf_families_and_is_dropped_for_the_others(preprocessors):

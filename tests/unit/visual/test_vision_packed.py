@@ -63,13 +63,14 @@ def test_packed_tower_equals_hf(model_dir: str, attn: str) -> None:
     assert all(isinstance(b.attn, PackedVisionAttention) for b in vision.tower.blocks)
     assert all(isinstance(b.mlp.act, QuickGELU) for b in vision.tower.blocks)
     assert isinstance(vision.tower.patch_embed, LinearPatchEmbed)
-    images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
+    pils = [_image(w, h, i) for i, (w, h) in enumerate(SIZES)]
+    images = [vision.preprocess(pil) for pil in pils]
     assert len({im.grid_thw for im in images}) == len(images)
     ours = vision.encode(images)
     hf = _hf_tower(model_dir, attn)
+    hf_inputs = vision.processor(images=pils, return_tensors="pt")  # transformers' processor, in one call
     with torch.inference_mode():
-        pixels = torch.cat([im.pixel_values for im in images])  # [patches, C*T*P*P]
-        theirs = hf(pixels, grid_thw=torch.tensor([im.grid_thw for im in images])).pooler_output
+        theirs = hf(hf_inputs["pixel_values"], grid_thw=hf_inputs["image_grid_thw"]).pooler_output
     torch.testing.assert_close(torch.cat(ours), theirs, rtol=1e-5, atol=1e-5)
     assert [e.shape[0] for e in ours] == [im.num_tokens for im in images]
 
@@ -89,7 +90,7 @@ def test_each_block_attends_the_whole_batch_once(model_dir: str) -> None:
     images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)]
     vision.encode(images)
     index = pack_index([im.grid_thw for im in images], vision.merge_size)
-    patches = sum(im.pixel_values.shape[0] for im in images)
+    patches = sum(im.patches for im in images)
     assert calls == [(patches, index.cu_seqlens.tolist(), index.max_seqlen)] * len(vision.tower.blocks)
 
 
@@ -201,7 +202,8 @@ def test_fused_tower_on_gpu_is_close_to_hf(model_dir: str, sizes: list[tuple[int
     our packed attention against transformers' own tower with sdpa attention, within bf16 tolerance."""
     cuda = torch.device("cuda")
     vision = Qwen2VLVisionModel.from_pretrained(model_dir, cuda, torch.bfloat16)
-    images = [vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(sizes)]
+    pils = [_image(w, h, i) for i, (w, h) in enumerate(sizes)]
+    images = [vision.preprocess(pil) for pil in pils]
     ours = torch.cat(vision.encode(images)).float()
     config = copy.deepcopy(vision.tower.config)
     config._attn_implementation = "sdpa"
@@ -209,7 +211,7 @@ def test_fused_tower_on_gpu_is_close_to_hf(model_dir: str, sizes: list[tuple[int
         hf = Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=torch.bfloat16).eval()
     hf.load_state_dict(vision.tower.state_dict())
     with torch.inference_mode():
-        pixels = torch.cat([im.pixel_values for im in images]).to(cuda)
+        pixels = vision.processor(images=pils, return_tensors="pt")["pixel_values"].to(cuda)  # HF's, on the CPU
         grid = torch.tensor([im.grid_thw for im in images], device=cuda)  # HF builds its rotary ids on its device
         theirs = hf(pixels, grid_thw=grid).pooler_output.float()
     err = (ours - theirs).abs().mean() / theirs.abs().mean()

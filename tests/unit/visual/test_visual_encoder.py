@@ -153,8 +153,16 @@ def test_a_batch_that_is_not_full_waits_for_images_still_preprocessing(model_dir
 def test_encode_job_frames_round_trip():
     job = EncodeJob("key:ü", b"\x00\x01 image bytes")
     assert len(job.frames()) == 2 and EncodeJob.from_frames(job.frames()) == job
-    tiled = EncodeJob("key", b"bytes", {"max_patches": 6})  # a request's preprocessing options: a third frame
-    assert len(tiled.frames()) == 3 and EncodeJob.from_frames(tiled.frames()) == tiled
+    # a video's sampling and a request's preprocessing options (InternVL's tile cap): a third frame, one or both
+    video = EncodeJob("key", b"video bytes", {"fps": 2.0, "max_pixels": 12544})
+    tiled = EncodeJob("key", b"bytes", options={"max_patches": 6})
+    both = EncodeJob("key", b"bytes", {"fps": 2.0}, {"max_patches": 6})
+    for params in (video, tiled, both):
+        assert len(params.frames()) == 3 and EncodeJob.from_frames(params.frames()) == params
+    with pytest.raises(ValueError, match="'video' and 'options'"):
+        EncodeJob.from_frames([b"key", b"bytes", b'{"fps": 2.0}'])  # the sampling itself, not under "video"
+    with pytest.raises(ValueError, match="JSON objects"):
+        EncodeJob.from_frames([b"key", b"bytes", b'{"options": [6]}'])
     with pytest.raises(ValueError, match="2 or 3 frames"):
         EncodeJob.from_frames([b"only a key"])
 
