@@ -221,7 +221,10 @@ BAD_REQUESTS = [
         {"inputs": "x", "multimodal_params": {"images": [{"type": "url", "data": "http://x/a.png"}]}},
         "multimodal_params.images",
     ),
-    ({"inputs": "x", "multimodal_params": {"videos": []}}, "multimodal_params.videos"),
+    (
+        {"inputs": "x", "multimodal_params": {"videos": [{"type": "base64", "data": "AAAA"}]}},
+        "multimodal_params.videos",
+    ),
 ]
 
 

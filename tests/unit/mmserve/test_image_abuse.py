@@ -259,7 +259,7 @@ class FakeCoordinator:
     def __init__(self):
         self.acquired: list = []
 
-    async def acquire(self, items):
+    async def acquire(self, items, videos=None, options=None):
         self.acquired.append(items)
         return [object() for _ in items]
 
