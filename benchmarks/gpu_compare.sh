@@ -153,6 +153,17 @@ if [ "$vllm" = 1 ]; then
     say "vLLM is not installed yet: carry .vllm/call1, then .vllm/call2, in two calls on one warm machine"; status=1
   else
     say "vLLM: start -> healthy, then loads $loads through the openai API"
+    # A base checkpoint (the 7B shape the builders write) ships no chat template: mmserve then renders the family's
+    # built-in one, and vLLM is handed the same text (without one it refuses every chat request).
+    template="$logs/vllm_chat_template.jinja"
+    if python3 -c "import sys; from mmserve.prep.chat_templates import builtin_chat_template, model_architecture
+from transformers import AutoProcessor
+if getattr(AutoProcessor.from_pretrained(sys.argv[1]), 'chat_template', None): sys.exit(1)
+t = builtin_chat_template(model_architecture(sys.argv[1])); sys.exit(2) if t is None else open(sys.argv[2], 'w').write(t)" \
+        "$ckpt" "$template" 2>/dev/null; then
+      say "the checkpoint has no chat template: vLLM gets the family's built-in one ($template)"
+      export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --chat-template $template"
+    fi
     t0=$(date +%s.%N)
     if bash .vllm/bin/serve.sh "$ckpt" "$vport" >&2; then
       startup=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$t0" "$(date +%s.%N)")
