@@ -29,6 +29,9 @@ class VideoPlan:
     width: int
     grid_thw: tuple[int, int, int]  # patch grid (t, h, w); t = sampled frames / temporal_patch_size, rounded up
     second_per_grid_t: float  # seconds one temporal patch spans: temporal_patch_size / sampled fps
+    # Qwen3-VL: each temporal patch's time in seconds, written before its own vision block in the prompt (each patch
+    # is then a separate run of placeholders); empty: one run for the whole video (Qwen2-VL, Qwen2.5-VL)
+    timestamps: tuple[float, ...] = ()
 
     @property
     def pixels(self) -> int:

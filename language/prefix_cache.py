@@ -38,7 +38,7 @@ def cache_ids(req: Request) -> list[int] | None:
     for item in req.mm_items:
         if not item.key:
             return None
-        h = xxhash.xxh3_64_intdigest(f"{item.key}|{item.grid_thw}".encode()) % _VIRTUAL_SPAN
+        h = xxhash.xxh3_64_intdigest(f"{item.key}|{item.grid_thw}|{item.row_start}".encode()) % _VIRTUAL_SPAN
         ids[item.offset : item.offset + item.num_tokens] = range(-1 - h, -1 - h - item.num_tokens, -1)
     return ids
 

@@ -84,6 +84,7 @@ class MultimodalItem:
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL patch grid, for M-RoPE positions
     length: int = 0  # placeholder tokens, when there are no embeddings
     second_per_grid_t: float | None = None  # a video's seconds per temporal patch (M-RoPE time axis); None: an image
+    row_start: int = 0  # the first of its cache entry's rows it holds (one of a video's runs: Qwen3-VL); in its key
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,8 @@ class ImageRef:
     # the router finds that the prefix cache does not cover it (then it asks: RouterBatch.encode_needed).
     embedded: bool = True
     second_per_grid_t: float | None = None  # a video's seconds per temporal patch (M-RoPE time axis); None: an image
+    # The first of the entry's rows this run takes (a video split into several runs: Qwen3-VL's timestamped patches)
+    row_start: int = 0
 
 
 @dataclass

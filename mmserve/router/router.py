@@ -166,7 +166,8 @@ class Router:
                 raise ValueError("this server has no image support (start it with --enable_multimodal)")
             items = [
                 MultimodalItem(r.offset, self._read_embeds(msg.rid, r) if r.embedded or all_embedded else None, r.key,
-                               r.grid_thw, length=r.num_tokens, second_per_grid_t=r.second_per_grid_t)
+                               r.grid_thw, length=r.num_tokens, second_per_grid_t=r.second_per_grid_t,
+                               row_start=r.row_start)
                 for r in msg.images
             ]  # fmt: skip
         # Families with multi-axis positions (Qwen2-VL) derive them from the prompt and the image grids in the engine.
@@ -174,9 +175,12 @@ class Router:
 
     def _read_embeds(self, rid: str, ref: ImageRef) -> torch.Tensor:
         try:
-            return self._embed_reader(ref)
+            embeds = self._embed_reader(ref)
         except FileNotFoundError:  # its shared-memory segment was unlinked: the entry was evicted
             raise EmbeddingMissing(rid, ref.key) from None
+        if ref.row_start or embeds.shape[0] != ref.num_tokens:  # one of a video's runs (Qwen3-VL)
+            embeds = embeds[ref.row_start : ref.row_start + ref.num_tokens]
+        return embeds
 
     def _reject(self, rid: str, prompt_tokens: int, error: RequestError) -> None:
         self._own_outputs.append(RequestOutput(rid, [], [], True, "error", prompt_tokens, 0, error=error))

@@ -26,14 +26,6 @@ CASES = [
     (CHAT.format("What is AI?"), []),
 ]
 
-# Video input, as a placeholder in the prompt or as a parameter: a 400 naming the field.
-VIDEO_REQUESTS = [
-    ({"inputs": CHAT.format("<|vision_start|><|video_pad|><|vision_end|>What happens?")}, "inputs"),
-    ({"inputs": CHAT.format("What happens?"), "multimodal_params": {"videos": [{"type": "base64", "data": ""}]}},
-     "multimodal_params.videos"),
-]  # fmt: skip
-VIDEO_REQUEST_IDS = ["video_placeholder", "videos_param"]
-
 
 def server_fixtures(family: QwenVLFamily, *server_args: str):
     """Module fixtures `model_dir` (the tiny checkpoint in a folder named family.name, the name /v1/models reports),
@@ -116,10 +108,3 @@ def check_chat_completions_equal_hf(server, hf, model: str, template_ok: Callabl
     reply = r.json()
     assert reply["choices"][0]["message"]["content"] == hf.tokenizer.decode(ids, skip_special_tokens=True)
     assert reply["usage"]["completion_tokens"] == NEW_TOKENS
-
-
-def check_video_input_gets_400(server, body: dict, field: str) -> None:
-    r = httpx.post(server.url + "/generate", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    assert r.json()["field"] == field and "video input is not supported" in r.json()["error"]
-    assert len(generate(server, *CASES[2], max_new_tokens=2)) == 2  # and the server keeps serving

@@ -1,6 +1,6 @@
-"""Video input through the real server, checked against HF transformers (Qwen2-VL, Qwen2.5-VL; run from each family's
-server module, on its server): short synthetic clips written with PyAV, decoded by the test with PyAV and given to
-HF's processor (the checkpoint's video processor, sampling with the same fps), whose pixel_values_videos,
+"""Video input through the real server, checked against HF transformers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; run from
+each family's server module, on its server): short synthetic clips written with PyAV, decoded by the test with PyAV and
+given to HF's processor (the checkpoint's video processor, sampling with the same fps), whose pixel_values_videos,
 video_grid_thw (and Qwen2.5-VL's second_per_grid_ts) feed HF's generate. Greedy tokens and prompt token counts must
 equal HF's, through /generate and /v1/chat/completions; a video with an image; a two-turn chat repeating the video
 (encoded once, its prefix reused); a corrupt video or one over a limit gets a 400 naming the field, and the server
@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 
 import httpx
-from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+from transformers import AutoTokenizer, Qwen2VLImageProcessor
 
 from families import family as family_spec
 from mmserve.testing.images import picture, png_b64
@@ -29,16 +29,21 @@ CLIP = clip(112, 84, 3, 10, seed=1)  # 3 s at 10 fps: 6 frames sampled at 2 fps,
 CLIP_2 = clip(84, 112, 2, 8, seed=2)
 
 
-def hf_video_greedy(family: QwenVLFamily, model_dir: str):
-    """HF's (greedy tokens, prompt length) for (text, images, videos) with the checkpoint's video processor."""
+def hf_video_greedy(family: QwenVLFamily, model_dir: str, max_pixels: int = MAX_PIXELS):
+    """HF's (greedy tokens, prompt length) for (text, images, videos) with the checkpoint's video processor (the
+    family's class; its defaults where the checkpoint has none), frames resized within max_pixels (`.kwargs`: the
+    same sampling as the server's mm_processor_kwargs)."""
     model = family.hf_model(model_dir)
-    video_processor = Qwen2VLVideoProcessor.from_pretrained(model_dir)
+    try:
+        video_processor = family.video_processor_class.from_pretrained(model_dir)
+    except OSError:
+        video_processor = family.video_processor_class()
     processor = family.processor_class(
         image_processor=Qwen2VLImageProcessor.from_pretrained(model_dir),
         tokenizer=AutoTokenizer.from_pretrained(model_dir),
         video_processor=video_processor,
     )
-    size = {"shortest_edge": video_processor.size.shortest_edge, "longest_edge": MAX_PIXELS}
+    size = {"shortest_edge": video_processor.size.shortest_edge, "longest_edge": max_pixels}
 
     def greedy(text: str, images: list, videos: list[bytes], new_tokens: int = NEW_TOKENS) -> tuple[list[int], int]:
         frames, metadata = zip(*(decoded(v) for v in videos), strict=True)
@@ -50,6 +55,7 @@ def hf_video_greedy(family: QwenVLFamily, model_dir: str):
         return hf_greedy(model, ids, new_tokens, **extra), len(ids)
 
     greedy.tokenizer = processor.tokenizer
+    greedy.kwargs = {"fps": FPS, "max_pixels": max_pixels}
     # What the server renders chat with: the checkpoint's template, else its family's published one
     greedy.template = processor.tokenizer.chat_template or family_spec(family.arch).part("chat_template")
     return greedy
@@ -81,15 +87,16 @@ def tokens_and_prompt_len(r: httpx.Response) -> tuple[list[int], int]:
 def check_generate_equals_hf(server, hf) -> None:
     """One clip; then a clip and an image in one prompt (video first, as the prompt says)."""
     prompt = CHAT.format(VIDEO + "What happens in this video?")
-    assert tokens_and_prompt_len(generate(server, prompt, [CLIP])) == hf(prompt, [], [CLIP])
+    assert tokens_and_prompt_len(generate(server, prompt, [CLIP], kwargs=hf.kwargs)) == hf(prompt, [], [CLIP])
     image = picture(90, 60, 7)
     prompt = CHAT.format(VIDEO + "and" + VISION + "Does the picture appear in the video?")
-    assert tokens_and_prompt_len(generate(server, prompt, [CLIP_2], [image])) == hf(prompt, [image], [CLIP_2])
+    got = tokens_and_prompt_len(generate(server, prompt, [CLIP_2], [image], kwargs=hf.kwargs))
+    assert got == hf(prompt, [image], [CLIP_2])
 
 
-def chat(server, model: str, messages: list[dict]) -> dict:
+def chat(server, model: str, messages: list[dict], kwargs=KWARGS) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "mm_processor_kwargs": KWARGS}  # fmt: skip
+            "mm_processor_kwargs": kwargs}  # fmt: skip
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()
@@ -101,7 +108,7 @@ def check_two_turn_chat_equals_hf(server, hf, model: str) -> None:
     video_part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(CLIP)}}
     first = [{"role": "user", "content": [video_part, {"type": "text", "text": "Describe it."}]}]
     hf_first = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe it."}]}]
-    reply = chat(server, model, first)
+    reply = chat(server, model, first, hf.kwargs)
     text = hf.tokenizer.apply_chat_template(hf_first, chat_template=hf.template, tokenize=False,
                                             add_generation_prompt=True)  # fmt: skip
     assert text.count(VIDEO) == 1
@@ -116,7 +123,7 @@ def check_two_turn_chat_equals_hf(server, hf, model: str) -> None:
     second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": [video_part, again]}]
     hf_second = hf_first + [{"role": "assistant", "content": answer},
                             {"role": "user", "content": [{"type": "video"}, again]}]  # fmt: skip
-    reply = chat(server, model, second)
+    reply = chat(server, model, second, hf.kwargs)
     text = hf.tokenizer.apply_chat_template(hf_second, chat_template=hf.template, tokenize=False,
                                             add_generation_prompt=True)  # fmt: skip
     ids, prompt_len = hf(text, [], [CLIP, CLIP])

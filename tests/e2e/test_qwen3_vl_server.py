@@ -3,7 +3,10 @@ published layout (DeepStack rows in each image's cache entry, interleaved M-RoPE
 concurrent /generate requests (1 image, 2 images of different non-square sizes, text only) with HF
 Qwen3VLForConditionalGeneration's greedy tokens, also when prompts are prefilled in small chunks and when a repeated
 image's KV comes from the prefix cache, and /v1/chat/completions with HF's greedy text on the checkpoint's own
-template; repeated images are encoded once; video input gets a 400 that says it is not supported."""
+template; repeated images are encoded once. Video (qwen_vl_video_cases): greedy tokens and prompt token counts equal
+HF's with Qwen3VLVideoProcessor's sampling and resize, Qwen3VLProcessor's `<t seconds>` before each temporal patch,
+each patch a separate run on M-RoPE and DeepStack rows for the video's frames; a video with an image; a two-turn chat
+repeating the video; bad videos get a 400."""
 
 from __future__ import annotations
 
@@ -12,13 +15,17 @@ from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen
 
 from mmserve.testing.checkpoints.qwen3_vl import build_qwen3_vl
 from tests.e2e import qwen_vl_cases as cases
+from tests.e2e import qwen_vl_video_cases as video
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 
 MODEL = "qwen3_vl"  # the model folder's name, as /v1/models reports it
 FAMILY = QwenVLFamily(MODEL, "Qwen3VLForConditionalGeneration", build_qwen3_vl, Qwen3VLForConditionalGeneration,
                       Qwen3VLProcessor, Qwen3VLVideoProcessor)  # fmt: skip
 # Chunks of 16 prompt tokens: every image's rows (12 to 20 tokens here) are split across steps.
-model_dir, server, hf = cases.server_fixtures(FAMILY, "--chunked_prefill_size", "16")
+# --max_video_frames 16: a clip sampled at a high fps is over it (qwen_vl_video_cases)
+model_dir, server, hf = cases.server_fixtures(FAMILY, "--chunked_prefill_size", "16", "--max_video_frames", "16")
+# Qwen3-VL bounds the pixels of all sampled frames together: 6 frames of the test clip resized to 64x96 (6 tokens each)
+VIDEO_MAX_PIXELS = 32 * 32 * 6 * 8
 
 
 def test_concurrent_generate_equals_hf(server, hf):
@@ -35,6 +42,18 @@ def test_chat_completions_equal_hf_on_the_published_template(server, hf):
     cases.check_chat_completions_equal_hf(server, hf, MODEL, lambda text: text == expected)
 
 
-@pytest.mark.parametrize("body, field", cases.VIDEO_REQUESTS, ids=cases.VIDEO_REQUEST_IDS)
-def test_video_input_gets_400(server, body, field):
-    cases.check_video_input_gets_400(server, body, field)
+@pytest.fixture(scope="module")
+def hf_video(model_dir):
+    return video.hf_video_greedy(FAMILY, model_dir, VIDEO_MAX_PIXELS)
+
+
+def test_video_generate_equals_hf(server, hf_video):
+    video.check_generate_equals_hf(server, hf_video)
+
+
+def test_two_turn_video_chat_equals_hf(server, hf_video):
+    video.check_two_turn_chat_equals_hf(server, hf_video, MODEL)
+
+
+def test_bad_videos_get_400(server):
+    video.check_bad_videos_get_400(server)

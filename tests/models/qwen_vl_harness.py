@@ -1,6 +1,6 @@
 """What the Qwen-VL families' model tests share (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a family's tiny checkpoint and HF
 model as module fixtures, random test images, and the checks against HF transformers that read the same for every
-family (tower features, M-RoPE positions, the refused video placeholder, greedy generation). Each family's test
+family (tower features, M-RoPE positions, greedy generation). Each family's test
 module keeps what is its own: its checkpoint builder and classes, its layout and its quirks (window attention,
 DeepStack)."""
 
@@ -120,16 +120,6 @@ def check_mrope_positions(family: QwenVLFamily, published_dir: str, hf_model, si
     )
     assert torch.equal(ours, theirs[:, 0])
     assert our_delta == int(delta)
-
-
-def check_video_placeholder_refused(family: QwenVLFamily, published_dir: str) -> None:
-    from mmserve.http.protocol import BadRequest
-    from mmserve.prep.multimodal.prompt import prompt_processor_class
-
-    tokenizer = AutoTokenizer.from_pretrained(published_dir)
-    prompter = prompt_processor_class(family.arch).from_pretrained(published_dir, tokenizer)
-    with pytest.raises(BadRequest, match="video input is not supported"):
-        prompter.count_images(CHAT.format("<|vision_start|><|video_pad|><|vision_end|>What happens?"))
 
 
 def check_generation(family: QwenVLFamily, model_dir: str, hf_model, device: str, chunked_prefill_size: int,

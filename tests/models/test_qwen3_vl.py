@@ -15,12 +15,20 @@ import os
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
+from transformers import (
+    AutoTokenizer,
+    Qwen2VLImageProcessor,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
+)
 
 from mmserve.testing.checkpoints.qwen3_vl import build_qwen3_vl, qwen3_vl_config
 from tests.models import qwen_vl_harness as vl
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 from visual.models.base import vision_model_class
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 
 ARCH = "Qwen3VLForConditionalGeneration"
 FAMILY = QwenVLFamily("qwen3_vl", ARCH, build_qwen3_vl, Qwen3VLForConditionalGeneration, Qwen3VLProcessor,
@@ -92,8 +100,40 @@ def test_mrope_positions_match_hf_get_rope_index(published_dir: str, hf_model) -
     vl.check_mrope_positions(FAMILY, published_dir, hf_model, SIZES)
 
 
-def test_video_placeholder_is_refused(published_dir: str) -> None:
-    vl.check_video_placeholder_refused(FAMILY, published_dir)
+def test_video_prompt_and_positions_match_hf(published_dir: str, hf_model) -> None:
+    """A video beside an image: our prompt equals Qwen3VLProcessor's (`<t seconds>` and a vision block per temporal
+    patch), and the M-RoPE positions of its runs (each a (1, h, w) grid) equal HF's get_rope_index."""
+    from language.models.qwen2_vl_positions import mrope_positions
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
+    from mmserve.testing.videos import clip, decoded
+    from visual.video_decode import probe_video
+
+    data, sampling = clip(112, 84, 3, 10, seed=1), {"fps": 2.0, "max_pixels": 32 * 32 * 6 * 8}
+    text = CHAT.format(f"{VIDEO}and{VISION}What happens?")
+    image = vl.random_image(90, 60, 0)
+    prompter = prompt_processor_class(FAMILY.arch).from_pretrained(published_dir, AutoTokenizer.from_pretrained(
+        published_dir))  # fmt: skip
+    plan = prompter.plan_video(probe_video(data), sampling)
+    ours = prompter.encode(text, [image.size], [plan])
+    vp = prompter.video_processor
+    processor = Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(published_dir),
+                                 tokenizer=prompter.tokenizer, video_processor=vp)  # fmt: skip
+    frames, metadata = decoded(data)
+    size = {"shortest_edge": vp.size.shortest_edge, "longest_edge": sampling["max_pixels"]}
+    inputs = processor(text=[text], images=[image], videos=[frames], video_metadata=[metadata], return_tensors="pt",
+                       videos_kwargs={"do_sample_frames": True, "fps": sampling["fps"], "size": size})  # fmt: skip
+    assert ours.token_ids == inputs["input_ids"][0].tolist()
+    assert tuple(inputs["video_grid_thw"][0].tolist()) == plan.grid_thw and len(ours.offsets) == 1 + plan.grid_thw[0]
+    theirs, delta = hf_model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"],
+        video_grid_thw=inputs["video_grid_thw"],
+    )  # fmt: skip
+    config = hf_model.config
+    positions, our_delta = mrope_positions(ours.token_ids, ours.grid_thw, config.image_token_id,
+                                           config.vision_start_token_id, config.vision_config.spatial_merge_size,
+                                           config.video_token_id, ours.second_per_grid_t)  # fmt: skip
+    assert torch.equal(positions, theirs[:, 0])
+    assert our_delta == int(delta)
 
 
 def test_images_obey_the_pixel_bounds(published_dir: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,10 +37,15 @@ class Qwen2VLPreprocessor:
     runs its whole video processor here (its frames come out as float patches)."""
 
     def __init__(
-        self, processor: Qwen2VLImageProcessor, merge_size: int, video_processor: Qwen2VLVideoProcessor | None = None
+        self,
+        processor: Qwen2VLImageProcessor,
+        merge_size: int,
+        video_processor: Qwen2VLVideoProcessor | None = None,
+        video_planner: Callable = plan_video,
     ) -> None:
         self.processor = processor
         self.video_processor = video_processor
+        self.video_planner = video_planner  # the family's frame sampling and grid (its vision model's video_planner)
         self.grid = Qwen2VLGrid(
             processor.patch_size, merge_size, processor.size.shortest_edge, processor.size.longest_edge
         )
@@ -64,7 +70,7 @@ class Qwen2VLPreprocessor:
         already sampled here, so the processor runs with do_sample_frames False."""
         metadata = probe_video(data)
         try:
-            plan = plan_video(self.video_processor, metadata, sampling)
+            plan = self.video_planner(self.video_processor, metadata, sampling)
         except ValueError as e:
             raise BadVideo(str(e)) from None
         frames = read_frames(data, np.asarray(plan.indices))
@@ -93,6 +99,8 @@ class Qwen2VLVisionModel:
     family = "qwen2_vl"  # in the cache salt
     display_name = "Qwen2-VL"  # in error messages
     video_processor_class: type | None = Qwen2VLVideoProcessor  # None: the family serves no video here
+    # (video processor, metadata, sampling) -> VideoPlan: what that processor makes of a video
+    video_planner: Callable = staticmethod(plan_video)
 
     @classmethod
     def load_video_processor(cls, model_dir: str) -> Qwen2VLVideoProcessor | None:
@@ -118,7 +126,7 @@ class Qwen2VLVisionModel:
         self.cache_salt = cache_salt
         self.hidden_size: int = tower.config.hidden_size
         self.merge_size: int = tower.config.spatial_merge_size
-        self._preprocessor = Qwen2VLPreprocessor(processor, self.merge_size, video_processor)
+        self._preprocessor = Qwen2VLPreprocessor(processor, self.merge_size, video_processor, self.video_planner)
         self._pixels = HostStaging()  # pinned (on CUDA) host buffer the batch's pixels are gathered into
 
     @classmethod
@@ -126,8 +134,9 @@ class Qwen2VLVisionModel:
         """The preprocessor from the config files alone (the pool starts it while the tower loads)."""
         merge_size = AutoConfig.from_pretrained(model_dir).vision_config.spatial_merge_size
         return Qwen2VLPreprocessor(
-            Qwen2VLImageProcessor.from_pretrained(model_dir), merge_size, cls.load_video_processor(model_dir)
-        )
+            Qwen2VLImageProcessor.from_pretrained(model_dir), merge_size, cls.load_video_processor(model_dir),
+            cls.video_planner,
+        )  # fmt: skip
 
     @classmethod
     def from_pretrained(

@@ -18,10 +18,11 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from transformers import Qwen2VLImageProcessor
+from transformers import Qwen2VLImageProcessor, Qwen3VLVideoProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Qwen3VLTower
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
+from families.qwen3_vl_video import plan_video
 from visual.models.base import ImageInput
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
@@ -32,12 +33,17 @@ class Qwen3VLVisionModel(Qwen2VLVisionModel):
     tower_class = Qwen3VLTower
     family = "qwen3_vl"
     display_name = "Qwen3-VL"
-    video_processor_class = None  # its timestamped video prompts are not served yet
+    video_processor_class = Qwen3VLVideoProcessor
+    video_planner = staticmethod(plan_video)  # its own resize bounds and the prompt's per-patch timestamps
 
     def __init__(
-        self, tower: Qwen3VLTower, processor: Qwen2VLImageProcessor, cache_salt: str, video_processor: None = None
+        self,
+        tower: Qwen3VLTower,
+        processor: Qwen2VLImageProcessor,
+        cache_salt: str,
+        video_processor: Qwen3VLVideoProcessor | None = None,
     ) -> None:
-        super().__init__(tower, processor, cache_salt)
+        super().__init__(tower, processor, cache_salt, video_processor)
         self.hidden_size = tower.config.out_hidden_size  # the mergers' output: the LLM's width
         self.num_deepstack = len(tower.config.deepstack_visual_indexes)
         self.embed_width = (1 + self.num_deepstack) * self.hidden_size  # columns of each embedding row

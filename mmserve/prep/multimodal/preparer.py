@@ -226,13 +226,15 @@ class MultimodalPreparer:
     @staticmethod
     def _refs(mm_prompt: MultimodalPrompt, keys: list[str], deferred: set[str]) -> tuple[ImageRef, ...]:
         """The references in prompt order (images and videos interleaved where the prompt says so)."""
-        sources = mm_prompt.sources or list(range(len(keys)))
-        seconds = mm_prompt.second_per_grid_t or [None] * len(keys)
-        grids = mm_prompt.grid_thw or [None] * len(keys)
+        n = len(mm_prompt.offsets)
+        sources = mm_prompt.sources or list(range(n))
+        seconds = mm_prompt.second_per_grid_t or [None] * n
+        grids = mm_prompt.grid_thw or [None] * n
+        row_starts = mm_prompt.row_starts or [0] * n
         return tuple(
-            ImageRef(keys[src], offset, n, grid, keys[src] not in deferred, second_per_grid_t=sec)
-            for src, offset, n, grid, sec in zip(sources, mm_prompt.offsets, mm_prompt.num_tokens, grids, seconds,
-                                                 strict=True)
+            ImageRef(keys[src], offset, count, grid, keys[src] not in deferred, second_per_grid_t=sec, row_start=row)
+            for src, offset, count, grid, sec, row in zip(sources, mm_prompt.offsets, mm_prompt.num_tokens, grids,
+                                                          seconds, row_starts, strict=True)
         )  # fmt: skip
 
     def _video_items(self, prompt: str, multimodal_params: dict) -> list:

@@ -35,6 +35,9 @@ class MultimodalPrompt:
     # an image). Empty: the entries are the images, in order.
     sources: list[int] = field(default_factory=list)
     second_per_grid_t: list[float | None] = field(default_factory=list)
+    # Per entry, the first of its item's embedding rows that it takes: a video split into several runs (Qwen3-VL's
+    # timestamped temporal patches) has one entry per run. Empty: every entry takes its item's rows from 0.
+    row_starts: list[int] = field(default_factory=list)
 
 
 class PromptProcessor(Protocol):

@@ -1,7 +1,8 @@
 """Qwen2-VL prompts: each `<|image_pad|>` (written as `<|vision_start|><|image_pad|><|vision_end|>`) expands to its
 image's token count, which dynamic resolution makes size-dependent, and each `<|video_pad|>` to its video's (the
-frames the checkpoint's video processor samples, families/qwen2_vl_video.py); the engine derives the 3-D M-RoPE
-positions from the grids.
+frames the checkpoint's video processor samples, the vision model's `video_planner`: families/qwen2_vl_video.py, for
+Qwen3-VL families/qwen3_vl_video.py, whose `<t seconds>` go before each temporal patch's own run); the engine derives
+the 3-D M-RoPE positions from the grids.
 
 The image processor's `smart_resize` refuses an aspect ratio above 200:1 (it raises, in transformers' Qwen2-VL,
 Qwen2.5-VL and Qwen3-VL processors alike): `check_image_size` refuses such an image from its header, with a 400,
@@ -9,7 +10,7 @@ before the prompt is expanded or anything is encoded."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers import AutoConfig, PreTrainedTokenizerBase, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 from transformers.video_utils import VideoMetadata
@@ -27,6 +28,7 @@ from mmserve.prep.multimodal.prompt import (
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
+VISION_END = "<|vision_end|>"
 
 
 class Qwen2VLPromptProcessor:
@@ -41,6 +43,7 @@ class Qwen2VLPromptProcessor:
         max_pixels: int,
         video_token_id: int | None = None,
         video_processor: Qwen2VLVideoProcessor | None = None,
+        video_planner: Callable = plan_video,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
@@ -48,6 +51,7 @@ class Qwen2VLPromptProcessor:
         self.grid = Qwen2VLGrid(patch_size, merge_size, min_pixels, max_pixels)
         self.video_token_id = video_token_id
         self.video_processor = video_processor
+        self.video_planner = video_planner
 
     @classmethod
     def from_pretrained(cls, model_dir: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLPromptProcessor:
@@ -65,6 +69,7 @@ class Qwen2VLPromptProcessor:
             processor.size.longest_edge,
             getattr(config, "video_token_id", None),
             vision.load_video_processor(model_dir),
+            vision.video_planner,
         )
 
     def check_image_size(self, width: int, height: int) -> None:
@@ -92,7 +97,7 @@ class Qwen2VLPromptProcessor:
     def plan_video(self, metadata: VideoMetadata, sampling: dict) -> VideoPlan:
         if self.video_processor is None:
             raise ValueError("this model's videos are not served")
-        return plan_video(self.video_processor, metadata, sampling)
+        return self.video_planner(self.video_processor, metadata, sampling)
 
     def encode(
         self, prompt: str, image_sizes: list[tuple[int, int]], videos: Sequence[VideoPlan] = ()
@@ -110,21 +115,41 @@ class Qwen2VLPromptProcessor:
         out = MultimodalPrompt(token_ids=token_ids, offsets=[], num_tokens=[])
         prev = 0
         for pad, video in pads:
+            token_ids += ids[prev:pad]
+            prev = pad + 1
             if video:
                 index = next(next_video)
-                plan = videos[index]
-                grid, seconds, source = plan.grid_thw, plan.second_per_grid_t, len(image_sizes) + index
+                self._add_video(out, videos[index], len(image_sizes) + index)
             else:
-                grid, seconds, source = next(image_grids), None, next(next_image)
-            count = self.grid.grid_tokens(grid)
-            token_ids += ids[prev:pad]
-            out.offsets.append(len(token_ids))
-            token_ids += [ids[pad]] * count
-            prev = pad + 1
-            out.num_tokens.append(count)
-            out.grid_thw.append(grid)
-            out.sources.append(source)
-            out.second_per_grid_t.append(seconds)
+                self._add_run(out, ids[pad], next(image_grids), None, next(next_image))
         token_ids += ids[prev:]
         # The grids travel with the references; the engine derives the M-RoPE positions from them.
         return out
+
+    def _add_run(self, out: MultimodalPrompt, pad_id: int, grid, seconds: float | None, source: int,
+                 row_start: int = 0) -> None:  # fmt: skip
+        """One run of placeholder tokens at the end of out.token_ids: rows row_start.. of item `source`."""
+        count = self.grid.grid_tokens(grid)
+        out.offsets.append(len(out.token_ids))
+        out.token_ids += [pad_id] * count
+        out.num_tokens.append(count)
+        out.grid_thw.append(grid)
+        out.sources.append(source)
+        out.second_per_grid_t.append(seconds)
+        out.row_starts.append(row_start)
+
+    def _add_video(self, out: MultimodalPrompt, plan: VideoPlan, source: int) -> None:
+        """A video's placeholder tokens: one run for the whole video, or (a plan with timestamps: Qwen3-VL, as
+        Qwen3VLProcessor expands `<|video_pad|>`) per temporal patch `<t seconds><|vision_start|>` + its run +
+        `<|vision_end|>`, each run a (1, h, w) grid on M-RoPE as an image's (HF's get_rope_index splits the grid)."""
+        if not plan.timestamps:
+            self._add_run(out, self.video_token_id, plan.grid_thw, plan.second_per_grid_t, source)
+            return
+        _, h, w = plan.grid_thw
+        frame_tokens = self.grid.grid_tokens((1, h, w))
+        vision_end = self.tokenizer.convert_tokens_to_ids(VISION_END)
+        for k, seconds in enumerate(plan.timestamps):
+            out.token_ids += self.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+            out.token_ids.append(self.vision_start_token_id)
+            self._add_run(out, self.video_token_id, (1, h, w), None, source, k * frame_tokens)
+            out.token_ids.append(vision_end)
