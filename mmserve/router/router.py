@@ -178,8 +178,11 @@ class Router:
             embeds = self._embed_reader(ref)
         except FileNotFoundError:  # its shared-memory segment was unlinked: the entry was evicted
             raise EmbeddingMissing(rid, ref.key) from None
-        if ref.row_start or embeds.shape[0] != ref.num_tokens:  # one of a video's runs (Qwen3-VL)
-            embeds = embeds[ref.row_start : ref.row_start + ref.num_tokens]
+        end = ref.row_start + ref.num_tokens
+        if embeds.shape[0] < end:  # a bug: the prompt was expanded for more rows than the entry holds
+            raise RuntimeError(f"image {ref.key}: rows {ref.row_start}:{end} asked of an entry of {embeds.shape[0]}")
+        if embeds.shape[0] != ref.num_tokens:  # one of a video's runs (Qwen3-VL: one run per temporal patch)
+            embeds = embeds[ref.row_start : end]
         return embeds
 
     def _reject(self, rid: str, prompt_tokens: int, error: RequestError) -> None:
