@@ -6,7 +6,6 @@ another. Every sender gives `RequestResult`s (benchmarks/bench_stats.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
 import os
 import sys
@@ -17,6 +16,7 @@ import httpx
 
 from benchmarks.bench_stats import RequestResult
 from benchmarks.openai_stream import one_openai_request
+from benchmarks.sse_stream import stream_request
 
 try:
     from tqdm import tqdm
@@ -46,33 +46,18 @@ def event_prompt_tokens(event: dict) -> int | None:
     return token.get("prompt_tokens") if isinstance(token, dict) else None
 
 
+def read_generate_event(r: RequestResult, event: dict, now: float) -> None:
+    """Fold one /generate_stream event into `r`; its final event ("finished") carries the token total."""
+    r.events.append((now, event_count(event)))
+    r.text += event_text(event)
+    if r.prompt_tokens is None:
+        r.prompt_tokens = event_prompt_tokens(event)
+    if event.get("finished"):
+        r.tokens = event_count(event) or 0
+
+
 async def one_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:
-    r = RequestResult()
-    t0 = time.perf_counter()
-    try:
-        headers = {"Content-Type": "application/json"}
-        async with client.stream("POST", url + "/generate_stream", content=body, headers=headers) as resp:
-            r.headers = time.perf_counter() - t0
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                now = time.perf_counter() - t0
-                event = json.loads(line[5:])
-                if "error" in event:
-                    r.error = str(event["error"])
-                    break
-                r.events.append((now, event_count(event)))
-                r.text += event_text(event)
-                if r.prompt_tokens is None:
-                    r.prompt_tokens = event_prompt_tokens(event)
-                if event.get("finished"):
-                    r.tokens = event_count(event) or 0
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        r.error = f"{type(e).__name__}: {e}"
-    r.latency = time.perf_counter() - t0
+    r = await stream_request(client, url + "/generate_stream", body, read_generate_event)
     if r.error is None and not r.tokens:
         r.error = "stream ended without a finished event"
     return r

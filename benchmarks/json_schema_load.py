@@ -25,57 +25,46 @@ BUILTIN = "builtin"
 BUILTIN_MAXLENGTH = "builtin_maxlength"
 MIN_OBJECTS = 64
 
-OBJECTS_SCHEMA_MAXLENGTH: dict = {
-    "type": "object",
-    "properties": {
-        "summary": {"type": "string", "maxLength": 200},
-        "objects": {
-            "type": "array",
-            "minItems": MIN_OBJECTS,
-            "maxItems": 2 * MIN_OBJECTS,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "maxLength": 32},
-                    "color": {"enum": ["red", "green", "blue", "yellow", "black", "white", "other"]},
-                    "count": {"type": "integer", "minimum": 0, "maximum": 999},
-                    "visible": {"type": "boolean"},
-                    "box": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4},
-                },
-                "required": ["name", "color", "count", "visible", "box"],
-            },
+_COLORS = ["red", "green", "blue", "yellow", "black", "white", "other"]
+
+
+def objects_schema(head: tuple[str, dict], name: dict, coordinate: dict) -> dict:
+    """A picture's description: the field `head` and a list of MIN_OBJECTS to 2 * MIN_OBJECTS objects, each with a
+    `name`, a color, a count, a visibility flag and a box of four `coordinate`s."""
+    head_key, head_schema = head
+    item = {
+        "type": "object",
+        "properties": {
+            "name": name,
+            "color": {"enum": _COLORS},
+            "count": {"type": "integer", "minimum": 0, "maximum": 999},
+            "visible": {"type": "boolean"},
+            "box": {"type": "array", "items": coordinate, "minItems": 4, "maxItems": 4},
         },
-    },
-    "required": ["summary", "objects"],
-}
+        "required": ["name", "color", "count", "visible", "box"],
+    }
+    objects = {"type": "array", "minItems": MIN_OBJECTS, "maxItems": 2 * MIN_OBJECTS, "items": item}
+    return {
+        "type": "object",
+        "properties": {head_key: head_schema, "objects": objects},
+        "required": [head_key, "objects"],
+    }
+
+
+OBJECTS_SCHEMA_MAXLENGTH = objects_schema(
+    ("summary", {"type": "string", "maxLength": 200}),
+    name={"type": "string", "maxLength": 32},
+    coordinate={"type": "number"},
+)
 # The same structure with no free text (names from a list, integer coordinates): a random model would never close a
 # string without a maxLength (almost every token is string content), so this one walks the structure the way a
 # trained model's answer does, through the states whose masks xgrammar precomputes.
 _NAMES = ["person", "car", "tree", "dog", "cat", "house", "bicycle", "sign", "cup", "chair", "table", "window"]
-OBJECTS_SCHEMA: dict = {
-    "type": "object",
-    "properties": {
-        "scene": {"enum": ["street", "room", "park", "kitchen", "office", "other"]},
-        "objects": {
-            "type": "array",
-            "minItems": MIN_OBJECTS,
-            "maxItems": 2 * MIN_OBJECTS,
-            "items": {
-                "type": "object",
-                "properties": {
-                    "name": {"enum": _NAMES},
-                    "color": {"enum": ["red", "green", "blue", "yellow", "black", "white", "other"]},
-                    "count": {"type": "integer", "minimum": 0, "maximum": 999},
-                    "visible": {"type": "boolean"},
-                    "box": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 4096},
-                            "minItems": 4, "maxItems": 4},
-                },
-                "required": ["name", "color", "count", "visible", "box"],
-            },
-        },
-    },
-    "required": ["scene", "objects"],
-}  # fmt: skip
+OBJECTS_SCHEMA = objects_schema(
+    ("scene", {"enum": ["street", "room", "park", "kitchen", "office", "other"]}),
+    name={"enum": _NAMES},
+    coordinate={"type": "integer", "minimum": 0, "maximum": 4096},
+)
 
 
 @functools.cache  # read once per run, not once per request

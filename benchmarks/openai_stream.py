@@ -11,12 +11,10 @@ all decoded to no text (`no_text`)."""
 
 from __future__ import annotations
 
-import json
-import time
-
 import httpx
 
 from benchmarks.bench_stats import RequestResult
+from benchmarks.sse_stream import stream_request
 
 
 def served_model(url: str, timeout: float = 10.0) -> str:
@@ -61,30 +59,13 @@ def read_chunk(r: RequestResult, chunk: dict, now: float) -> bool:
 
 
 async def one_openai_request(client: httpx.AsyncClient, url: str, body: bytes) -> RequestResult:
-    r = RequestResult()
     finished = False
-    t0 = time.perf_counter()
-    try:
-        headers = {"Content-Type": "application/json"}
-        async with client.stream("POST", url + "/v1/chat/completions", content=body, headers=headers) as resp:
-            r.headers = time.perf_counter() - t0
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
-                if "error" in chunk:
-                    r.error = str(chunk["error"])
-                    break
-                finished = read_chunk(r, chunk, time.perf_counter() - t0) or finished
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        r.error = f"{type(e).__name__}: {e}"
-    r.latency = time.perf_counter() - t0
+
+    def read_event(r: RequestResult, chunk: dict, now: float) -> None:
+        nonlocal finished
+        finished = read_chunk(r, chunk, now) or finished
+
+    r = await stream_request(client, url + "/v1/chat/completions", body, read_event)
     if r.error is None and not (finished and r.tokens):
         r.error = "stream ended without a finish_reason and a token count"
     if r.error is None and not r.events and r.first_chunk is not None:

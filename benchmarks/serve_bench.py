@@ -51,14 +51,13 @@ from benchmarks.bench_client import (  # noqa: E402
     tqdm,
 )
 from benchmarks.bench_stats import RequestResult, by_turn, summarize  # noqa: E402
+from benchmarks.chat_loads import Conversation, chat_conversations  # noqa: E402
 from benchmarks.json_schema_load import load_schema  # noqa: E402
 from benchmarks.loads import (  # noqa: E402
     FAMILIES,
-    Conversation,
     Load,
     RequestSpec,
     arrival_times,
-    chat_conversations,
     requests_for,
     select_loads,
     warmup_requests,

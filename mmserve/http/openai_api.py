@@ -9,7 +9,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -18,6 +17,7 @@ from language.request import PromptLogprobs, RequestError
 from mmserve.http.chat_output import ChatOutputPlan, chat_message, output_plan
 from mmserve.http.chat_output import finish_reason as choice_finish_reason
 from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
+from mmserve.http.openai_logprobs import Echo, Entry, choice_logprobs, token_entries
 from mmserve.http.openai_protocol import (
     OpenAIOptions,
     chat_input,
@@ -33,6 +33,7 @@ from mmserve.http.protocol import BadRequest, GenerateInput, json_logprob, parse
 from mmserve.http.request_io import (
     check_json_content_type,
     collect_streams,
+    merge_streams,
     most_likely,
     read_request_body,
     watch_disconnect,
@@ -177,7 +178,7 @@ class OpenAIServing:
         chat = plan is not None
         lp = None
         if k is not None:
-            lp = _logprobs((echo.entries if echo else []) + _entries(tokens), chat, k)
+            lp = choice_logprobs((echo.entries if echo else []) + token_entries(tokens), chat, k)
         if echo is not None:
             text = echo.text + text
         if chat:
@@ -277,8 +278,8 @@ class OpenAIServing:
             text = out.text if out is not None else ""
             lp = None
             if logprobs and out is not None:
-                entries = out.entries if isinstance(out, Echo) else _entries(out.tokens)
-                lp = _logprobs(entries, chat, k, offsets[index])
+                entries = out.entries if isinstance(out, Echo) else token_entries(out.tokens)
+                lp = choice_logprobs(entries, chat, k, offsets[index])
                 offsets[index] += sum(len(text) for text, _, _ in entries)
             if not chat:
                 return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
@@ -300,7 +301,7 @@ class OpenAIServing:
                 yield chunk([choice(index, None, choice_finish_reason(out.finish_reason, parser.called))])
 
         finals: list[TextOutput | None] = [None] * len(streams)
-        merged = _merge(streams, firsts, disconnected)
+        merged = merge_streams(streams, firsts, disconnected)
         try:
             for index in range(len(streams)):
                 if chat:
@@ -333,82 +334,6 @@ class OpenAIServing:
             await merged.aclose()
             disconnected.cancel()
             self._abort_unfinished(streams)
-
-
-async def _merge(streams: list[RequestStream], firsts: list[TextOutput], disconnected) -> AsyncIterator[tuple]:
-    """(choice index, output) of every stream as they arrive, until each has finished; a stream's ServerFailure or
-    ClientDisconnected is raised here."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream, out: TextOutput) -> None:
-        try:
-            while True:
-                queue.put_nowait((index, out))
-                if out.finished:
-                    return
-                out = await stream.next(disconnected)
-        except (ServerFailure, ClientDisconnected) as e:
-            queue.put_nowait((index, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
-    try:
-        left = len(streams)
-        while left:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finished:
-                left -= 1
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-# One position of a logprobs answer: (token text, its log-probability or None (a prompt's first token), the
-# alternatives there as (text, log-probability), or None).
-Entry = tuple[str, float | None, list[tuple[str, float]] | None]
-
-
-@dataclass(frozen=True)
-class Echo:
-    """/v1/completions' echo: the prompt text put before the completion, and its positions' logprobs (when asked)."""
-
-    text: str
-    entries: list[Entry]
-
-
-def _entries(tokens: list[TokenDetail]) -> list[Entry]:
-    """A choice's tokens -> logprobs entries. A token's text is the text it completed (TokenDetail.text: "" for the
-    first bytes of a multi-byte character), so the tokens join to the generated text before any stop cut; each
-    alternative is its token decoded alone."""
-    return [(t.text, t.logprob, [(text, lp) for _, text, lp in t.top]) for t in tokens]
-
-
-def _logprobs(entries: list[Entry], chat: bool, k: int, offset: int = 0) -> dict:
-    """OpenAI's logprobs of a choice (or of a chunk's tokens). Chat: each token with its k alternatives; completions
-    (legacy shape): tokens, token_logprobs, text_offset, and top_logprobs as one {text: logprob} per position (the
-    chosen token and its k alternatives: with k 0, the chosen token alone, as vLLM answers logprobs 0)."""
-    floor = json_logprob
-    if chat:
-        content = [{"token": text, "logprob": floor(lp), "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": a, "logprob": floor(alp), "bytes": list(a.encode())}
-                                     for a, alp in top or ()]}
-                   for text, lp, top in entries]  # fmt: skip
-        return {"content": content}
-    text_offset, tops = [], []
-    for text, lp, top in entries:
-        text_offset.append(offset)
-        offset += len(text)
-        if lp is None:
-            tops.append(None)
-        else:
-            ranked = {text: floor(lp)}
-            for a, alp in top or ():
-                ranked.setdefault(a, floor(alp))
-            tops.append(ranked)
-    return {"tokens": [text for text, _, _ in entries], "token_logprobs": [floor(lp) for _, lp, _ in entries],
-            "top_logprobs": tops, "text_offset": text_offset}  # fmt: skip
 
 
 def _usage(groups: list[list[TextOutput]]) -> dict:

@@ -4,11 +4,12 @@ noticing that the client left, gathering each sequence's whole output."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from fastapi import Request
 
-from mmserve.http.engine_client import EngineClient, RequestStream
+from mmserve.http.engine_client import ClientDisconnected, EngineClient, RequestStream, ServerFailure
 from mmserve.http.protocol import BadRequest
 from mmserve.http.slow_clients import BodyReadTimeout, BodyTooLarge, read_body
 from mmserve.ipc.messages import TextOutput, TokenDetail
@@ -88,3 +89,33 @@ async def collect_streams(
         for stream in streams:
             if not stream.finished:
                 client.abort(stream.rid)
+
+
+async def merge_streams(streams: list[RequestStream], firsts: list[TextOutput], disconnected) -> AsyncIterator[tuple]:
+    """(choice index, output) of every stream as they arrive, until each has finished; a stream's ServerFailure or
+    ClientDisconnected is raised here."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream, out: TextOutput) -> None:
+        try:
+            while True:
+                queue.put_nowait((index, out))
+                if out.finished:
+                    return
+                out = await stream.next(disconnected)
+        except (ServerFailure, ClientDisconnected) as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts, strict=True))]
+    try:
+        left = len(streams)
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                left -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -32,6 +32,18 @@ class PreparedPrompt:
     wait_for_images: bool = False
 
 
+@dataclass(frozen=True)
+class MultimodalInput:
+    """What the image preparer reads of one request."""
+
+    prompt: str  # with the family's image (and video) placeholders
+    multimodal_params: dict  # "images", "videos", "mm_processor_kwargs" as the request sent them
+    # the request may use the prefix cache, so images evicted from the embedding cache since they were seen may be
+    # left unencoded (ImageRef.embedded False) for the router to decide on
+    defer: bool = False
+    max_patches: int = -1  # the request's tile cap for a family that tiles images (-1: the checkpoint's)
+
+
 RunSync = Callable[..., Awaitable]  # run_sync(fn, *args): fn(*args) in the tokenizer thread pool
 
 
@@ -40,19 +52,7 @@ class ImagePreparer(Protocol):
     `multimodal_params` into token ids with image references (raising BadRequest for bad images), doing its slow
     parts through `run_sync` so the event loop never blocks, and holding the images' cache entries until `release`."""
 
-    async def prepare(
-        self,
-        rid: str,
-        prompt: str,
-        multimodal_params: dict,
-        run_sync: RunSync,
-        defer: bool = False,
-        max_patches: int = -1,
-    ) -> PreparedPrompt:
-        """`defer`: the request may use the prefix cache, so images evicted from the embedding cache since they
-        were seen may be left unencoded (ImageRef.embedded False) for the router to decide on. `max_patches`: the
-        request's tile cap for a family that tiles images (-1: the checkpoint's; others ignore it)."""
-        ...
+    async def prepare(self, rid: str, request: MultimodalInput, run_sync: RunSync) -> PreparedPrompt: ...
 
     async def encode_deferred(self, rid: str) -> None:
         """The router asks for `rid`'s deferred images after all (their KV is not in the prefix cache)."""
@@ -92,8 +92,8 @@ class RequestPreparer:
         if self.images is not None:
             p = req.params  # only a request that reuses the prefix cache, and runs once, can skip an encoding
             defer = p.num_sequences == 1 and p.prompt_logprobs is None and not p.disable_prompt_cache
-            prepared = await self.images.prepare(rid, req.prompt, req.multimodal_params, run_sync, defer=defer,
-                                                 max_patches=req.image_max_patch_num)  # fmt: skip
+            request = MultimodalInput(req.prompt, req.multimodal_params, defer, req.image_max_patch_num)
+            prepared = await self.images.prepare(rid, request, run_sync)
             if add_special is False:
                 prepared = self._without_special_tokens(prepared)
         elif images or req.multimodal_params.get("videos"):
@@ -129,7 +129,7 @@ class RequestPreparer:
         carries no images) and holds nothing for a prompt without them."""
         params = await run_sync(self._with_stop_token_ids, req.params) if req.params.stop_sequences else req.params
         if self.images is not None:
-            await self.images.prepare(rid, req.prompt, {}, run_sync)
+            await self.images.prepare(rid, MultimodalInput(req.prompt, {}), run_sync)
         try:
             if req.fill_context:
                 params = replace(params, max_new_tokens=max(1, self.limits.max_req_total_len - len(req.prompt_ids)))

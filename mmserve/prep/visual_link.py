@@ -29,7 +29,7 @@ from mmserve.prep.multimodal.image_io import ImagePolicy
 from mmserve.prep.multimodal.preparer import MultimodalPreparer
 from mmserve.prep.multimodal.url_fetch import FetchPolicy
 from mmserve.prep.multimodal.video_io import VideoPolicy
-from mmserve.prep.tokenization import PreparedPrompt, RunSync
+from mmserve.prep.tokenization import MultimodalInput, PreparedPrompt, RunSync
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.weights import read_json
 from visual.options import VisualOptions
@@ -116,17 +116,9 @@ class VisualLink:
         self._task: asyncio.Task | None = None
 
     # ImagePreparer
-    async def prepare(
-        self,
-        rid: str,
-        prompt: str,
-        multimodal_params: dict,
-        run_sync: RunSync,
-        defer: bool = False,
-        max_patches: int = -1,
-    ) -> PreparedPrompt:
-        defer = defer and self._prefix_cache
-        return await self.preparer.prepare(rid, prompt, multimodal_params, run_sync, defer, max_patches)
+    async def prepare(self, rid: str, request: MultimodalInput, run_sync: RunSync) -> PreparedPrompt:
+        request = dataclasses.replace(request, defer=request.defer and self._prefix_cache)
+        return await self.preparer.prepare(rid, request, run_sync)
 
     async def encode_deferred(self, rid: str) -> None:
         await self.preparer.encode_deferred(rid)

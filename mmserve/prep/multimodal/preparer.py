@@ -3,8 +3,8 @@ load and check the request's images, expand the prompt, hold the images' cache e
 release them when the request ends.
 
     preparer = MultimodalPreparer(prompt_processor, coordinator, cache_salt, ImagePolicy(...), image_executor)
-    prepared = await preparer.prepare(rid, prompt, multimodal_params, run_sync)   # BadRequest on any client error
-    preparer.release(rid)                                                         # finished / aborted / failed
+    prepared = await preparer.prepare(rid, MultimodalInput(prompt, multimodal_params), run_sync)  # or BadRequest
+    preparer.release(rid)                                                          # finished / aborted / failed
 
 The request reaches the router only after its images are in the cache, with one exception: with `defer` (the
 prefix cache is on for the request), an image seen before but evicted from the embedding cache since is not encoded
@@ -53,7 +53,7 @@ from mmserve.prep.multimodal.video_io import (
     load_video,
     request_sampling,
 )
-from mmserve.prep.tokenization import PreparedPrompt, RunSync
+from mmserve.prep.tokenization import MultimodalInput, PreparedPrompt, RunSync
 
 FIELD = "multimodal_params.images"
 logger = logging.getLogger(__name__)
@@ -164,17 +164,10 @@ class MultimodalPreparer:
         self.encodes_skipped = 0  # deferred images the router never asked for: their KV was in the prefix cache
         self._encoding: set[str] = set()  # rids in encode_deferred (release drops them: it must not hold after)
 
-    async def prepare(
-        self,
-        rid: str,
-        prompt: str,
-        multimodal_params: dict,
-        run_sync: RunSync,
-        defer: bool = False,
-        max_patches: int = -1,
-    ) -> PreparedPrompt:
-        """`max_patches` >= 0: the request's tile cap, for a family that tiles images (others ignore it)."""
+    async def prepare(self, rid: str, request: MultimodalInput, run_sync: RunSync) -> PreparedPrompt:
+        """`request.max_patches` >= 0: the request's tile cap, for a family that tiles images (others ignore it)."""
         start = time.perf_counter()
+        prompt, multimodal_params, max_patches = request.prompt, request.multimodal_params, request.max_patches
         options = {"max_patches": max_patches} if self._encode_tiled is not None and max_patches >= 0 else {}
         items = multimodal_params.get("images") or []
         self._check_image_count(len(items) if isinstance(items, list) else 0)
@@ -195,7 +188,7 @@ class MultimodalPreparer:
         # Send the new images to the visual process first, then tokenize while they encode.
         all_keys, blobs = keys + [v.key for v in videos], [im.data for im in images] + [v.data for v in videos]
         params = JobParams({v.key: v.sampling for v in videos}, options)
-        acquire = asyncio.ensure_future(self._acquire(rid, items + video_items, all_keys, blobs, defer, params))
+        acquire = asyncio.ensure_future(self._acquire(rid, items + video_items, all_keys, blobs, request.defer, params))
         sizes = [(im.width, im.height) for im in images]
         try:
             if videos:

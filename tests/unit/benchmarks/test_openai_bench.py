@@ -16,11 +16,11 @@ from PIL import Image
 
 from benchmarks.bench_client import run_concurrent
 from benchmarks.bench_stats import RequestResult, summarize
+from benchmarks.chat_loads import chat_conversations
 from benchmarks.loads import (
     LOADS,
     arrival_times,
     build_prompt,
-    chat_conversations,
     poisson_arrivals,
     request_shapes,
     requests_for,

@@ -23,14 +23,12 @@ from benchmarks.bench_stats import (
     summarize,
     tpot_method,
 )
+from benchmarks.chat_loads import ChatTurn, chat_conversations, chat_prompt
 from benchmarks.json_schema_load import OBJECTS_SCHEMA, load_schema
 from benchmarks.loads import (
     FAMILIES,
     LOADS,
-    ChatTurn,
     build_prompt,
-    chat_conversations,
-    chat_prompt,
     requests_for,
     select_loads,
     warmup_requests,

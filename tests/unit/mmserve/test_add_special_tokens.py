@@ -10,7 +10,7 @@ import pytest
 from language.sampling_params import SamplingParams
 from mmserve.http.protocol import BadRequest, GenerateInput
 from mmserve.ipc.messages import ImageRef
-from mmserve.prep.tokenization import Limits, PreparedPrompt, RequestPreparer
+from mmserve.prep.tokenization import Limits, MultimodalInput, PreparedPrompt, RequestPreparer
 from mmserve.testing.checkpoints.tokenizer import build_tokenizer
 
 TEXT = "hello world"
@@ -43,7 +43,7 @@ class FakeImages:
         self.prompt_ids = prompt_ids
         self.released: list[str] = []
 
-    async def prepare(self, rid, prompt, multimodal_params, run_sync, defer=False, max_patches=-1) -> PreparedPrompt:
+    async def prepare(self, rid: str, request: MultimodalInput, run_sync) -> PreparedPrompt:
         return PreparedPrompt(list(self.prompt_ids), (ImageRef("key", 2, 3),))
 
     def release(self, rid: str) -> None:

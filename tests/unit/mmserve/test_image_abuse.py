@@ -22,6 +22,7 @@ from mmserve.launch.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_P
 from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy, load_image
 from mmserve.prep.multimodal.preparer import MultimodalPreparer
 from mmserve.prep.multimodal.prompt import MultimodalPrompt
+from mmserve.prep.tokenization import MultimodalInput
 from mmserve.testing.checkpoints.llava import build_llava_hf
 from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
 from visual.image_decode import open_image
@@ -277,7 +278,7 @@ def png_item(width: int, height: int, seed: int = 0) -> dict:
 
 
 def prepare(preparer, prompt: str, images: list):
-    return asyncio.run(preparer.prepare("r", prompt, {"images": images}, run_sync))
+    return asyncio.run(preparer.prepare("r", MultimodalInput(prompt, {"images": images}), run_sync))
 
 
 def test_images_per_request_cap_is_a_400_naming_the_flag():

@@ -16,7 +16,7 @@ from language.sampling_params import SamplingParams
 from mmserve.http.protocol import BadRequest, GenerateInput
 from mmserve.prep.multimodal.llava import LlavaPromptProcessor
 from mmserve.prep.multimodal.preparer import MultimodalPreparer
-from mmserve.prep.tokenization import Limits, RequestPreparer
+from mmserve.prep.tokenization import Limits, MultimodalInput, RequestPreparer
 from mmserve.testing.checkpoints.llava import build_llava_hf
 from visual.encoder import VisualEncoder
 from visual.models.llava import LlavaVisionModel
@@ -92,7 +92,7 @@ def test_prepare_two_images(model_dir, vision):
     items = [image_item(80, 50, 0), image_item(40, 70, 1)]
 
     async def body(h):
-        prepared = await h.preparer.prepare("r1", PROMPT, {"images": items}, run_sync)
+        prepared = await h.preparer.prepare("r1", MultimodalInput(PROMPT, {"images": items}), run_sync)
         hf = AutoProcessor.from_pretrained(model_dir)
         images = [Image.open(io.BytesIO(base64.b64decode(i["data"]))) for i in items]
         assert prepared.prompt_ids == hf(images=images, text=PROMPT)["input_ids"][0]
@@ -103,7 +103,7 @@ def test_prepare_two_images(model_dir, vision):
             torch.testing.assert_close(read_embedding(h.prefix, ref.key), want)
         h.preparer.release("r1")
         assert all(e.refs == 0 for e in h.coordinator.index._entries.values())
-        text_only = await h.preparer.prepare("r2", "USER: hi ASSISTANT:", {}, run_sync)
+        text_only = await h.preparer.prepare("r2", MultimodalInput("USER: hi ASSISTANT:", {}), run_sync)
         assert text_only.images == () and text_only.prompt_ids[0] == 1
 
     run(model_dir, vision, 4, body)
@@ -142,10 +142,13 @@ def test_same_image_in_concurrent_requests_is_encoded_once(model_dir, vision):
 
     async def body(h):
         prepared = await asyncio.gather(
-            *(h.preparer.prepare(f"r{i}", "USER: <image>\nhi", {"images": [item]}, run_sync) for i in range(6))
+            *(
+                h.preparer.prepare(f"r{i}", MultimodalInput("USER: <image>\nhi", {"images": [item]}), run_sync)
+                for i in range(6)
+            )
         )
         assert len({p.images[0].key for p in prepared}) == 1
-        again = await h.preparer.prepare("r6", "USER: <image>\nagain", {"images": [item]}, run_sync)
+        again = await h.preparer.prepare("r6", MultimodalInput("USER: <image>\nagain", {"images": [item]}), run_sync)
         metrics = h.coordinator.metrics()
         assert metrics["mmserve_images_encoded_total"] == 1 and h.encoder.images_encoded == 1
         assert metrics["mmserve_embed_cache_hits_total"] == 6
@@ -159,8 +162,8 @@ def test_same_image_in_concurrent_requests_is_encoded_once(model_dir, vision):
 def test_many_distinct_images_through_a_small_cache(model_dir, vision):
     async def body(h):
         async def one(i):
-            prepared = await h.preparer.prepare(f"r{i}", "<image> describe", {"images": [image_item(20, 30, 100 + i)]},
-                                                run_sync)  # fmt: skip
+            request = MultimodalInput("<image> describe", {"images": [image_item(20, 30, 100 + i)]})
+            prepared = await h.preparer.prepare(f"r{i}", request, run_sync)
             await asyncio.sleep(0.01)
             h.preparer.release(f"r{i}")
             return prepared
@@ -185,7 +188,7 @@ def test_many_distinct_images_through_a_small_cache(model_dir, vision):
 def test_client_errors_are_400_and_hold_nothing(model_dir, vision, prompt, images, message):
     async def body(h):
         with pytest.raises(BadRequest, match=message) as err:
-            await h.preparer.prepare("bad", prompt, {"images": images}, run_sync)
+            await h.preparer.prepare("bad", MultimodalInput(prompt, {"images": images}), run_sync)
         assert err.value.status == 400
         assert all(e.refs == 0 for e in h.coordinator.index._entries.values())
         h.preparer.release("bad")  # the server calls it on every failure: must be harmless
@@ -212,13 +215,15 @@ def test_a_seen_image_evicted_from_the_cache_is_decoded_and_encoded_again(model_
     seen_item = image_item(24, 24, 40)
 
     async def body(h):
-        first = await h.preparer.prepare("a", "USER: <image>\nhi", {"images": [seen_item]}, run_sync)
+        first = await h.preparer.prepare("a", MultimodalInput("USER: <image>\nhi", {"images": [seen_item]}), run_sync)
         h.preparer.release("a")
         for i in range(2):  # a cache of 2: two other images push the first one out
-            await h.preparer.prepare(f"o{i}", "USER: <image>\nhi", {"images": [image_item(24, 24, 50 + i)]}, run_sync)
+            await h.preparer.prepare(
+                f"o{i}", MultimodalInput("USER: <image>\nhi", {"images": [image_item(24, 24, 50 + i)]}), run_sync
+            )
             h.preparer.release(f"o{i}")
         assert h.coordinator.index.lookup(first.images[0].key) is None
-        again = await h.preparer.prepare("b", "USER: <image>\nhi", {"images": [seen_item]}, run_sync)
+        again = await h.preparer.prepare("b", MultimodalInput("USER: <image>\nhi", {"images": [seen_item]}), run_sync)
         assert again.images[0].key == first.images[0].key and h.encoder.images_encoded == 4
         torch.testing.assert_close(read_embedding(h.prefix, again.images[0].key),
                                    vision.encode([vision.preprocess(Image.open(io.BytesIO(

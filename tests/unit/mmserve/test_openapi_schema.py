@@ -1,14 +1,15 @@
-"""/openapi.json's request schemas (mmserve/http/openapi.py) against the parsers they describe: every name the parsers
-accept has a schema, and each numeric range the schema states is the one the parser enforces, at both edges. An
-integer the schema leaves unbounded must be accepted even at 2**64: when a parser starts to refuse it, this test
-fails until the schema says so too."""
+"""/openapi.json's request schemas (mmserve/http/openapi_generate.py, openapi_openai.py) against the parsers they
+describe: every name the parsers accept has a schema, and each numeric range the schema states is the one the parser
+enforces, at both edges. An integer the schema leaves unbounded must be accepted even at 2**64: when a parser starts
+to refuse it, this test fails until the schema says so too."""
 
 from __future__ import annotations
 
 import pytest
 
 from mmserve.http.openai_protocol import CHAT_NAMES, COMPLETION_NAMES, sampling_params
-from mmserve.http.openapi import OPENAI_SCHEMAS, PARAMETER_SCHEMAS, generate_body, openai_body
+from mmserve.http.openapi_generate import PARAMETER_SCHEMAS, generate_body
+from mmserve.http.openapi_openai import OPENAI_SCHEMAS, openai_body
 from mmserve.http.protocol import PARAMETER_NAMES, BadRequest, parse_parameters
 
 HUGE = 2**64
