@@ -17,6 +17,8 @@ import httpx
 import openai
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from PIL import Image
 from transformers import AutoProcessor, InternVLForConditionalGeneration
 
@@ -27,6 +29,12 @@ from mmserve.testing.images import picture, png_b64
 from mmserve.testing.server_proc import ServerProcess, serving
 from tests.e2e.test_openai_api import hf_messages, openai_messages
 from tests.models.hf_reference import hf_greedy
+from visual.models.internvl import MIN_TRANSFORMERS
+
+pytestmark = pytest.mark.skipif(
+    Version(transformers.__version__) < Version(MIN_TRANSFORMERS),
+    reason=f"InternVL needs transformers >= {MIN_TRANSFORMERS}",
+)
 
 NEW_TOKENS = 16
 ENCODED = "mmserve_images_encoded_total"

@@ -10,12 +10,19 @@ import pickle
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoProcessor, InternVLForConditionalGeneration
 
 from mmserve.testing.checkpoints.internvl import build_internvl_hf
 from mmserve.testing.checkpoints.internvl_chat import build_internvl_chat
 from tests.models.test_llava import noise_image
-from visual.models.internvl import InternVLVisionModel
+from visual.models.internvl import MIN_TRANSFORMERS, InternVLVisionModel
+
+pytestmark = pytest.mark.skipif(
+    Version(transformers.__version__) < Version(MIN_TRANSFORMERS),
+    reason=f"InternVL needs transformers >= {MIN_TRANSFORMERS}",
+)
 
 CPU = torch.device("cpu")
 IMAGES = [noise_image(80, 50, 0), noise_image(90, 300, 1)]  # 6 tiles + thumbnail, 3 tiles + thumbnail (112 px)

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+import transformers
+from packaging.version import Version
 from PIL import Image
 from transformers import AutoProcessor, InternVLConfig
 from transformers.models.internvl import modeling_internvl as hf
@@ -64,9 +66,20 @@ def read_config(model_dir: str) -> InternVLConfig:
     )
 
 
+# The oldest transformers whose InternVL processor this family is tested against (5.17 tiles differently, and its
+# _merge_kwargs takes other arguments): an older one is refused at start rather than served with other tiles than HF's.
+MIN_TRANSFORMERS = "5.24"
+
+
+def check_transformers() -> None:
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(f"InternVL needs transformers >= {MIN_TRANSFORMERS} (found {transformers.__version__})")
+
+
 def read_preprocessor(model_dir: str, config: InternVLConfig) -> InternVLPreprocessor:
     """The -hf layout's InternVLProcessor (its image processor and the images kwargs it passes), or the remote-code
     layout's equivalent built from config.json."""
+    check_transformers()
     vision = config.vision_config
     positions = (vision.image_size[0] // vision.patch_size[0]) * (vision.image_size[1] // vision.patch_size[1]) + 1
     raw = read_json(os.path.join(model_dir, "config.json"))
