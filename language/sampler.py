@@ -72,7 +72,7 @@ class SamplingBatch:
             penalties=_penalty_tensors(reqs, device) if any(p.has_penalties for p in ps) else None,
             processors=(
                 LogitProcessors.build(reqs, eos_token_ids, vocab_size, device)
-                if any(p.has_logit_masks for p in ps)
+                if any(p.has_logit_processors for p in ps)
                 else None
             ),
             top_logprobs=max(p.top_logprobs for p in ps),
@@ -111,7 +111,7 @@ class LogitProcessors:
         restricted = [False] * len(reqs)
         for row, r in enumerate(reqs):
             p = r.params
-            if not p.has_logit_masks:
+            if not p.has_logit_processors:
                 continue
             for token, b in p.logit_bias:
                 bias_r.append(row), bias_i.append(token), bias_v.append(float(b))

@@ -93,15 +93,19 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
-    def has_logit_masks(self) -> bool:
-        """Needs logits processing (bias, masks, EOS boost): never takes the greedy argmax fast path."""
+    def has_logit_processors(self) -> bool:
+        """Needs the sampler's sparse logit edits (bias, allowed ids, min-new-tokens bans, EOS boost)."""
         return (
             self.min_new_tokens > 0
             or self.allowed_token_ids is not None
             or bool(self.logit_bias)
             or self.exponential_decay_length_penalty is not None
-            or self.structured is not None
         )
+
+    @property
+    def has_logit_masks(self) -> bool:
+        """Needs logits processing (those edits, or a grammar's token mask): never takes the greedy argmax fast path."""
+        return self.has_logit_processors or self.structured is not None
 
     @property
     def num_sequences(self) -> int:
