@@ -47,6 +47,8 @@ def attend_key_tile(
     l_i,  # [BLOCK_M] running softmax denominator
     q,  # [BLOCK_M, BLOCK_D]
     q_pos,  # [BLOCK_M] absolute position of each query (only read when CAUSAL)
+    key_lo,  # [BLOCK_M] first key each query sees (only read when BOUNDED)
+    key_hi,  # [BLOCK_M] the key past the last one each query sees (only read when BOUNDED)
     start_n,
     end_n,  # keys at or past end_n are masked out (only read when MASKED)
     slot_row_ptr,  # req_to_token row of this sequence
@@ -59,6 +61,7 @@ def attend_key_tile(
     qk_scale,  # softmax scale * log2(e)
     MASKED: tl.constexpr,  # mask keys >= end_n
     CAUSAL: tl.constexpr,  # mask keys after each query's position
+    BOUNDED: tl.constexpr,  # mask keys outside each query's [key_lo, key_hi) (sliding window, bidirectional blocks)
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,  # head_dim == BLOCK_D: no mask along the head dim
     DOT_PRECISION: tl.constexpr,
@@ -80,12 +83,20 @@ def attend_key_tile(
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
     if CAUSAL:
         qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+    if BOUNDED:
+        seen = (offs_n[None, :] >= key_lo[:, None]) & (offs_n[None, :] < key_hi[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
     # The scale (> 0, checked by the launchers) commutes with the max, so it is applied once per score inside the
     # exponent's argument (one FMA) instead of as a separate multiply over the whole tile.
-    # Every row sees key 0 in the first tile, so m_new is finite from then on and no row divides -inf by -inf.
+    # Unbounded, every row sees key 0 in the first tile, so m_new is finite from then on and no row divides -inf by
+    # -inf; bounded, a row may see nothing of a tile yet, and its max stands in at 0 until it does.
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if BOUNDED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(qk * qk_scale - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     v_ptrs = v_head_ptr + slots[:, None] * stride_v_slot + offs_d[None, :]  # the K tile's slots, reused
     v = load_rows(v_ptrs, n_mask, d_mask, MASK_ROWS=MASKED, EVEN_D=EVEN_D)

@@ -44,6 +44,7 @@ def _decode_partial_kernel(
     part_out_ptr,  # [B, Hq, C, D] fp32: each chunk's normalised output (unless SINGLE_CHUNK)
     part_lse_ptr,  # [B, Hq, C] fp32: each chunk's base-2 log-sum-exp
     qk_scale,
+    window,  # a sliding-window layer's window (read when WINDOWED): the last `window` keys only
     stride_q_b,
     stride_q_h,
     stride_k_slot,
@@ -62,13 +63,15 @@ def _decode_partial_kernel(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
     seq_len = tl.load(b_seq_len_ptr + seq)
-    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_chunks), BLOCK_N), 1) * BLOCK_N  # this sequence's share
-    start = chunk * chunk_len
+    first = _first_key(seq_len, window, WINDOWED)
+    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len - first, num_chunks), BLOCK_N), 1) * BLOCK_N  # its share
+    start = first + chunk * chunk_len
     if (start >= seq_len) & (chunk > 0):  # chunks past this sequence's end; stage 2 never reads them
         return
     end = tl.minimum(seq_len, start + chunk_len)
@@ -87,10 +90,10 @@ def _decode_partial_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, offs_g, start_n, end, req_to_token_ptr + req * stride_req,
+            acc, m_i, l_i, q, offs_g, offs_g, offs_g, start_n, end, req_to_token_ptr + req * stride_req,
             k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h,
             stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
-            MASKED=True, CAUSAL=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            MASKED=True, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
             DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty sequence yields zeros, as the reference does
@@ -104,24 +107,37 @@ def _decode_partial_kernel(
         tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=g_mask)
 
 
+@triton.jit
+def _first_key(seq_len, window, WINDOWED: tl.constexpr):
+    """The first key a decode query sees: 0, or the start of its sliding window."""
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = seq_len * 0
+    return first
+
+
 @triton.jit(do_not_specialize=["num_chunks"])
 def _decode_merge_kernel(
     part_out_ptr,  # [B, Hq, C, D] fp32
     part_lse_ptr,  # [B, Hq, C] fp32
     b_seq_len_ptr,  # [B]
     out_ptr,  # [B, Hq, D] contiguous
+    window,
     num_chunks,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the partial kernel's key tile (chunk lengths are multiples of it)
     BLOCK_C: tl.constexpr,  # _MAX_CHUNKS, masked to the chunks in use
     BLOCK_D: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(b_seq_len_ptr + seq)
-    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_chunks), BLOCK_N), 1) * BLOCK_N
-    used_chunks = tl.maximum(tl.minimum(tl.cdiv(seq_len, chunk_len), num_chunks), 1)
+    keys = seq_len - _first_key(seq_len, window, WINDOWED)
+    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(keys, num_chunks), BLOCK_N), 1) * BLOCK_N
+    used_chunks = tl.maximum(tl.minimum(tl.cdiv(keys, chunk_len), num_chunks), 1)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     c_mask = offs_c < used_chunks
@@ -168,10 +184,13 @@ def decode_attention(
     *,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Same contract as `decode_attention_ref`: q [B, Hq, D] (any batch/head strides); sequence b attends to its
     b_seq_len[b] cached tokens, req_to_token[b_req_idx[b], :b_seq_len[b]]. Returns [B, Hq, D] in q's dtype.
-    max_seq_len: an upper bound on b_seq_len (default: req_to_token's width); keys past it are not read."""
+    max_seq_len: an upper bound on b_seq_len (default: req_to_token's width); keys past it are not read.
+    window > 0 (a sliding-window layer): only the last `window` keys; a plain int, so a captured graph replays each
+    layer's own."""
     device = check_device(
         q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, b_req_idx=b_req_idx, b_seq_len=b_seq_len
     )
@@ -184,6 +203,8 @@ def decode_attention(
     if max_seq_len is None:
         max_seq_len = req_to_token.shape[1]
     assert max_seq_len >= 1, f"max_seq_len must be positive, got {max_seq_len}"
+    assert window >= 0, f"window must be >= 0, got {window}"
+    keys = min(max_seq_len, window) if window else max_seq_len  # the most keys one query reads
     if out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=device)
     check_out(out, (batch, num_heads, head_dim), q.dtype, device)
@@ -192,7 +213,7 @@ def decode_attention(
     b_req_idx, b_seq_len = b_req_idx.contiguous(), b_seq_len.contiguous()
 
     group = num_heads // num_kv_heads
-    num_chunks = decode_split(batch, num_kv_heads, max_seq_len, device)
+    num_chunks = decode_split(batch, num_kv_heads, keys, device)
     single = num_chunks == 1
     # Scratch for the partial results; under graph capture these come from the graph's private pool.
     parts = 1 if single else num_chunks
@@ -201,16 +222,16 @@ def decode_attention(
     block_d = pow2_at_least(head_dim, 16)
     _decode_partial_kernel[(batch, num_kv_heads, num_chunks)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        scale * LOG2E, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), num_chunks,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
         BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **_launch_config(),
+        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), WINDOWED=window > 0, **_launch_config(),
     )  # fmt: skip
     if not single:
         _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, b_seq_len, out, num_chunks,
+            part_out, part_lse, b_seq_len, out, window, num_chunks,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=_launch_config()["BLOCK_N"],
-            BLOCK_C=_MAX_CHUNKS, BLOCK_D=block_d, num_warps=4,
+            BLOCK_C=_MAX_CHUNKS, BLOCK_D=block_d, WINDOWED=window > 0, num_warps=4,
         )  # fmt: skip
     return out

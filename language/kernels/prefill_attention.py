@@ -37,7 +37,9 @@ def _prefill_attention_kernel(
     b_q_start_ptr,  # [B]
     b_q_len_ptr,  # [B]
     b_seq_len_ptr,  # [B]
+    key_ends_ptr,  # [N]: where each query's keys end at the latest (read when KEY_ENDS)
     qk_scale,
+    window,  # sliding window in tokens (read when WINDOWED)
     stride_q_n,
     stride_q_h,
     stride_k_slot,
@@ -55,6 +57,9 @@ def _prefill_attention_kernel(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    KEY_ENDS: tl.constexpr,
+    BOUNDED: tl.constexpr,  # WINDOWED or KEY_ENDS
 ):
     seq = tl.program_id(1)
     head_block = tl.program_id(2)
@@ -89,23 +94,18 @@ def _prefill_attention_kernel(
     k_head_ptr = k_cache_ptr + kv_head * stride_k_h
     v_head_ptr = v_cache_ptr + kv_head * stride_v_h
 
-    # Key tiles every query of this tile sees in full (keys <= the first row's position): no masks at all.
-    first_pos = prefix_len + (m_block * BLOCK_M) // PACK
-    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
-            MASKED=False, CAUSAL=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+    if BOUNDED:
+        acc, m_i, l_i = _attend_bounded(
+            acc, m_i, l_i, q, q_pos, tokens, m_mask, key_ends_ptr, window, seq_len, slot_row_ptr, k_head_ptr,
+            v_head_ptr, stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            WINDOWED=WINDOWED, KEY_ENDS=KEY_ENDS, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
             DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
-    # The diagonal band, up to the last real row's position: causal mask; later key tiles are skipped entirely.
-    last_pos = prefix_len + tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // PACK, q_len - 1)
-    for start_n in range(full_end, last_pos + 1, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+    else:
+        acc, m_i, l_i = _attend_causal(
+            acc, m_i, l_i, q, q_pos, m_block, prefix_len, q_len, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
             stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
-            MASKED=True, CAUSAL=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            PACK=PACK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
             DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
         )  # fmt: skip
 
@@ -115,6 +115,82 @@ def _prefill_attention_kernel(
         tl.store(out_ptr + out_rows, out, mask=m_mask[:, None])
     else:
         tl.store(out_ptr + out_rows, out, mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _attend_causal(
+    acc, m_i, l_i, q, q_pos, m_block, prefix_len, q_len, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+    stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+    PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Plain causal attention of one tile of queries: every key up to each query's position."""
+    # Key tiles every query of this tile sees in full (keys <= the first row's position): no masks at all.
+    first_pos = prefix_len + (m_block * BLOCK_M) // PACK
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, q_pos, q_pos, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=False, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    # The diagonal band, up to the last real row's position: causal mask; later key tiles are skipped entirely.
+    last_pos = prefix_len + tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // PACK, q_len - 1)
+    for start_n in range(full_end, last_pos + 1, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, q_pos, q_pos, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=True, CAUSAL=True, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_bounded(
+    acc, m_i, l_i, q, q_pos, tokens, m_mask, key_ends_ptr, window, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+    stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+    WINDOWED: tl.constexpr, KEY_ENDS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """Each query sees the keys [lo, hi): lo = position - window + 1 in a sliding-window layer (else 0), hi = the
+    position + 1 or, for a token of a bidirectional block, the block's end. Key tiles inside every row's range run
+    unmasked; the ragged edges before and after them are masked per row; tiles no row sees are skipped."""
+    hi = q_pos + 1
+    if KEY_ENDS:
+        hi = tl.maximum(hi, tl.load(key_ends_ptr + tokens, mask=m_mask, other=0))
+    if WINDOWED:
+        lo = tl.maximum(q_pos - window + 1, 0)
+    else:
+        lo = tl.zeros_like(q_pos)
+    big = 1 << 30
+    first = (tl.min(tl.where(m_mask, lo, big)) // BLOCK_N) * BLOCK_N  # the first tile some row sees
+    last = tl.max(tl.where(m_mask, hi, 0))  # past the last key some row sees
+    full_start = tl.cdiv(tl.max(tl.where(m_mask, lo, 0)), BLOCK_N) * BLOCK_N  # tiles every row sees in full
+    full_end = tl.maximum((tl.min(tl.where(m_mask, hi, big)) // BLOCK_N) * BLOCK_N, full_start)
+    for start_n in range(first, tl.minimum(full_start, last), BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=True, CAUSAL=False, BOUNDED=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    for start_n in range(full_start, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=False, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    for start_n in range(tl.maximum(full_end, first), last, BLOCK_N):
+        acc, m_i, l_i = attend_key_tile(
+            acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            MASKED=True, CAUSAL=False, BOUNDED=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+        )  # fmt: skip
+    return acc, m_i, l_i
 
 
 # Launch configurations for compiled kernels, first match wins: (max head_dim, max of max_q_len, config). An explicit
@@ -150,11 +226,15 @@ def prefill_attention(
     *,
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `prefill_attention_ref`: q [N, Hq, D] packed queries (any token/head strides), sequence b owns
     rows b_q_start[b]:+b_q_len[b], the last b_q_len[b] of its b_seq_len[b] tokens, whose K/V sit in the slots
     req_to_token[b_req_idx[b], :b_seq_len[b]]. Returns [N, Hq, D] in q's dtype.
-    max_q_len: the longest b_q_len (sizes the grid); None reads it from b_q_len, which syncs with the GPU."""
+    max_q_len: the longest b_q_len (sizes the grid); None reads it from b_q_len, which syncs with the GPU.
+    window > 0: a sliding-window layer; key_ends [N]: bidirectional blocks (both as in the reference). Without
+    either, the kernel compiles as plain causal attention."""
     device = check_device(
         q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, b_req_idx=b_req_idx,
         b_q_start=b_q_start, b_q_len=b_q_len, b_seq_len=b_seq_len,
@@ -169,6 +249,12 @@ def prefill_attention(
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=device)
     check_out(out, (num_tokens, num_heads, head_dim), q.dtype, device)
     assert scale > 0, f"scale must be positive, got {scale}"  # the kernel applies it after the row max
+    assert window >= 0, f"window must be >= 0, got {window}"
+    if key_ends is not None:
+        check_device(q=q, key_ends=key_ends)
+        check_dtype("key_ends", key_ends, INDEX_DTYPES)
+        check_shape("key_ends", key_ends, (num_tokens,))
+        key_ends = key_ends.contiguous()
     if max_q_len is None:
         max_q_len = int(b_q_len.max()) if batch > 0 else 0
     if num_tokens == 0 or batch == 0 or max_q_len == 0:
@@ -182,9 +268,10 @@ def prefill_attention(
     grid = (cdiv(max_q_len * pack, config["BLOCK_M"]), batch, num_heads // pack)
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, b_req_idx, b_q_start, b_q_len, b_seq_len,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        b_q_len if key_ends is None else key_ends, scale * LOG2E, window, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         NUM_HEADS=num_heads, GROUP=group, PACK=pack, HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), **config,
+        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), WINDOWED=window > 0,
+        KEY_ENDS=key_ends is not None, BOUNDED=window > 0 or key_ends is not None, **config,
     )  # fmt: skip
     return out

@@ -96,6 +96,8 @@ def prefill_attention_ref(
     scale: float,
     max_q_len: int | None = None,  # grid size for the Triton kernel; unused here
     out: torch.Tensor | None = None,
+    window: int = 0,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed ("nopad") sequences whose K/V are already stored in the cache.
 
@@ -104,6 +106,11 @@ def prefill_attention_ref(
     req_to_token[b_req_idx[b], :b_seq_len[b]]. Query j of sequence b sits at absolute position
     b_seq_len[b] - b_q_len[b] + j and sees keys 0..that position. GQA: query head h reads KV head h // (Hq // Hk).
     Returns [N, Hq, D] in q's dtype; softmax in fp32.
+
+    window > 0 (a sliding-window layer): query position p sees only keys past p - window. key_ends [N] (bidirectional
+    blocks, Gemma 3's image tokens): each query sees the keys before max(key_ends[row], p + 1) instead of those up to
+    p, so a block's tokens see each other in both directions; the window still applies (HF's sliding mask is
+    window AND (causal OR block)).
     """
     out = torch.empty_like(q) if out is None else out
     group = q.shape[1] // k_cache.shape[1]
@@ -117,7 +124,13 @@ def prefill_attention_ref(
         qb = q[start : start + q_len].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [Hq, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # [q_len, L]
+        ends = q_pos + 1
+        if key_ends is not None:
+            ends = torch.maximum(ends, key_ends[start : start + q_len].to(q_pos.device, torch.int64))
+        keys = torch.arange(seq_len, device=q.device)[None, :]
+        mask = keys >= ends[:, None]  # [q_len, L]
+        if window > 0:
+            mask |= keys <= q_pos[:, None] - window
         scores.masked_fill_(mask[None], float("-inf"))
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
@@ -133,9 +146,10 @@ def decode_attention_ref(
     scale: float,
     max_seq_len: int | None = None,  # bounds the Triton kernel's key chunks; unused here
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One query per sequence. q: [B, Hq, D]; sequence b attends to all its b_seq_len[b] cached tokens, read through
-    req_to_token[b_req_idx[b]]. Returns [B, Hq, D]."""
+    """One query per sequence. q: [B, Hq, D]; sequence b attends to all its b_seq_len[b] cached tokens (window > 0:
+    the last `window` of them), read through req_to_token[b_req_idx[b]]. Returns [B, Hq, D]."""
     n = q.shape[0]
     return prefill_attention_ref(
         q,
@@ -148,6 +162,7 @@ def decode_attention_ref(
         b_seq_len,
         scale,
         out=out,
+        window=window,
     )
 
 
