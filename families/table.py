@@ -61,6 +61,11 @@ FAMILIES: tuple[FamilySpec, ...] = (
                vision="visual.models.internvl:InternVLVisionModel",
                prompt="mmserve.prep.multimodal.internvl:InternVLChatPromptProcessor",
                chat_template="mmserve.prep.chat_templates:INTERNVL_CHAT", tiles_images=True),
+    FamilySpec("gemma3", ("Gemma3ForConditionalGeneration",), **_decoder("gemma3", "Gemma3ForCausalLM"),
+               test_checkpoint="mmserve.testing.checkpoints.gemma3:build_gemma3",
+               vision="visual.models.gemma3:Gemma3VisionModel",
+               prompt="mmserve.prep.multimodal.gemma3:Gemma3PromptProcessor",
+               chat_template="mmserve.prep.chat_templates:GEMMA3"),
 )  # fmt: skip
 
 _registered: list[FamilySpec] = []  # added by `registered` (tests), in this process only

@@ -73,7 +73,8 @@ class EngineCore:
         else:  # whole prompts: the budget only limits how many join one step
             budget = max(cfg.chunked_prefill_size, max_req_len)
         self.prefix = PrefixCache(self.kv.slots) if cfg.prefix_cache else None
-        self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill, self.prefix)
+        self.scheduler = Scheduler(num_slots, max_reqs, budget, cfg.chunked_prefill, self.prefix,
+                                   whole_images=self.model.bidirectional_images)  # fmt: skip
         channel = StepChannel(self.tp) if self.tp.enabled else None
         self.runner = ModelRunner(
             self.model, self.kv, device, cfg.cuda_graph, cfg.graph_max_batch_size, channel,
@@ -238,8 +239,9 @@ class EngineCore:
             self.prefix = PrefixCache(self.kv.slots)
         s = self.scheduler
         self.scheduler = Scheduler(
-            s.max_total_token_num, s.running_max_req_size, s.prefill_budget, s.chunked_prefill, self.prefix
-        )
+            s.max_total_token_num, s.running_max_req_size, s.prefill_budget, s.chunked_prefill, self.prefix,
+            whole_images=s.whole_images,
+        )  # fmt: skip
         return outputs
 
     def _step(self, emit: Callable[[list[RequestOutput]], None] | None) -> list[RequestOutput]:
@@ -255,7 +257,9 @@ class EngineCore:
         collected: list[tuple[Request, int, float, TopLogprobs | None]] = []
         if self._inflight is not None and _needs_history(plan):
             collected = self._collect()
-        staged = stage(plan, self.kv, self.model.position_dims, self.prefix) if plan else None
+        staged = None
+        if plan:
+            staged = stage(plan, self.kv, self.model.position_dims, self.prefix, self.model.bidirectional_images)
         constrained = self._constrained(staged)
         if self._inflight is not None and not constrained:
             collected = self._collect()

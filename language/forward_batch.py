@@ -28,6 +28,9 @@ class ForwardBatch:
     logits_idx: torch.Tensor | None = None  # [num_seqs] int64 row of each sequence's last token; None: every row
     mm_embeds: torch.Tensor | None = None  # [num_mm_tokens, hidden] image embeddings to splice in
     mm_positions: torch.Tensor | None = None  # [num_mm_tokens] int64 rows of input_ids they replace
+    # Bidirectional image blocks (a decoder's `bidirectional_images`), on steps with image rows: [num_prefill_tokens]
+    # int64, per prefill row the kv position its keys may reach (exclusive): its image's end, or 0 for text
+    prefill_key_ends: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -126,10 +126,12 @@ class StepLayout:
     num_scored: int  # prompt positions scored for prompt_logprobs
     max_q_len: int
     max_decode_len: int  # -1: no decode rows
+    num_key_ends: int = 0  # prefill rows with key ends (bidirectional image blocks), or 0
 
     def sizes(self) -> list[int]:
         n, nt, b, npf, ns = self.num_tokens, self.num_table, self.num_seqs, self.num_prefill, self.num_scored
-        return [n, nt, nt, nt, self.dims * n, b, self.num_decode, npf, npf, npf, npf, b + ns, self.num_mm, ns]
+        return [n, nt, nt, nt, self.dims * n, b, self.num_decode, npf, npf, npf, npf, b + ns, self.num_mm, ns,
+                self.num_key_ends]  # fmt: skip
 
     def starts(self) -> np.ndarray:
         """Offsets of the arrays in the buffer, each on a 128-byte boundary, and the total at the end."""
@@ -289,13 +291,14 @@ class ModelRunner:
             num_scored=p.score_rows.shape[0],
             max_q_len=int(p.q_len.max()) if npf else 0,
             max_decode_len=int(d.col.max()) + 1 if nd else -1,
+            num_key_ends=p.key_ends.shape[0],
         )
         sizes, starts = layout.sizes(), layout.starts()
         packed = self._meta.host(int(starts[-1]))
         host = packed.numpy()
         arrays = [host[start : start + size] for start, size in zip(starts, sizes, strict=False)]
         ids, slots, rows, cols, pos, req_idx, dec_lens, pf_idx, pf_lens, q_starts, q_lens = arrays[:11]
-        logits_idx, mm_rows, scored = arrays[11:]
+        logits_idx, mm_rows, scored, key_ends = arrays[11:]
         ids[:nd], ids[nd:] = 0, p.input_ids  # decode ids are filled in on the device
         slots[:nd], slots[nd:n], slots[n:] = d.slot, p.slot, p.table_slot
         rows[:nd], rows[nd:n], rows[n:] = d.req_idx, p.tok_req_idx, p.table_req_idx
@@ -308,6 +311,7 @@ class ModelRunner:
         logits_idx[:nd], logits_idx[nd:b] = np.arange(nd), nd + p.q_start + p.q_len - 1
         logits_idx[b:], scored[:] = nd + p.score_rows, p.score_targets  # after the sampled rows
         mm_rows[:] = nd + p.mm_rows
+        key_ends[:] = p.key_ends
         return packed, layout
 
     def _batch(
@@ -320,7 +324,7 @@ class ModelRunner:
         dev = self._meta.to_device(packed)
         views = [dev[start : start + size] for start, size in zip(starts, sizes, strict=False)]
         ids_d, slots_d, rows_d, cols_d, pos_d, req_idx_d, dec_lens_d, pf_idx_d, pf_lens_d = views[:9]
-        q_starts_d, q_lens_d, logits_d, mm_rows_d, scored_d = views[9:]
+        q_starts_d, q_lens_d, logits_d, mm_rows_d, scored_d, key_ends_d = views[9:]
         if nd:
             ids_d[:nd] = self.last_token[req_idx_d[:nd]]
         self.kv.assign(rows_d, cols_d, slots_d)
@@ -341,6 +345,7 @@ class ModelRunner:
             logits_idx=None if layout.num_prefill == 0 else logits_d,
             mm_embeds=embeds,
             mm_positions=mm_rows_d if layout.num_mm else None,
+            prefill_key_ends=key_ends_d if layout.num_key_ends else None,
         )
         return batch, scored_d
 

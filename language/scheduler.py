@@ -88,6 +88,17 @@ class StepPlan:
         return len(self.decode) + sum(c.length for c in self.prefill)
 
 
+def whole_image_chunk(req: Request, start: int, length: int) -> int:
+    """A chunk's length moved off any image it would end inside: back to the image's start if the chunk holds
+    anything before it, else on to the image's end (over the budget: one image is never split)."""
+    end = start + length
+    for item in req.mm_items:
+        first, last = item.offset, item.offset + item.num_tokens
+        if first < end < last:
+            end = first if first > start else last
+    return end - start
+
+
 class Scheduler:
     def __init__(
         self,
@@ -96,12 +107,17 @@ class Scheduler:
         prefill_budget: int,
         chunked_prefill: bool,
         prefix: PrefixCache | None = None,
+        whole_images: bool = False,
     ):
+        """whole_images: a chunk never ends inside an image's placeholders (a decoder whose image tokens attend to
+        each other both ways, `bidirectional_images`: the image's first rows would otherwise run before the rest of
+        it is in the cache)."""
         self.max_total_token_num = max_total_token_num
         self.running_max_req_size = running_max_req_size
         self.prefill_budget = prefill_budget
         self.chunked_prefill = chunked_prefill
         self.prefix = prefix
+        self.whole_images = whole_images
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.peak_tokens = 0  # sum of peak_slots over `running`, kept as requests come and go (EngineStats)
@@ -190,5 +206,7 @@ class Scheduler:
         if self.chunked_prefill and req.prompt_logprobs is not None:
             budget = min(budget, SCORED_CHUNK_TOKENS)
         length = min(remaining, budget) if self.chunked_prefill else remaining
+        if self.whole_images and length < remaining:
+            length = whole_image_chunk(req, req.kv_len, length)
         plan.prefill.append(PrefillChunk(req, req.kv_len, length))
         return length

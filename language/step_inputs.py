@@ -61,6 +61,9 @@ class PrefillRows:
     seq_len: np.ndarray  # int64 [P] kv length after this step
     mm_embeds: list[torch.Tensor]  # host views [m_i, hidden] of the image rows in these chunks
     mm_rows: np.ndarray  # int64 [M] row of each image embedding within the prefill part
+    # Bidirectional image blocks, on a step with image rows: int64 [T], the kv position each row's keys reach
+    # (exclusive): its image's end, 0 for text (ForwardBatch.prefill_key_ends); else empty
+    key_ends: np.ndarray
     # Table entries of cached prefixes reused by newly admitted requests: [R] each
     table_req_idx: np.ndarray
     table_col: np.ndarray
@@ -97,13 +100,17 @@ class StagedStep:
             self.decode = self.decode.keep(mask)
 
 
-def stage(plan: StepPlan, kv: KVCache, position_dims: int, prefix: PrefixCache | None = None) -> StagedStep:
+def stage(
+    plan: StepPlan, kv: KVCache, position_dims: int, prefix: PrefixCache | None = None, bidirectional: bool = False
+) -> StagedStep:
+    """bidirectional: the decoder's image tokens see their whole image (`bidirectional_images`): the prefill rows of
+    a step with images carry `key_ends`."""
     for r in plan.admitted:
         r.req_idx = kv.allocate_row()
     if prefix is not None:
         prefix.make_room(plan.num_tokens)  # admission counted the unlocked tree slots as free
     decode = _stage_decode(plan.decode, kv)
-    return StagedStep(decode, _stage_prefill(plan, kv, position_dims, prefix))
+    return StagedStep(decode, _stage_prefill(plan, kv, position_dims, prefix, bidirectional))
 
 
 def _stage_decode(reqs: list[Request], kv: KVCache) -> DecodeRows:
@@ -120,7 +127,9 @@ def _stage_decode(reqs: list[Request], kv: KVCache) -> DecodeRows:
     return DecodeRows(list(reqs), req_idx, col, col + delta, slots)
 
 
-def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: PrefixCache | None) -> PrefillRows:
+def _stage_prefill(
+    plan: StepPlan, kv: KVCache, position_dims: int, prefix: PrefixCache | None, bidirectional: bool
+) -> PrefillRows:
     reused = [r for r in plan.admitted if r.prompt_cache_len]
     table_len = np.array([r.prompt_cache_len for r in reused], dtype=np.int64)
     table_slot = np.concatenate([np.asarray(r.kv_slots[: r.prompt_cache_len], np.int64) for r in reused] or [[]])
@@ -135,6 +144,7 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: Pref
     tok_col = np.empty(total, dtype=np.int64)
     mm_embeds: list[torch.Tensor] = []
     mm_rows: list[np.ndarray] = []
+    block_rows: list[tuple[np.ndarray, int]] = []  # (rows, the image's end) of the images in these chunks
     score_rows: list[np.ndarray] = []
     score_targets: list[np.ndarray] = []
     scored: list[tuple[Request, int]] = []
@@ -157,6 +167,7 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: Pref
             if lo < hi:
                 mm_embeds.append(item.embeds[lo - item.offset : hi - item.offset])
                 mm_rows.append(np.arange(base + lo - c.start, base + hi - c.start))
+                block_rows.append((mm_rows[-1], item.offset + item.num_tokens))
         r.kv_slots.extend(slots[rows].tolist())
         r.kv_len = c.end
         if c.is_last:
@@ -164,6 +175,11 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: Pref
             if r.prefix_node is not None:
                 prefix.adopt(r, r.cache_ids, r.prompt_len)
     req_idx = np.array([c.req.req_idx for c in chunks], dtype=np.int64)
+    key_ends = np.empty(0, dtype=np.int64)
+    if bidirectional and block_rows:
+        key_ends = np.zeros(total, dtype=np.int64)
+        for rows, end in block_rows:
+            key_ends[rows] = end
     return PrefillRows(
         reqs=[c.req for c in chunks],
         samples=np.array([c.is_last for c in chunks], dtype=np.bool_),
@@ -178,6 +194,7 @@ def _stage_prefill(plan: StepPlan, kv: KVCache, position_dims: int, prefix: Pref
         seq_len=np.array([c.end for c in chunks], dtype=np.int64),
         mm_embeds=mm_embeds,
         mm_rows=np.concatenate(mm_rows) if mm_rows else np.empty(0, dtype=np.int64),
+        key_ends=key_ends,
         table_req_idx=np.repeat(np.array([r.req_idx for r in reused], dtype=np.int64), table_len),
         table_col=np.concatenate([np.arange(n) for n in table_len.tolist()]) if reused else table_slot.copy(),
         table_slot=table_slot,

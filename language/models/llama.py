@@ -38,6 +38,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.window = 0  # a sliding-window layer's window (Gemma 3's local layers); 0: every key
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, tp)
         if cfg.qk_norm:  # Qwen3: each query and key head RMS-normalised (weights [head_dim]) before the rotary
@@ -74,19 +75,20 @@ class Attention(nn.Module):
         if nd == n:
             return kernels.decode_attention(
                 q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.decode_seq_lens, self.scale,
-                max_seq_len=batch.max_decode_len, out=out,
+                max_seq_len=batch.max_decode_len, out=out, window=self.window,
             )  # fmt: skip
         if out is None and nd:
             out = q.new_empty(q.shape)  # [n, Hq, D] contiguous
         prefill_out = kernels.prefill_attention(
             q[nd:], k_cache, v_cache, kv.req_to_token, batch.prefill_req_idx, batch.q_starts, batch.q_lens,
             batch.prefill_seq_lens, self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
+            window=self.window, key_ends=batch.prefill_key_ends,
         )  # fmt: skip
         if nd == 0:
             return prefill_out
         kernels.decode_attention(
             q[:nd], k_cache, v_cache, kv.req_to_token, batch.req_idx[:nd], batch.decode_seq_lens, self.scale,
-            max_seq_len=batch.max_decode_len, out=out[:nd],
+            max_seq_len=batch.max_decode_len, out=out[:nd], window=self.window,
         )  # fmt: skip
         return out
 
@@ -155,6 +157,11 @@ class LlamaForCausalLM(nn.Module):
     """Token ids (with optional image embeddings spliced in) -> next-token logits of each sequence's last token."""
 
     qkv_bias = False
+    # Whether an image's tokens attend to each other in both directions during prefill (Gemma 3): the scheduler then
+    # never splits an image across prefill chunks, and a step's prefill rows carry ForwardBatch.prefill_key_ends.
+    bidirectional_images = False
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
 
     @classmethod
     def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig:
@@ -167,8 +174,8 @@ class LlamaForCausalLM(nn.Module):
         tp = tp or TPGroup()
         self.shard = shard = make_shard(cfg, tp.rank, tp.size)
         self.embed_tokens = VocabParallelEmbedding(shard.vocab, cfg.hidden_size, shard.vocab0, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, shard, tp) for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.hidden_size, shard.vocab, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -15,6 +15,7 @@ class CausalLM(Protocol):
     cfg: LMConfig
     position_dims: int
     mm_embed_width: int  # columns of an image-embedding row: the hidden size, (1 + k) * hidden with DeepStack
+    bidirectional_images: bool  # an image's tokens see each other both ways in prefill (Gemma 3)
 
     @classmethod
     def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig: ...

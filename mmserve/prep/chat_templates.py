@@ -20,6 +20,9 @@ processor expands.
   InternVLProcessor (and the family's prompt processor) expands to `<img><IMG_CONTEXT>...</img>`.
 - InternVL's remote-code layout (`InternVLChatModel`): its `internvl2_5` conversation (ChatML with InternVL's
   default system message), `<image>\\n` per image part, which the prompt processor expands as its `chat` does.
+- Gemma 3 (`Gemma3ForConditionalGeneration`): the template google/gemma-3-*-it publish: `<start_of_turn>user` /
+  `<start_of_turn>model` turns, a system message folded into the first user turn, one `<start_of_image>` per image
+  part, which Gemma3Processor (and the family's prompt processor) expands to its 256 soft tokens.
 """
 
 from __future__ import annotations
@@ -109,6 +112,58 @@ INTERNVL_CHAT = (
     "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}<image>\n"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# google/gemma-3-4b-it's (and 12b-it's, 27b-it's) chat template, as its tokenizer_config.json carries it.
+GEMMA3 = (
+    r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"""
 )
 
 # Qwen/Qwen3-VL-8B-Instruct's chat_template.json, byte for byte (5292 bytes, SHA-256 3636d0f0bd6bef02...a489e4).

@@ -1,0 +1,221 @@
+"""Gemma 3's language model (`Gemma3ForConditionalGeneration`'s text part), on the engine's attention kernels.
+
+What differs from Llama, each as HF's Gemma3TextModel does it:
+- the token embeddings are scaled by sqrt(hidden), rounded to the model's dtype first (image rows are not);
+- RMSNorm multiplies by (1 + weight), in fp32, then rounds; q and k are normalised per head before the rotary;
+- four norms a layer: before and after the attention, before and after the MLP (GELU-tanh gated);
+- the attention scale is query_pre_attn_scalar ** -0.5;
+- `layer_types`: sliding-window layers (their own rotary base, rope_local_base_freq) and global ones (rope_theta,
+  with linear rope scaling on 4B and up): the window is each layer's attention option;
+- an image's tokens see each other in both directions during prefill (`bidirectional_images`);
+- optional tanh softcapping of the final logits.
+
+Tensor names: `language_model.model.*` (as published) or `model.language_model.*` (as transformers 5 saves); the
+head is tied to the embeddings unless the checkpoint has `lm_head.weight`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig
+
+from language import kernels
+from language.config import LMConfig
+from language.forward_batch import ForwardBatch
+from language.kv_cache import KVCache
+from language.models.hf_config import lm_config_from_hf
+from language.models.llama import MLP, Attention, LlamaForCausalLM
+from language.parallel.group import TPGroup
+from language.parallel.sharding import Shard
+
+_LM_PREFIXES = ("language_model.model.", "model.language_model.")
+_LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+@dataclass(frozen=True)
+class Gemma3Config(LMConfig):
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for a global layer
+    local_rope_theta: float = 10000.0  # the sliding layers' rotary base
+    rope_factor: float = 1.0  # linear rope scaling of the global layers
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Gemma3RMSNorm: normalise and scale by (1 + weight) in fp32, then round to x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+class Gemma3Attention(Attention):
+    """Llama's fused q/k/v and kernels, with Gemma's q/k norms, scale, window and this layer's rotary half."""
+
+    def __init__(self, cfg: Gemma3Config, layer_id: int, shard: Shard, tp: TPGroup):
+        super().__init__(cfg, layer_id, shard, tp)
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.query_pre_attn_scalar**-0.5
+        self.window = cfg.layer_windows[layer_id]
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor, kv: KVCache
+    ) -> torch.Tensor:
+        """As Llama's; cos/sin [n, D] hold the global layers' angles, then the sliding layers': this layer takes
+        its half."""
+        n, half = x.shape[0], self.head_dim // 2
+        cos, sin = (cos[:, half:], sin[:, half:]) if self.window else (cos[:, :half], sin[:, :half])
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+        qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # [n, Hq + Hk, D]
+        qk = kernels.apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        kernels.store_kv(kv.k[self.layer_id], kv.v[self.layer_id], k, v, out_slots)
+        return q
+
+
+class GeluMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3Config, layer_id: int, shard: Shard, tp: TPGroup):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.self_attn = Gemma3Attention(cfg, layer_id, shard, tp)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.mlp = GeluMLP(cfg, shard, tp)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, residual = self.before_attention(x, residual, cos, sin, batch.out_slots, batch.kv)
+        return self.after_attention(self.self_attn.attend(q, batch), residual)
+
+    def before_attention(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        kv: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's (post-norm) MLP output, or the embeddings with residual None -> (q, stream)."""
+        residual = x if residual is None else residual + x
+        return self.self_attn.project(self.input_layernorm(residual), cos, sin, out_slots, kv), residual
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + self.post_attention_layernorm(self.self_attn.output(attn))
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual))), residual
+
+
+def _inv_freq(theta: float, head_dim: int, factor: float = 1.0) -> torch.Tensor:
+    """[D/2] fp32 rotary frequencies (HF's default and linear rope types: linear divides them by the factor)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)) / factor
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    bidirectional_images = True
+    layer_class = Gemma3DecoderLayer
+    norm_class = GemmaRMSNorm
+
+    @classmethod
+    def lm_config(cls, model_dir: str, raw_config: dict) -> Gemma3Config:
+        raw_text = raw_config.get("text_config") or {}
+        bias = bool(raw_text.get("attention_bias", False))
+        base = lm_config_from_hf(model_dir, raw_config, qkv_bias=bias, qk_norm=True)
+        hf = AutoConfig.for_model(
+            raw_config["model_type"], **{k: v for k, v in raw_config.items() if k != "model_type"}
+        )
+        text = hf.get_text_config()
+        if getattr(text, "attn_logit_softcapping", None):
+            raise ValueError("Gemma 3 with attn_logit_softcapping is not served")
+        global_theta, factor, local_theta = _rope(text, raw_text)
+        windows = tuple(text.sliding_window if t == "sliding_attention" else 0 for t in text.layer_types)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(LMConfig)}
+        fields.update(rope_theta=global_theta, tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", True)))
+        return Gemma3Config(
+            **fields,
+            layer_windows=windows,
+            local_rope_theta=local_theta,
+            rope_factor=factor,
+            query_pre_attn_scalar=float(text.query_pre_attn_scalar),
+            final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+        )
+
+    def __init__(self, cfg: Gemma3Config, tp: TPGroup | None = None):
+        super().__init__(cfg, tp)
+        self._embed_scale: dict[torch.dtype, float] = {}
+        self.inv_freq = _inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_factor)  # the global layers'
+        self.register_buffer("local_inv_freq", _inv_freq(cfg.local_rope_theta, cfg.head_dim), persistent=False)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> cos, sin [N, D]: the global layers' angles [N, D/2], then the sliding layers'."""
+        cos, sin = kernels.rotary_cos_sin(positions, self.inv_freq)
+        local_cos, local_sin = kernels.rotary_cos_sin(positions, self.local_inv_freq.float())
+        return torch.cat([cos, local_cos], dim=-1), torch.cat([sin, local_sin], dim=-1)
+
+    def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = self.embed_tokens(batch.input_ids) * self.embed_scale(self.embed_tokens.weight.dtype)
+        if batch.mm_embeds is not None:  # image rows as the projector gave them: not scaled
+            kernels.splice_embeddings(x, batch.mm_embeds, batch.mm_positions)
+        cos, sin = self.rotary(batch.positions)
+        return x, cos, sin
+
+    def embed_scale(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden) rounded to the model's dtype, as HF multiplies by it."""
+        if dtype not in self._embed_scale:
+            self._embed_scale[dtype] = float(torch.tensor(self.cfg.hidden_size**0.5, dtype=dtype))
+        return self._embed_scale[dtype]
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if batch.logits_idx is not None:  # only each sequence's last row reaches the head
+            x, residual = x[batch.logits_idx], residual[batch.logits_idx]
+        logits = self.lm_head(self.norm(residual + x)).float()  # [num_seqs, vocab]
+        cap = self.cfg.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The decoder's tensors by our names; the tower and projector are the visual process's: None."""
+        for prefix in _LM_PREFIXES:
+            if name.startswith(prefix):
+                return name.removeprefix(prefix)
+        return "lm_head.weight" if name in _LM_HEADS else None
+
+
+def _rope(text, raw_text: dict) -> tuple[float, float, float]:
+    """(global rope theta, its linear scaling factor, the sliding layers' theta), from transformers 5's per-layer-type
+    `rope_parameters` or the published keys (rope_theta, rope_scaling, rope_local_base_freq)."""
+    params = getattr(text, "rope_parameters", None) or {}
+    if "full_attention" in params:
+        full, local = params["full_attention"] or {}, params.get("sliding_attention") or {}
+    else:
+        full = {**(raw_text.get("rope_scaling") or {}), "rope_theta": raw_text.get("rope_theta", 1_000_000.0)}
+        local = {"rope_theta": raw_text.get("rope_local_base_freq", 10_000.0)}
+    for p in (full, local):
+        if p.get("rope_type", "default") not in ("default", "linear"):
+            raise ValueError(f"Gemma 3 with rope type {p['rope_type']!r} is not served (default and linear are)")
+    factor = float(full.get("factor", 1.0)) if full.get("rope_type") == "linear" else 1.0
+    return float(full.get("rope_theta", 1_000_000.0)), factor, float(local.get("rope_theta", 10_000.0))
