@@ -115,8 +115,7 @@ INTERNVL_CHAT = (
 )
 
 # google/gemma-3-4b-it's (and 12b-it's, 27b-it's) chat template, as its tokenizer_config.json carries it.
-GEMMA3 = (
-    r"""{{ bos_token }}
+GEMMA3 = r"""{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}
     {%- if messages[0]['content'] is string -%}
         {%- set first_user_prefix = messages[0]['content'] + '
@@ -164,7 +163,6 @@ GEMMA3 = (
 '}}
 {%- endif -%}
 """
-)
 
 # Qwen/Qwen3-VL-8B-Instruct's chat_template.json, byte for byte (5292 bytes, SHA-256 3636d0f0bd6bef02...a489e4).
 QWEN3_VL = (

@@ -195,9 +195,10 @@ def build_gemma3(
     cfg = gemma3_config(shape, dtype)
     build_gemma3_tokenizer(out_dir, s["base_id"])
     write_json(os.path.join(out_dir, "config.json"), cfg)
+    pad = token_ids(s["base_id"])["<pad>"]
     write_json(os.path.join(out_dir, "generation_config.json"),
-               {"bos_token_id": 1, "eos_token_id": cfg["eos_token_id"], "pad_token_id": token_ids(s["base_id"])["<pad>"],
-                "do_sample": True, "top_k": 64, "top_p": 0.95})  # fmt: skip
+               {"bos_token_id": 1, "eos_token_id": cfg["eos_token_id"], "pad_token_id": pad, "do_sample": True,
+                "top_k": 64, "top_p": 0.95})  # fmt: skip
     seq = s["mm_tokens_per_image"]
     write_json(os.path.join(out_dir, "preprocessor_config.json"), preprocessor_config(s["vision"]["image_size"], seq))
     write_json(os.path.join(out_dir, "processor_config.json"),
