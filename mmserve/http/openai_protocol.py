@@ -347,6 +347,10 @@ def chat_input(
     tools = tool_request(body, options.tool_call_parser)
     messages, images, videos = chat_messages(body.get("messages"), image_dir, multimodal)
     prompt = render_chat(tokenizer, template, messages, body, tools.tools)
+    bos = getattr(tokenizer, "bos_token", None)
+    if params.add_special_tokens is None and bos and prompt.startswith(bos):
+        # the template wrote the BOS itself (Gemma 3's): the tokenizer must not add a second one
+        params = replace(params, add_special_tokens=False)
     params = _with_tool_constraint(params, tools, prompt, options.reasoning_parser)
     unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
     mm = {"images": images} if images else {}

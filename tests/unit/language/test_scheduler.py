@@ -115,3 +115,30 @@ def test_admission_stops_at_the_cache_and_keeps_order():
     plan = sched.schedule(lambda n: True)
     assert [r.rid for r in plan.admitted] == ["r2"]  # 31 + 69 > 99: big waits, and small waits behind it
     assert projected_peak([], peak_slots(big)) == 69
+
+
+def _image_req(prompt: int, images: list[tuple[int, int]]) -> Request:
+    from language.request import MultimodalItem
+
+    req = _req(0, prompt, 4)
+    req.mm_items = [MultimodalItem(offset, None, f"img{i}", length=n) for i, (offset, n) in enumerate(images)]
+    return req
+
+
+def test_whole_images_never_split_across_chunks():
+    """A decoder whose image tokens see each other both ways (Gemma 3): a chunk that would end inside an image ends
+    before it, or, when the image starts the chunk, takes it whole over the budget."""
+    sched = Scheduler(max_total_token_num=10_000, running_max_req_size=8, prefill_budget=10, chunked_prefill=True,
+                      whole_images=True)  # fmt: skip
+    req = _image_req(60, [(6, 16), (22, 16), (45, 3)])  # 10-token budget
+    sched.add(req)
+    chunks = []
+    while req.kv_len < req.prompt_len:
+        plan = sched.schedule(lambda admitted: True)
+        chunks += [(c.start, c.end) for c in plan.prefill]
+        _advance(plan)
+    assert chunks == [(0, 6), (6, 22), (22, 38), (38, 48), (48, 58), (58, 60)]  # the last image ends a chunk
+    plain = Scheduler(max_total_token_num=10_000, running_max_req_size=8, prefill_budget=10, chunked_prefill=True)
+    other = _image_req(60, [(6, 16)])
+    plain.add(other)
+    assert [(c.start, c.end) for c in plain.schedule(lambda admitted: True).prefill] == [(0, 10)]
