@@ -25,14 +25,15 @@
 #                     the same loads
 #   --hf              also HF transformers generate on --hf_loads (default img336_x64,img896_x64): ~1.5 min
 #   --no_mmserve      skip our server (e.g. a second call for LightLLM only)
-#   --family F        qwen2_vl (default), qwen2_5_vl, qwen3_vl or internvl: serve_bench's --family and the default
+#   --family F        qwen2_vl (default), qwen2_5_vl, qwen3_vl, internvl or gemma3: serve_bench's --family and the default
 #                     checkpoint
 #   --loads LIST      server loads (default all; with the OpenAI API, all of one image at most); --hf_loads LIST
 #   --ckpt DIR        default per family: /tmp/q2vl7b (Qwen2-VL-7B-shaped, .lightllm/make_qwen2vl_7b.py when carried,
 #                     else mmserve.testing.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
 #                     python3 -m mmserve.testing.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
 #                     python3 -m mmserve.testing.checkpoints.qwen3_vl --shape 8b) or /tmp/internvl3_8b (InternVL3-8B-hf-
-#                     shaped, python3 -m mmserve.testing.checkpoints.internvl --shape 8b); built when DIR has no config.json
+#                     shaped, python3 -m mmserve.testing.checkpoints.internvl --shape 8b) or /tmp/gemma3_12b (Gemma-3-12B-
+#                     shaped, python3 -m mmserve.testing.checkpoints.gemma3 --shape 12b); built when DIR has no config.json
 #   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, whose
 #                     own CPU bounds the 896 px and 256-request loads)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
@@ -77,7 +78,8 @@ case "$family" in
   qwen2_5_vl) ckpt=${ckpt:-/tmp/q25vl7b} ;;
   qwen3_vl) ckpt=${ckpt:-/tmp/q3vl8b} ;;
   internvl) ckpt=${ckpt:-/tmp/internvl3_8b} ;;
-  *) echo "unknown --family $family (qwen2_vl, qwen2_5_vl, qwen3_vl or internvl)" >&2; exit 2 ;;
+  gemma3) ckpt=${ckpt:-/tmp/gemma3_12b} ;;
+  *) echo "unknown --family $family (qwen2_vl, qwen2_5_vl, qwen3_vl, internvl or gemma3)" >&2; exit 2 ;;
 esac
 logs=${OUT:-/tmp}
 jsonl=${OUT:+$OUT/bench.jsonl}
@@ -110,6 +112,9 @@ elif [ ! -f "$ckpt/config.json" ] && [ "$family" = qwen3_vl ]; then
 elif [ ! -f "$ckpt/config.json" ] && [ "$family" = internvl ]; then
   say "building an InternVL3-8B-hf-shaped checkpoint in $ckpt"
   python3 -m mmserve.testing.checkpoints.internvl --out "$ckpt" --shape 8b >&2 || exit 1
+elif [ ! -f "$ckpt/config.json" ] && [ "$family" = gemma3 ]; then
+  say "building a Gemma-3-12B-shaped checkpoint in $ckpt"
+  python3 -m mmserve.testing.checkpoints.gemma3 --out "$ckpt" --shape 12b >&2 || exit 1
 elif [ ! -f "$ckpt/config.json" ]; then
   say "building a Qwen2-VL-7B-shaped checkpoint in $ckpt"
   if [ -f .lightllm/make_qwen2vl_7b.py ]; then  # the layout both servers and HF read

@@ -31,6 +31,7 @@ PROCESSOR_FAMILIES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "internvl": "InternVLForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 
@@ -52,7 +53,8 @@ class HFRunner:
             import transformers
             from transformers import AutoProcessor
 
-            # the checkpoint's own processor (Qwen2_5_VLProcessor, Qwen3VLProcessor, InternVLProcessor): it expands
+            # the checkpoint's own processor (Qwen2_5_VLProcessor, Qwen3VLProcessor, InternVLProcessor,
+            # Gemma3Processor, which also gives Gemma 3's token_type_ids for its bidirectional image blocks): it expands
             # the image placeholder and returns everything the model takes (input_ids, attention_mask, pixel_values,
             # image_grid_thw, mm_token_type_ids)
             cls, dtype = getattr(transformers, PROCESSOR_FAMILIES[family]), torch.bfloat16

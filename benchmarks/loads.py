@@ -113,6 +113,7 @@ IMAGE_MARK = {
     "qwen2_5_vl": QWEN_VL_MARK,
     "qwen3_vl": QWEN_VL_MARK,
     "internvl": "<IMG_CONTEXT>\n",
+    "gemma3": "<start_of_image>",
 }
 FAMILIES = tuple(IMAGE_MARK)
 
@@ -158,6 +159,8 @@ def build_prompt(family: str, text: str, with_image: bool) -> str:
     mark = IMAGE_MARK[family] if with_image else ""
     if family == "llava":
         return f"USER: {mark}{text} ASSISTANT:"
+    if family == "gemma3":  # its chat template's turns, the system message folded into the user's (less the BOS)
+        return f"<start_of_turn>user\n{SYSTEM}\n\n{mark}{text}<end_of_turn>\n<start_of_turn>model\n"
     return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{mark}{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
