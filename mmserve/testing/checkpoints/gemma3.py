@@ -74,7 +74,11 @@ def gemma3_config(shape: str, dtype: torch.dtype) -> dict:
         "initializer_range": 0.02,
         "mm_tokens_per_image": s["mm_tokens_per_image"],
         "model_type": "gemma3",
+        # this tokenizer's ids (Gemma's own are eos 1, bos 2, pad 0: the text config's defaults)
         "text_config": {
+            "bos_token_id": 1,
+            "eos_token_id": [2, ids["<end_of_turn>"]],
+            "pad_token_id": ids["<pad>"],
             "model_type": "gemma3_text",
             "vocab_size": s["vocab"],
             "rms_norm_eps": 1e-06,
