@@ -355,6 +355,10 @@ class EngineCore:
         """Prompt tokens wait to be prefilled: a request not yet admitted, or one part way through its prompt."""
         return self.scheduler.has_prompt_work()
 
+    def prompt_backlog_fills_step(self) -> bool:
+        """Prompts already queued fill the next step's prefill budget (see Scheduler.prompt_backlog_fills_step)."""
+        return self.scheduler.prompt_backlog_fills_step()
+
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted) or self._inflight is not None
 
