@@ -43,6 +43,7 @@ class KVCache:
         # Per layer: [slots+1, Hk] (int8kv, written by each store), [Hk] (fp8kv, fixed) or None (unquantized).
         self.k_scale = [self._scales(num_slots + 1, num_kv_heads, device) for _ in range(num_layers)]
         self.v_scale = [self._scales(num_slots + 1, num_kv_heads, device) for _ in range(num_layers)]
+        self.slot_bytes = self.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, kv_type)
         self.slots = SlotAllocator(num_slots)
         self.dummy_slot, self.dummy_row = num_slots, max_requests
         self.max_req_len = max_req_len
