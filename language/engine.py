@@ -103,7 +103,8 @@ class EngineCore:
         self._launched_at = 0.0  # perf_counter when the step in flight was launched
         if device.type == "cuda":
             warmup(self)
-        logger.info("engine ready: %s on %s (%s), %d KV slots%s", lm.architecture, device, dtype, num_slots,
+        logger.info("engine ready: %s on %s (%s), %d KV slots (%s, %d bytes each)%s", lm.architecture, device, dtype,
+                    num_slots, str(self.kv.storage_dtype).removeprefix("torch."), self.kv.slot_bytes,
                     f", tensor parallel over {cfg.tp} ranks" if self.tp.enabled else "")  # fmt: skip
 
     def close(self) -> None:

@@ -65,7 +65,7 @@ def kv_capacity(cfg: EngineConfig, lm: LMConfig, kv_heads: int, dtype: torch.dty
     """KV slots that fit this process's memory (`kv_heads`: the heads this rank caches)."""
     if cfg.max_total_token_num is not None:
         return cfg.max_total_token_num
-    per_token = KVCache.bytes_per_token(lm.num_layers, kv_heads, lm.head_dim, dtype)
+    per_token = KVCache.bytes_per_token(lm.num_layers, kv_heads, lm.head_dim, dtype, cfg.llm_kv_type)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = min(free, total * cfg.mem_fraction - (total - free)) - _ACTIVATION_RESERVE
@@ -87,4 +87,6 @@ def build_kv_cache(
     num_slots = tp.min_over_ranks(kv_capacity(cfg, lm, kv_heads, dtype, device))
     max_req_len = min(cfg.max_req_total_len or lm.max_position, lm.max_position)
     max_reqs = cfg.running_max_req_size
-    return KVCache(lm.num_layers, num_slots, kv_heads, lm.head_dim, max_reqs, max_req_len, dtype, device)
+    return KVCache(
+        lm.num_layers, num_slots, kv_heads, lm.head_dim, max_reqs, max_req_len, dtype, device, cfg.llm_kv_type
+    )

@@ -59,7 +59,8 @@ class Attention(nn.Module):
         qk = kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        kernels.store_kv(kv.k[self.layer_id], kv.v[self.layer_id], k, v, out_slots)
+        k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
+        kernels.store_kv(k_cache, v_cache, k, v, out_slots, k_scale=k_scale, v_scale=v_scale)
         return q
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
@@ -70,23 +71,24 @@ class Attention(nn.Module):
         """q: [n, Hq, D] -> [n, Hq, D] (into `out` where given): the decode kernel for decode rows, the prefill
         kernel for the chunks. This part depends on the step's sequences, so piecewise graphs leave it eager."""
         kv, nd, n = batch.kv, batch.num_decode, q.shape[0]
-        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
         if nd == n:
             return kernels.decode_attention(
                 q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.decode_seq_lens, self.scale,
-                max_seq_len=batch.max_decode_len, out=out,
+                max_seq_len=batch.max_decode_len, out=out, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         if out is None and nd:
             out = q.new_empty(q.shape)  # [n, Hq, D] contiguous
         prefill_out = kernels.prefill_attention(
             q[nd:], k_cache, v_cache, kv.req_to_token, batch.prefill_req_idx, batch.q_starts, batch.q_lens,
             batch.prefill_seq_lens, self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         if nd == 0:
             return prefill_out
         kernels.decode_attention(
             q[:nd], k_cache, v_cache, kv.req_to_token, batch.req_idx[:nd], batch.decode_seq_lens, self.scale,
-            max_seq_len=batch.max_decode_len, out=out[:nd],
+            max_seq_len=batch.max_decode_len, out=out[:nd], k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         return out
 
