@@ -15,13 +15,13 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
 from language.request import MultimodalItem, Request
 from language.sampling_params import SamplingParams
 from mmserve.llm import LLM
-from mmserve.testing.checkpoints.fp8 import dequantize_block, quantize_checkpoint
+from mmserve.testing.checkpoints.fp8 import dequantize_block, quantize_checkpoint, scale_embeddings
 from mmserve.testing.checkpoints.qwen3_vl import build_qwen3_vl
 from mmserve.testing.fidelity import TOP_K, check_top_k_rule, first_divergence
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily, random_image
@@ -39,19 +39,10 @@ PROMPTS = [
 ]
 
 
-def _scale_embeddings(model_dir: str, gain: float) -> None:
-    for path in glob.glob(f"{model_dir}/*.safetensors"):
-        tensors = load_file(path)
-        for name in [n for n in tensors if n.endswith("embed_tokens.weight")]:
-            tensors[name] = tensors[name] * gain
-        save_file(tensors, path, metadata={"format": "pt"})
-
-
 @pytest.fixture(scope="module")
 def bf16_dir(tmp_path_factory) -> str:
     model_dir = build_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl_sharp")))
-    _scale_embeddings(model_dir, EMBED_GAIN)
-    return model_dir
+    return scale_embeddings(model_dir, EMBED_GAIN)
 
 
 def _fp8_copy(bf16_dir: str, tmp_path_factory, fmt: str) -> str:
@@ -192,3 +183,18 @@ def test_block_checkpoint_loads_as_published(block_dir):
     # o_proj's input columns split between the ranks: 64 each, inside one 128-column scale block
     with pytest.raises(ValueError, match="128-column scale blocks"):
         take(make_shard(lm_cfg, 1, 2), "o_proj", None, ScaleView(tensors[f"{prefix}o_proj.weight_scale_inv"], scheme))
+
+
+def test_fp8_vision_tower_stays_close_to_its_bf16_self(bf16_dir):
+    """--vit_quant_type fp8w8a8: the encoder layers' linears swapped (3 blocks x qkv, proj, fc1, fc2), the mergers
+    not; the image embeddings move by FP8's noise only."""
+    from visual.models.fp8_linear import Fp8TowerLinear, quantize_tower
+
+    vision = vision_model_class(ARCH).from_pretrained(bf16_dir, torch.device("cpu"), torch.float32)
+    image = vision.preprocess(random_image(150, 100, 1))
+    before = vision.encode([image])[0]
+    assert quantize_tower(vision.tower) == 12
+    assert not any(isinstance(m, Fp8TowerLinear) for m in vision.tower.merger.modules())
+    after = vision.encode([image])[0]
+    rel = (after - before).norm() / before.norm()
+    assert 0 < rel < 0.1, rel

@@ -111,6 +111,20 @@ def quantize_checkpoint(model_dir: str, fmt: str = "block") -> str:
     return model_dir
 
 
+def scale_embeddings(model_dir: str, gain: float) -> str:
+    """Multiply the token embeddings of `model_dir`'s shards by `gain`, in place; returns model_dir. Random weights
+    give nearly flat logits, closer together than FP8's noise: with the embeddings scaled up, the residual stream
+    carries each token's own embedding above the layers' contributions and greedy choices get margins, so that a
+    quantized engine can be held to the unquantized reference (tests/models/test_fp8.py)."""
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        for name in [n for n in tensors if n.endswith("embed_tokens.weight")]:
+            tensors[name] = tensors[name] * gain
+        save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir
+
+
 def _write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
@@ -120,7 +134,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="Rewrite a checkpoint's decoder linear weights in a published FP8 layout")
     ap.add_argument("--dir", required=True, help="a checkpoint folder (rewritten in place)")
     ap.add_argument("--format", choices=["block", "channel"], default="block")
+    ap.add_argument("--embed_gain", type=float, default=1.0, help="scale the token embeddings first (test margins)")
     args = ap.parse_args()
+    if args.embed_gain != 1.0:
+        scale_embeddings(args.dir, args.embed_gain)
     quantize_checkpoint(args.dir, args.format)
     print(f"{args.dir}: decoder linears rewritten as {args.format} FP8")
 
