@@ -36,6 +36,11 @@
 #   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, whose
 #                     own CPU bounds the 896 px and 256-request loads)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
+#   --mmserve_args "…"  more flags for our server, e.g. "--quant_type fp8w8a8" (FP8 decoder linears) or
+#                     "--quant_type fp8w8a8 --vit_quant_type fp8w8a8"; its JSON lines then name the server
+#                     "mmserve <flags>". A checkpoint in Qwen3-VL-FP8's published layout: build it with
+#                     python3 -m mmserve.testing.checkpoints.qwen3_vl --out /tmp/q3vl8b_fp8 --shape 8b --fp8 block
+#                     and pass --family qwen3_vl --ckpt /tmp/q3vl8b_fp8 (no flag needed: the checkpoint says FP8)
 # Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
 # logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
 # a config.json, e.g. a second call on the same warm machine), mmserve ~2 min, so mmserve + HF fit one 10-minute call;
@@ -46,7 +51,7 @@ python3 -c "import uvloop, httptools" 2>/dev/null \
   || echo "warning: uvloop or httptools missing: the server runs on asyncio/h11, slower than an installed mmserve" >&2
 
 lightllm=0; vllm=0; hf=0; mmserve=1; loads=""; hf_loads=img336_x64,img896_x64; family=qwen2_vl; ckpt=""
-bench_args=""; api=""; client_procs=4
+bench_args=""; mmserve_args=""; api=""; client_procs=4
 port=18080; lport=18090; vport=18091
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -60,6 +65,7 @@ while [ $# -gt 0 ]; do
     --ckpt) ckpt=$2; shift ;;
     --family) family=$2; shift ;;
     --bench_args) bench_args=$2; shift ;;
+    --mmserve_args) mmserve_args=$2; shift ;;
     --client_procs) client_procs=$2; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
@@ -122,8 +128,8 @@ fi
 status=0
 if [ "$mmserve" = 1 ]; then
   say "mmserve: start (issue 13's flags) -> healthy, then loads $loads through the $api API"
-  bench mmserve_bench --name mmserve --api "$api" --model_dir "$ckpt" --startup --loads "$loads" --port "$port" \
-    || status=1
+  bench mmserve_bench --name "mmserve${mmserve_args:+ $mmserve_args}" --api "$api" --model_dir "$ckpt" --startup \
+    --loads "$loads" --port "$port" --server_args="$mmserve_args" || status=1
 fi
 
 if [ "$lightllm" = 1 ]; then

@@ -15,7 +15,15 @@ from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import fp8_gemv, group_size
 from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "expand_block_scales", "fp8_linear", "fp8_linear_ref", "quantize_weight"]
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "expand_block_scales",
+    "fp8_linear",
+    "fp8_linear_ref",
+    "quantize_weight",
+    "weight_scales",
+]
 
 
 def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,10 +37,18 @@ def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.
     return q.view(m, groups * group)[:, :k], scales
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A linear weight [N, K] -> (e4m3 [N, K], per-output-channel scales [N, 1] fp32)."""
-    q, scales = quantize_rows_ref(weight)
-    return q.contiguous(), scales
+def quantize_weight(weight: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight [N, K] -> (e4m3 [N, K], per-output-channel scales [N, 1] fp32). `scales`: given ones (a
+    row-parallel shard's, taken over the whole rows), else each row's largest magnitude over 448."""
+    if scales is None:
+        scales = weight_scales(weight)
+    q = (weight.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scales
+
+
+def weight_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel scales [N, 1] fp32 of a weight [N, K]."""
+    return (weight.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
 
 
 def expand_block_scales(block_scales: torch.Tensor, block_rows: int) -> torch.Tensor:

@@ -4,8 +4,11 @@
 (`weight_scale_inv` for block-wise FP8 checkpoints, `weight_scale` for per-channel ones and for weights quantized at
 load), so checkpoint tensors load by name. Under tensor parallelism the scales follow the weight rows: a
 column-parallel layer's rows are this rank's output channels, scales included; a row-parallel layer (o_proj,
-down_proj) keeps every output row, so its scales stay whole, and its partial sums are reduced in fp32 and rounded
-once, as `RowParallelLinear`'s. The embedding, lm_head and norms stay in the model's dtype."""
+down_proj) keeps every output row, so its scales stay whole (quantized at load: each row's largest magnitude over
+all ranks' columns), and its partial sums are reduced in fp32 and rounded once, as `RowParallelLinear`'s. Its
+activations are quantized per token over this rank's columns (a scale over the whole row would cost a collective per
+layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding,
+lm_head and norms stay in the model's dtype."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from torch import nn
 
 from language.parallel.group import TPGroup
 from language.parallel.layers import Linear, RowParallelLinear
-from language.quant.fp8 import FP8_DTYPE, fp8_linear, quantize_weight
+from language.quant.fp8 import FP8_DTYPE, fp8_linear, quantize_weight, weight_scales
 from language.quant.scheme import QuantScheme
 
 
@@ -75,7 +78,10 @@ def _fp8_of(linear: Linear, scheme: QuantScheme, quantize: bool) -> Fp8Linear:
     with torch.device(weight.device):
         fp8 = Fp8Linear(linear.in_features, linear.out_features, scheme, linear.bias, getattr(linear, "tp", None))
     if quantize:
-        q, scales = quantize_weight(weight.detach())
+        scales = weight_scales(weight.detach())
+        if fp8.tp is not None:  # a row-parallel shard: each row's scale over the whole row, as at tp=1
+            fp8.tp.all_reduce_max(scales)
+        q, scales = quantize_weight(weight.detach(), scales)
         fp8.weight.data.copy_(q)
         fp8.scales.data.copy_(scales.expand_as(fp8.scales))  # one scale per row, repeated over any column groups
     return fp8

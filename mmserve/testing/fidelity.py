@@ -5,9 +5,11 @@ among the other side's 5 most likely tokens there (both sides then saw the same 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 TOP_K = 5
+_rids = itertools.count()
 
 
 def first_divergence(ours: Sequence[int], theirs: Sequence[int]) -> int | None:
@@ -34,3 +36,19 @@ def check_top_k_rule(
         f"step {i}: ours {ours[i]} (their top-{k} {yours}), theirs {theirs[i]} (our top-{k} {mine}); "
         f"the first {i} tokens agreed"
     )
+
+
+def engine_top_k(llm, prompt: Sequence[int], mm_items: list | None = None, k: int = TOP_K) -> list[int]:
+    """An `mmserve.llm.LLM`'s k most likely next tokens after `prompt` (one step; multimodal items spliced in at
+    their offsets as when generating)."""
+    from language.request import Request
+    from language.sampling_params import SamplingParams
+
+    rid = f"top-k-{next(_rids)}"
+    params = SamplingParams(max_new_tokens=1, top_logprobs=k).validate()
+    req = Request(rid, list(prompt), params, mm_items=list(mm_items or []))
+    llm.engine.add_request(req)
+    tops = []
+    while not req.finished:
+        tops += [t for out in llm.engine.step() if out.rid == rid for t in (out.new_top_logprobs or [])]
+    return [token for token, _ in tops[0]]

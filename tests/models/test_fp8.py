@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-from language.request import MultimodalItem, Request
+from language.request import MultimodalItem
 from language.sampling_params import SamplingParams
 from mmserve.llm import LLM
 from mmserve.testing.checkpoints.fp8 import dequantize_block, quantize_checkpoint, scale_embeddings
 from mmserve.testing.checkpoints.qwen3_vl import build_qwen3_vl
-from mmserve.testing.fidelity import TOP_K, check_top_k_rule, first_divergence
+from mmserve.testing.fidelity import TOP_K, check_top_k_rule, engine_top_k, first_divergence
 from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily, random_image
 from visual.models.base import vision_model_class
 
@@ -98,16 +98,6 @@ def _hf_greedy_and_top(hf_model, prompt: list[int], extra: dict) -> tuple[list[i
     return tokens, [s[0].topk(TOP_K).indices.tolist() for s in out.scores]
 
 
-def _our_top(llm: LLM, prompt: list[int], items: list[MultimodalItem], rid: str) -> list[int]:
-    """Our top-k next tokens after `prompt` (one step, the image embeddings spliced in as when generating)."""
-    req = Request(rid, list(prompt), SamplingParams(max_new_tokens=1, top_logprobs=TOP_K).validate(), mm_items=items)
-    llm.engine.add_request(req)
-    tops = []
-    while not req.finished:
-        tops += [t for o in llm.engine.step() if o.rid == rid for t in (o.new_top_logprobs or [])]
-    return [token for token, _ in tops[0]]
-
-
 def _check_follows_hf(llm: LLM, hf_model, cases) -> list[int]:
     """The fidelity rule on every case; returns how many tokens each agreed on before diverging."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
@@ -122,7 +112,7 @@ def _check_case(llm: LLM, hf_model, case, ours: list[int], n: int) -> int:
     prompt, items, extra = case
     theirs, their_tops = _hf_greedy_and_top(hf_model, prompt, extra)
     broken = check_top_k_rule(
-        ours, theirs, lambda i: _our_top(llm, prompt + theirs[:i], items, f"top-{n}-{i}"), lambda i: their_tops[i]
+        ours, theirs, lambda i: engine_top_k(llm, prompt + theirs[:i], items), lambda i: their_tops[i]
     )
     assert broken is None, f"case {n}: {broken}"
     i = first_divergence(ours, theirs)
