@@ -188,3 +188,26 @@ def test_fp8_vision_tower_stays_close_to_its_bf16_self(bf16_dir):
     after = vision.encode([image])[0]
     rel = (after - before).norm() / before.norm()
     assert 0 < rel < 0.1, rel
+
+
+def test_block_fp8_tower_weights_are_dequantized_at_load(bf16_dir, tmp_path):
+    """A checkpoint whose tower linears are block-wise FP8 too (not left out by modules_to_not_convert): the tower
+    loads them dequantized, and its embeddings stay within FP8's noise of the unquantized tower's."""
+    from safetensors.torch import save_file
+
+    from mmserve.testing.checkpoints.fp8 import quantize_block
+
+    model_dir = str(tmp_path / "tower_fp8")
+    shutil.copytree(bf16_dir, model_dir)
+    for path in glob.glob(f"{model_dir}/*.safetensors"):
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.startswith("model.visual.blocks.") and n.endswith("fc1.weight")]:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_block(tensors[name])
+        save_file(tensors, path, metadata={"format": "pt"})
+    image = random_image(150, 100, 1)
+    embeds = []
+    for d in (bf16_dir, model_dir):
+        vision = vision_model_class(ARCH).from_pretrained(d, torch.device("cpu"), torch.float32)
+        embeds.append(vision.encode([vision.preprocess(image)])[0])
+    rel = (embeds[1] - embeds[0]).norm() / embeds[0].norm()
+    assert 0 < rel < 0.05, rel
