@@ -43,8 +43,12 @@
 #   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, whose
 #                     own CPU bounds the 896 px and 256-request loads)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
-#   --server_args "…" more flags for the mmserve server (e.g. "--llm_kv_type int8kv"); its JSON lines then name the
-#                     server "mmserve <flags>"
+#   --server_args "…" more flags for our server (alias --mmserve_args), e.g. "--llm_kv_type int8kv" (8-bit KV cache),
+#                     "--quant_type fp8w8a8" (FP8 decoder linears) or "--quant_type fp8w8a8 --vit_quant_type fp8w8a8";
+#                     its JSON lines then name the server "mmserve <flags>". A checkpoint in Qwen3-VL-FP8's published
+#                     layout: build it with
+#                     python3 -m mmserve.testing.checkpoints.qwen3_vl --out /tmp/q3vl8b_fp8 --shape 8b --fp8 block
+#                     and pass --family qwen3_vl --ckpt /tmp/q3vl8b_fp8 (no flag needed: the checkpoint says FP8)
 # Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
 # logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
 # a config.json, e.g. a second call on the same warm machine), mmserve ~2 min, so mmserve + HF fit one 10-minute call;
@@ -69,7 +73,7 @@ while [ $# -gt 0 ]; do
     --ckpt) ckpt=$2; shift ;;
     --family) family=$2; shift ;;
     --bench_args) bench_args=$2; shift ;;
-    --server_args) server_args=$2; shift ;;
+    --server_args|--mmserve_args) server_args=$2; shift ;;
     --client_procs) client_procs=$2; shift ;;
     --video_args) video_args=$2; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
@@ -149,7 +153,7 @@ status=0
 if [ "$mmserve" = 1 ] && [ "$loads" != none ]; then
   say "mmserve: start (issue 13's flags) -> healthy, then loads $loads through the $api API"
   bench mmserve_bench --name "mmserve${server_args:+ $server_args}" --api "$api" --model_dir "$ckpt" --startup \
-    --loads "$loads" --port "$port" ${server_args:+--server_args "$server_args"} || status=1
+    --loads "$loads" --port "$port" --server_args="$server_args" || status=1
 fi
 if [ "$mmserve" = 1 ] && [ -n "$video_loads" ]; then
   say "mmserve: start -> healthy, then video loads $video_loads through the openai API"

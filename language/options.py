@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from language.quant.scheme import QUANT_TYPES
+
 # LightLLM's --data_type spellings -> torch dtype names; "auto" keeps the checkpoint's own dtype.
 DTYPE_NAMES = {
     "fp16": "float16",
@@ -67,6 +69,18 @@ class EngineOptions:
         "dummy: random weights built on the device from config.json alone (benchmarks; no weight files read)",
         choices=["auto", "dummy"],
         aliases=("--load-format",),
+    )
+    # FP8 e4m3 weights (per output channel, quantized at load) and activations (per token, dynamically) for the
+    # decoder's linear layers; a checkpoint published in FP8 (block-wise or FP8-dynamic) runs as published whatever
+    # this says (language/quant/scheme.py).
+    quant_type: str = option(
+        "none",
+        _MODEL,
+        "quantize the language model's linear layers: fp8w8a8 (fp8: vLLM's name) = FP8 e4m3 weights per output "
+        "channel and activations per token; embedding, lm_head and norms stay in --data_type. An FP8 checkpoint "
+        "runs in its own FP8 format",
+        choices=sorted(QUANT_TYPES),
+        aliases=("--quantization",),
     )
     output_constraint_mode: str = option(
         "xgrammar",
@@ -136,6 +150,9 @@ class EngineOptions:
             raise ValueError(f"--device {self.device}: must be auto, cpu, cuda or cuda:<index>")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("--load_format must be auto or dummy")
+        if self.quant_type not in QUANT_TYPES:
+            raise ValueError(f"--quant_type must be one of {sorted(QUANT_TYPES)}")
+        object.__setattr__(self, "quant_type", QUANT_TYPES[self.quant_type])  # fp8 -> fp8w8a8
         if self.output_constraint_mode not in ("xgrammar", "none"):
             raise ValueError("--output_constraint_mode must be xgrammar or none")
         if self.max_total_token_num is not None and self.max_total_token_num < 1:

@@ -16,6 +16,8 @@ from language.models.hf_config import lm_config_from_hf
 from language.parallel.group import TPGroup
 from language.parallel.layers import Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from language.parallel.sharding import Shard, TensorView, make_shard, take
+from language.quant.loading import ScaleView, fit_rows, is_scale
+from language.quant.scheme import QuantScheme
 
 
 class RMSNorm(nn.Module):
@@ -157,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
     """Token ids (with optional image embeddings spliced in) -> next-token logits of each sequence's last token."""
 
     qkv_bias = False
+    quant: QuantScheme | None = None  # set by the loader (language/model_builder.py) for a quantized decoder
 
     @classmethod
     def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig:
@@ -244,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         piece = None
         if module in _FUSED:
             module, piece = _FUSED[module]
+        if self.quant is not None and is_scale(name):  # sliced as its weight's rows and columns
+            view = ScaleView(view, self.quant)
         return take(self.shard, module, piece, view)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -269,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
             param = params[pname]
             sizes = self._fused_sizes(target)
             start = sum(sizes[:shard])
+            if is_scale(name):
+                tensor = fit_rows(tensor, sizes[shard])
             param.data[start : start + sizes[shard]].copy_(tensor)
             loaded.add(pname)
             return
@@ -277,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
         target = params[name].data
         if name in ("embed_tokens.weight", "lm_head.weight"):  # this rank's vocabulary rows; the rest is padding
             target = target[: self.shard.vocab_rows]
+        if is_scale(name):
+            tensor = fit_rows(tensor, target.shape[0])
         if target.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model wants {tuple(target.shape)}")
         target.copy_(tensor)
