@@ -15,6 +15,7 @@ FP8 tower for the FP8 engine's prompts.
     python benchmarks/quant_fidelity.py --model_dir /tmp/q2vl7b                         # --quant_type fp8w8a8
     python benchmarks/quant_fidelity.py --model_dir /tmp/q3vl8b_fp8 --reference /tmp/q3vl8b  # a published-layout FP8
                                                                                         # checkpoint vs its bf16
+    python benchmarks/quant_fidelity.py --model_dir /tmp/q2vl7b --quant_type none --llm_kv_type int8kv  # 8-bit KV
 
 Prints one line per prompt and a JSON summary line (also appended to $OUT/quant_fidelity.jsonl when $OUT is set)."""
 
@@ -104,7 +105,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model_dir", required=True, help="the checkpoint the FP8 engine serves")
     ap.add_argument("--reference", default=None, help="the bf16 engine's checkpoint (default: --model_dir)")
-    ap.add_argument("--quant_type", default="fp8w8a8", help="the FP8 engine's --quant_type")
+    ap.add_argument("--quant_type", default="fp8w8a8", help="the FP8 engine's --quant_type (none: bf16 linears)")
+    ap.add_argument("--llm_kv_type", default="None", help="its KV cache (int8kv, fp8kv; None: the model's dtype)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new_tokens", type=int, default=32)
     ap.add_argument("--embed_gain", type=float, default=4.0)
@@ -117,7 +119,7 @@ def main() -> None:
     greedy = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     bf16 = engine(reference_dir, args.embed_gain, args.device)
     theirs = [g.token_ids for g in bf16.generate(prompts, greedy, mm_items=bf16_items)]
-    fp8 = engine(args.model_dir, args.embed_gain, args.device, quant_type=args.quant_type)
+    fp8 = engine(args.model_dir, args.embed_gain, args.device, quant_type=args.quant_type, llm_kv_type=args.llm_kv_type)
     ours = [g.token_ids for g in fp8.generate(prompts, greedy, mm_items=fp8_items)]
     results = [
         score_prompt(fp8, bf16, prompt, mine, yours, fp8_items[n], bf16_items[n])
@@ -130,7 +132,8 @@ def main() -> None:
         )
     summary = {
         "bench": "quant_fidelity", "model_dir": args.model_dir, "reference": reference_dir,
-        "quant_type": args.quant_type, "vit_fp8": args.vit_fp8, "embed_gain": args.embed_gain,
+        "quant_type": args.quant_type, "llm_kv_type": args.llm_kv_type, "vit_fp8": args.vit_fp8,
+        "embed_gain": args.embed_gain,
         "device": device_name(args.device), "prompts": len(results), "new_tokens": args.new_tokens,
         "rule_ok": sum(r["rule_ok"] for r in results),
         "mean_top1_agreement": round(sum(r["top1_agreement"] for r in results) / len(results), 4),

@@ -21,7 +21,12 @@ NEW_TOKENS = 12
 
 
 def _engine_on_rank(
-    rank: int, init_method: str, model_dir: str, prompts: list[list[int]], kv_type: str = "None", quant_type: str = "none"
+    rank: int,
+    init_method: str,
+    model_dir: str,
+    prompts: list[list[int]],
+    kv_type: str = "None",
+    quant_type: str = "none",
 ):
     from language.config import EngineConfig
     from language.parallel.worker import TPWorker
