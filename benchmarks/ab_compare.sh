@@ -34,7 +34,7 @@ fi
 summary='import json, sys
 for line in sys.stdin:
     d = json.loads(line)
-    keys = ("req_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "startup_s")
+    keys = ("req_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "startup_s", "kv_tokens")
     print(sys.argv[1], d["server"], d["load"], *(f"{k}={d[k]}" for k in keys if k in d), flush=True)'
 status=0
 for round in $(seq "$rounds"); do

@@ -2,6 +2,7 @@
 
     python benchmarks/decode_bench.py --model_dir /tmp/llama7b   # builds the checkpoint there if missing
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1 --profile 1 --top 40  # any family's LM
+    python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1,64 --quant_type fp8w8a8  # FP8 linears
 
 Measures the engine's own step() (CUDA-graph decode + sampling + bookkeeping) in steady state: all requests
 prefilled, every step a pure decode of the whole batch."""
@@ -86,13 +87,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--profile", default="", help="batch sizes to profile after the table, e.g. 1,64")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled batch size")
+    ap.add_argument("--quant_type", default="none", help="the engine's --quant_type (fp8w8a8: FP8 linears)")
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         t0 = time.perf_counter()
         build_llama(args.model_dir, "7b", torch.float16, num_shards=None, device="cuda")
         print(f"built 7B-shaped random Llama in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
-    core = EngineCore(EngineConfig(model_dir=args.model_dir, max_total_token_num=80_000, running_max_req_size=128))
+    core = EngineCore(EngineConfig(model_dir=args.model_dir, max_total_token_num=80_000, running_max_req_size=128,
+                                   quant_type=args.quant_type))  # fmt: skip
     print(f"engine up in {time.perf_counter() - t0:.0f} s")
     weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
     floor = weight_bytes / COPY_BANDWIDTH * 1e3

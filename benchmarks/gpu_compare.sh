@@ -27,7 +27,14 @@
 #   --no_mmserve      skip our server (e.g. a second call for LightLLM only)
 #   --family F        qwen2_vl (default), qwen2_5_vl, qwen3_vl, internvl or gemma3: serve_bench's --family and the default
 #                     checkpoint
-#   --loads LIST      server loads (default all; with the OpenAI API, all of one image at most); --hf_loads LIST
+#   --loads LIST      server loads (default all; with the OpenAI API, all of one image at most); --hf_loads LIST.
+#                     Video loads (video16_30s: 16 concurrent 30 s 854x480 clips, benchmarks/video_bench.py) run
+#                     through the OpenAI API, on mmserve, on HF with --hf (alone when every load is a video load) and
+#                     on vLLM with --vllm; not on LightLLM (it takes no video). The clips are written on the first
+#                     run (~11 CPU-s a clip, in parallel) into ${TMPDIR:-/tmp}/mmserve_video_clips, read back after.
+#                     One 10-minute call: bash benchmarks/gpu_compare.sh --loads video16_30s --hf (if it runs past
+#                     the limit, run --loads video16_30s --hf --no_mmserve as a second call)
+#   --video_args "…"  more video_bench flags (e.g. "--num_requests 8 --hf_batch 4")
 #   --ckpt DIR        default per family: /tmp/q2vl7b (Qwen2-VL-7B-shaped, .lightllm/make_qwen2vl_7b.py when carried,
 #                     else mmserve.testing.checkpoints.qwen2_vl) or /tmp/q25vl7b (Qwen2.5-VL-7B-shaped,
 #                     python3 -m mmserve.testing.checkpoints.qwen2_5_vl --shape 7b) or /tmp/q3vl8b (Qwen3-VL-8B-shaped,
@@ -37,6 +44,12 @@
 #   --client_procs N  client processes each concurrent load is split over (default 4; 1: one asyncio client, whose
 #                     own CPU bounds the 896 px and 256-request loads)
 #   --bench_args "…"  more serve_bench flags for every server run (e.g. "--num_requests 8 --repeats 2")
+#   --server_args "…" more flags for our server (alias --mmserve_args), e.g. "--llm_kv_type int8kv" (8-bit KV cache),
+#                     "--quant_type fp8w8a8" (FP8 decoder linears) or "--quant_type fp8w8a8 --vit_quant_type fp8w8a8";
+#                     its JSON lines then name the server "mmserve <flags>". A checkpoint in Qwen3-VL-FP8's published
+#                     layout: build it with
+#                     python3 -m mmserve.testing.checkpoints.qwen3_vl --out /tmp/q3vl8b_fp8 --shape 8b --fp8 block
+#                     and pass --family qwen3_vl --ckpt /tmp/q3vl8b_fp8 (no flag needed: the checkpoint says FP8)
 # Output: one JSON line per load and server on stdout, also appended to $OUT/bench.jsonl when $OUT is set; server
 # logs and progress bars go to ${OUT:-/tmp}/*.log. Wall time on an H100: checkpoint ~45 s (skipped when CKPT has
 # a config.json, e.g. a second call on the same warm machine), mmserve ~2 min, so mmserve + HF fit one 10-minute call;
@@ -47,7 +60,7 @@ python3 -c "import uvloop, httptools" 2>/dev/null \
   || echo "warning: uvloop or httptools missing: the server runs on asyncio/h11, slower than an installed mmserve" >&2
 
 lightllm=0; vllm=0; hf=0; mmserve=1; loads=""; hf_loads=img336_x64,img896_x64; family=qwen2_vl; ckpt=""
-bench_args=""; api=""; client_procs=4
+bench_args=""; server_args=""; api=""; client_procs=4; video_args=""; hf_loads_given=0
 port=18080; lport=18090; vport=18091
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -57,15 +70,23 @@ while [ $# -gt 0 ]; do
     --hf) hf=1 ;;
     --no_mmserve) mmserve=0 ;;
     --loads) loads=$2; shift ;;
-    --hf_loads) hf_loads=$2; shift ;;
+    --hf_loads) hf_loads=$2; hf_loads_given=1; shift ;;
     --ckpt) ckpt=$2; shift ;;
     --family) family=$2; shift ;;
     --bench_args) bench_args=$2; shift ;;
+    --server_args|--mmserve_args) server_args=$2; shift ;;
     --client_procs) client_procs=$2; shift ;;
+    --video_args) video_args=$2; shift ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
   shift
 done
+# video loads go to benchmarks/video_bench.py; with only those, no image load runs (nor HF's image loads)
+video_loads=$(tr ',' '\n' <<< "$loads" | grep '^video' | paste -sd, -)
+if [ -n "$video_loads" ]; then
+  loads=$(tr ',' '\n' <<< "$loads" | grep -v '^video' | paste -sd, -)
+  if [ -z "$loads" ]; then loads=none; [ "$hf_loads_given" = 0 ] && hf_loads=none; fi
+fi
 if [ -z "$api" ]; then api=lightllm; [ "$vllm" = 1 ] && api=openai; fi
 case "$api" in lightllm|openai) ;; *) echo "unknown --api $api (lightllm or openai)" >&2; exit 2 ;; esac
 if [ -z "$loads" ] && [ "$api" = openai ]; then  # the loads vLLM can take: one image per prompt at most
@@ -91,6 +112,15 @@ bench() {  # bench LOGNAME ARGS...: serve_bench with its JSON lines collected, i
   local name=$1; shift
   # shellcheck disable=SC2086
   python3 benchmarks/serve_bench.py --family "$family" --client_procs "$client_procs" "$@" $bench_args \
+    2> "$logs/$name.log" | collect
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
+  return "$rc"
+}
+vbench() {  # vbench LOGNAME ARGS...: video_bench on $video_loads, as bench does serve_bench
+  local name=$1; shift
+  # shellcheck disable=SC2086
+  python3 benchmarks/video_bench.py --family "$family" --loads "$video_loads" "$@" $video_args \
     2> "$logs/$name.log" | collect
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
@@ -125,10 +155,14 @@ elif [ ! -f "$ckpt/config.json" ]; then
 fi
 
 status=0
-if [ "$mmserve" = 1 ]; then
+if [ "$mmserve" = 1 ] && [ "$loads" != none ]; then
   say "mmserve: start (issue 13's flags) -> healthy, then loads $loads through the $api API"
-  bench mmserve_bench --name mmserve --api "$api" --model_dir "$ckpt" --startup --loads "$loads" --port "$port" \
-    || status=1
+  bench mmserve_bench --name "mmserve${server_args:+ $server_args}" --api "$api" --model_dir "$ckpt" --startup \
+    --loads "$loads" --port "$port" --server_args="$server_args" || status=1
+fi
+if [ "$mmserve" = 1 ] && [ -n "$video_loads" ]; then
+  say "mmserve: start -> healthy, then video loads $video_loads through the openai API"
+  vbench mmserve_video --name mmserve --model_dir "$ckpt" --startup --port "$port" || status=1
 fi
 
 if [ "$lightllm" = 1 ]; then
@@ -176,6 +210,9 @@ t = builtin_chat_template(model_architecture(sys.argv[1])); sys.exit(2) if t is 
         "\"note\": \"serve.sh: /health polled every 2 s\"}" | collect
       bench vllm_bench --name vllm --api openai --model_name model --url "http://127.0.0.1:$vport" \
         --server_session "$(cat /tmp/vllm.pgid)" --loads "$loads" || status=1
+      if [ -n "$video_loads" ]; then
+        vbench vllm_video --name vllm --model_name model --url "http://127.0.0.1:$vport" || status=1
+      fi
     else
       status=1
     fi
@@ -183,9 +220,13 @@ t = builtin_chat_template(model_architecture(sys.argv[1])); sys.exit(2) if t is 
   fi
 fi
 
-if [ "$hf" = 1 ]; then
+if [ "$hf" = 1 ] && [ "$hf_loads" != none ]; then
   say "HF transformers generate on $hf_loads"
   bench hf_bench --model_dir "$ckpt" --loads none --hf --hf_loads "$hf_loads" || status=1
+fi
+if [ "$hf" = 1 ] && [ -n "$video_loads" ]; then
+  say "HF transformers generate on $video_loads"
+  vbench hf_video --model_dir "$ckpt" --no_serve --hf || status=1
 fi
 say "done (status $status)"
 exit "$status"

@@ -156,6 +156,27 @@ def bench_decode(batch: int, seq_len: int, num_heads: int, num_kv_heads: int, gr
     print(f"{'':<72} host launch overhead: ours {host_us(ours):6.1f} us/call, sdpa {host_us(sdpa):6.1f} us/call")
 
 
+def bench_decode_mixed(batch: int, lo: int, hi: int, num_heads: int = 28, num_kv_heads: int = 4) -> None:
+    """A serving batch's decode attention: sequence lengths drawn uniformly from [lo, hi] (seeded), slots of each
+    sequence one contiguous run (a prompt prefilled at once). Graph-replayed, as a decode step runs it."""
+    gen = torch.Generator().manual_seed(batch * 7 + hi)
+    lens = torch.randint(lo, hi + 1, (batch,), generator=gen)
+    q = torch.randn(batch, num_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache = torch.randn(batch * hi, num_kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    req_to_token = slot_table(batch, hi, scattered=False)
+    b_req_idx = torch.arange(batch, device="cuda", dtype=torch.int32)
+    b_seq_len = lens.to(device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    ours = lambda: decode_attention(
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, HEAD_DIM**-0.5, max_seq_len=hi, out=out
+    )
+    t = ms(ours, graph=True)
+    nbytes = 2 * int(lens.sum()) * num_kv_heads * HEAD_DIM * q.element_size()
+    name = f"decode mixed B={batch} L={lo}-{hi} Hq={num_heads} Hk={num_kv_heads}"
+    print(f"{name:<72} ours {t:8.4f} ms {nbytes / t / 1e6:7.0f} GB/s", flush=True)
+
+
 def report(name: str, ours_ms: float, sdpa_ms: float, flops: float, nbytes: float, err: float) -> None:
     print(
         f"{name:<72} ours {ours_ms:8.4f} ms {nbytes / ours_ms / 1e6:7.0f} GB/s {flops / ours_ms / 1e9:6.1f} TFLOP/s"
@@ -245,6 +266,10 @@ def sweep_prefill() -> None:
             torch.cuda.empty_cache()
 
 
+# Serving batches of mixed lengths (text_mixed_x256's prompts of ~100-1800 tokens): (batch, shortest, longest)
+MIXED_DECODE = ((64, 300, 300), (64, 100, 1800), (160, 100, 1800), (256, 100, 1800), (256, 300, 300))
+
+
 def sweep_decode() -> None:
     default, default_per_sm = decode_module._launch_config, decode_module._PROGRAMS_PER_SM
     for block_n, warps, stages, per_sm in (
@@ -254,6 +279,9 @@ def sweep_decode() -> None:
         (64, 4, 2, 8),
         (64, 8, 3, 4),
         (32, 2, 4, 8),
+        (64, 4, 2, 4),
+        (32, 4, 2, 8),
+        (128, 8, 2, 4),
     ):
         config = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         decode_module._launch_config = lambda config=config: config
@@ -263,6 +291,8 @@ def sweep_decode() -> None:
             for num_heads, num_kv_heads in ((32, 32), (28, 4)):
                 for batch in (1, 64):
                     bench_decode(batch, 1024, num_heads, num_kv_heads, graph_only=True)
+            for batch, lo, hi in MIXED_DECODE:
+                bench_decode_mixed(batch, lo, hi)
         except Exception as exc:
             print(f"   failed: {type(exc).__name__}: {str(exc)[:200]}")
     decode_module._launch_config, decode_module._PROGRAMS_PER_SM = default, default_per_sm
@@ -294,6 +324,8 @@ def main() -> None:
                 bench_decode(batch, 1024, num_heads, num_kv_heads)
         for seq_len in (4096, 16384):  # one long request: the split-K path
             bench_decode(1, seq_len, 28, 4, graph_only=True)
+        for batch, lo, hi in MIXED_DECODE:
+            bench_decode_mixed(batch, lo, hi)
         if args.sweep:
             sweep_decode()
     if args.only in (None, "elementwise"):

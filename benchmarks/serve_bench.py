@@ -214,6 +214,18 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, float
     raise SystemExit("server did not become healthy")
 
 
+def kv_tokens(url: str) -> int | None:
+    """The server's KV cache size in token slots (its /metrics gauge), or None where it reports none."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("mmserve_kv_tokens_total "):
+            return int(float(line.split()[1]))
+    return None
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -300,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     if loads and url is None:
         proc, url, startup = start_server(args)
         if args.startup:
-            emit({**common, "load": "start_to_healthy", "startup_s": startup})
+            emit({**common, "load": "start_to_healthy", "startup_s": startup, "kv_tokens": kv_tokens(url)})
     try:
         if loads and args.api == "openai" and args.model_name is None:
             args.model_name = served_model(url)

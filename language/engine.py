@@ -104,7 +104,8 @@ class EngineCore:
         self._launched_at = 0.0  # perf_counter when the step in flight was launched
         if device.type == "cuda":
             warmup(self)
-        logger.info("engine ready: %s on %s (%s), %d KV slots%s", lm.architecture, device, dtype, num_slots,
+        logger.info("engine ready: %s on %s (%s), %d KV slots (%s, %d bytes each)%s", lm.architecture, device, dtype,
+                    num_slots, str(self.kv.storage_dtype).removeprefix("torch."), self.kv.slot_bytes,
                     f", tensor parallel over {cfg.tp} ranks" if self.tp.enabled else "")  # fmt: skip
 
     def close(self) -> None:
@@ -358,6 +359,10 @@ class EngineCore:
     def has_prompt_work(self) -> bool:
         """Prompt tokens wait to be prefilled: a request not yet admitted, or one part way through its prompt."""
         return self.scheduler.has_prompt_work()
+
+    def prompt_backlog_fills_step(self) -> bool:
+        """Prompts already queued fill the next step's prefill budget (see Scheduler.prompt_backlog_fills_step)."""
+        return self.scheduler.prompt_backlog_fills_step()
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted) or self._inflight is not None

@@ -16,6 +16,8 @@ from language.loader import architecture, count_weights, iter_weights, read_conf
 from language.parallel.group import TPGroup
 from language.parallel.sharding import check_divisible
 from language.progress import progress
+from language.quant.linear import swap_linears
+from language.quant.scheme import quant_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,11 @@ def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = Non
     logger.info("model built on %s in %.1f s", device, time.perf_counter() - t0)
     model.raw_config = raw  # families that derive per-request inputs (M-RoPE) read their config keys from it
     model.inv_freq = model.inv_freq.float()  # rotary frequencies stay fp32 whatever the weights' dtype
+    model.quant = scheme = quant_scheme(cfg.quant_type, raw)
+    # An FP8 checkpoint's tensors load into FP8 layers; bf16 weights (and dummy ones) are quantized once loaded.
+    load_fp8 = scheme is not None and scheme.prequantized and cfg.load_format != "dummy"
+    if load_fp8:
+        swap_linears(model, scheme, quantize=False)
     if cfg.load_format == "dummy":
         # vLLM's --load_format dummy: the random init the layers were built with (on the device), no files read.
         logger.warning("--load_format dummy: serving RANDOM weights (for benchmarks; the text is gibberish)")
@@ -56,6 +63,10 @@ def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = Non
         wanted = lambda name: model.checkpoint_name(name) is not None  # noqa: E731
         weights = iter_weights(cfg.model_dir, keep=wanted, device=device, take=model.shard_tensor)
         model.load_weights(progress(weights, count_weights(cfg.model_dir, wanted), "loading weights", logger))
+    if scheme is not None and not load_fp8:
+        swap_linears(model, scheme, quantize=True)
+    if scheme is not None:
+        logger.info("decoder linear layers: %s", scheme.describe())
     if device.type == "cuda":
         torch.cuda.empty_cache()  # tensors in transit were cached blocks: give them back before sizing the KV cache
     return model.eval(), lm_cfg
@@ -65,7 +76,7 @@ def kv_capacity(cfg: EngineConfig, lm: LMConfig, kv_heads: int, dtype: torch.dty
     """KV slots that fit this process's memory (`kv_heads`: the heads this rank caches)."""
     if cfg.max_total_token_num is not None:
         return cfg.max_total_token_num
-    per_token = KVCache.bytes_per_token(lm.num_layers, kv_heads, lm.head_dim, dtype)
+    per_token = KVCache.bytes_per_token(lm.num_layers, kv_heads, lm.head_dim, dtype, cfg.llm_kv_type)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = min(free, total * cfg.mem_fraction - (total - free)) - _ACTIVATION_RESERVE
@@ -87,4 +98,6 @@ def build_kv_cache(
     num_slots = tp.min_over_ranks(kv_capacity(cfg, lm, kv_heads, dtype, device))
     max_req_len = min(cfg.max_req_total_len or lm.max_position, lm.max_position)
     max_reqs = cfg.running_max_req_size
-    return KVCache(lm.num_layers, num_slots, kv_heads, lm.head_dim, max_reqs, max_req_len, dtype, device)
+    return KVCache(
+        lm.num_layers, num_slots, kv_heads, lm.head_dim, max_reqs, max_req_len, dtype, device, cfg.llm_kv_type
+    )

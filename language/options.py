@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from language.quant.scheme import QUANT_TYPES
+
 # LightLLM's --data_type spellings -> torch dtype names; "auto" keeps the checkpoint's own dtype.
 DTYPE_NAMES = {
     "fp16": "float16",
@@ -15,6 +17,18 @@ DTYPE_NAMES = {
     "fp32": "float32",
     "float32": "float32",
     "auto": "auto",
+}
+# --llm_kv_type spellings (LightLLM's, and vLLM's --kv_cache_dtype values) -> how K and V are stored: "None" in the
+# model's dtype, "int8kv" as int8 with a scale per token and KV head, "fp8kv" as float8 e4m3 with a scale per KV head.
+KV_TYPE_NAMES = {
+    "None": "None",
+    "auto": "None",
+    "int8kv": "int8kv",
+    "int8": "int8kv",
+    "fp8kv": "fp8kv",
+    "fp8kv_sph": "fp8kv",  # LightLLM v1.2.0: fp8, static scale per head
+    "fp8": "fp8kv",
+    "fp8_e4m3": "fp8kv",
 }
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 # Their --help groups (mmserve/launch/cli.py orders them)
@@ -56,6 +70,18 @@ class EngineOptions:
         choices=["auto", "dummy"],
         aliases=("--load-format",),
     )
+    # FP8 e4m3 weights (per output channel, quantized at load) and activations (per token, dynamically) for the
+    # decoder's linear layers; a checkpoint published in FP8 (block-wise or FP8-dynamic) runs as published whatever
+    # this says (language/quant/scheme.py).
+    quant_type: str = option(
+        "none",
+        _MODEL,
+        "quantize the language model's linear layers: fp8w8a8 (fp8: vLLM's name) = FP8 e4m3 weights per output "
+        "channel and activations per token; embedding, lm_head and norms stay in --data_type. An FP8 checkpoint "
+        "runs in its own FP8 format",
+        choices=sorted(QUANT_TYPES),
+        aliases=("--quantization",),
+    )
     output_constraint_mode: str = option(
         "xgrammar",
         _MODEL,
@@ -67,6 +93,14 @@ class EngineOptions:
         None, _KV, "KV cache token slots; omitted: sized from free memory and --mem_fraction"
     )
     mem_fraction: float = option(0.9, _KV, "share of free device memory for weights + KV")
+    llm_kv_type: str = option(
+        "None",
+        _KV,
+        "how K and V are stored: None in the model's dtype; int8kv: int8 with a scale per token and KV head; "
+        "fp8kv (fp8kv_sph): float8 e4m3 with a scale per KV head (1.0). 8 bits hold about twice the tokens",
+        choices=list(KV_TYPE_NAMES),
+        aliases=("--kv_cache_dtype", "--kv-cache-dtype"),
+    )
     running_max_req_size: int = option(1000, _KV, "most requests decoding at once", aliases=("--max-num-seqs",))
     max_req_total_len: int | None = option(
         None,
@@ -109,10 +143,16 @@ class EngineOptions:
         if self.data_type not in DTYPE_NAMES:
             raise ValueError(f"--data_type must be one of {sorted(DTYPE_NAMES)}")
         object.__setattr__(self, "data_type", DTYPE_NAMES[self.data_type])  # one spelling from here on
+        if self.llm_kv_type not in KV_TYPE_NAMES:
+            raise ValueError(f"--llm_kv_type must be one of {list(KV_TYPE_NAMES)}")
+        object.__setattr__(self, "llm_kv_type", KV_TYPE_NAMES[self.llm_kv_type])
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"--device {self.device}: must be auto, cpu, cuda or cuda:<index>")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("--load_format must be auto or dummy")
+        if self.quant_type not in QUANT_TYPES:
+            raise ValueError(f"--quant_type must be one of {sorted(QUANT_TYPES)}")
+        object.__setattr__(self, "quant_type", QUANT_TYPES[self.quant_type])  # fp8 -> fp8w8a8
         if self.output_constraint_mode not in ("xgrammar", "none"):
             raise ValueError("--output_constraint_mode must be xgrammar or none")
         if self.max_total_token_num is not None and self.max_total_token_num < 1:

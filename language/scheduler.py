@@ -16,6 +16,7 @@ prompt (never the whole prompt: its last token must run to give logits)."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,6 +128,16 @@ class Scheduler:
 
     def has_prompt_work(self) -> bool:
         return bool(self.waiting) or any(r.prefilling for r in self.running)
+
+    def prompt_backlog_fills_step(self) -> bool:
+        """The prompts already here (part-way prefilled, then waiting) hold at least a step's prefill budget: a
+        prompt arriving now could not join the next step anyway. Stops counting once the budget is reached."""
+        left = self.prefill_budget
+        for req in itertools.chain((r for r in self.running if r.prefilling), self.waiting):
+            left -= req.prompt_len - req.kv_len
+            if left <= 0:
+                return True
+        return False
 
     def remove(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:

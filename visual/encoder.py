@@ -174,7 +174,11 @@ class VisualEncoder:
             latency_s=sum(done - t for t in arrived),
             images=len(batch),
         )
-        return [EncodeDone(key, image.num_tokens) for key, _, image in batch]
+        per_row = (encoded - start) / sum(image.tower_rows for _, _, image in batch)  # the batch's tower time, shared
+        return [
+            EncodeDone(key, im.num_tokens, im.decode_s + im.preprocess_s, per_row * im.tower_rows, im.video)
+            for key, _, im in batch
+        ]
 
     def warm_up(self, embeds: list[torch.Tensor]) -> None:
         """A warm-up batch's embeddings through the copy back to the host, dropped there: sizes the pinned staging

@@ -60,6 +60,11 @@ class EncodeJob:
 class EncodeDone:
     key: str
     num_tokens: int  # embedding rows written
+    # where its time went, for the HTTP process's metrics: the preprocessing worker's (decode, sampling, the
+    # processor) and its share of its batch's tower time (by tower rows); video: a video, not an image
+    preprocess_s: float = 0.0
+    tower_s: float = 0.0
+    video: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,16 @@ class VisualOptions:
             "nargs": "+",
         },
     )
+    # visual/models/fp8_linear.py
+    vit_quant_type: str = field(
+        default="none",
+        metadata={
+            "group": _VISION,
+            "help": "fp8w8a8: the vision tower's encoder-layer linears in FP8 e4m3 (weights per output channel, "
+            "activations per token); patch embedding, norms and merger stay in --data_type",
+            "choices": ["none", "fp8w8a8"],
+        },
+    )
     vision_tower_dir: str | None = field(
         default=None,
         metadata={
@@ -60,5 +70,7 @@ class VisualOptions:
             raise ValueError("--visual_batch_wait_ms must be >= 0")
         if self.visual_batch_max_patches < 0:
             raise ValueError("--visual_batch_max_patches must be >= 0")
+        if self.vit_quant_type not in ("none", "fp8w8a8"):
+            raise ValueError("--vit_quant_type must be none or fp8w8a8")
         if self.vit_att_backend not in VIT_ATT_BACKENDS:
             raise ValueError(f"--vit_att_backend must be one of {', '.join(VIT_ATT_BACKENDS)}")

@@ -150,6 +150,7 @@ def decode_video_and_preprocess(data: bytes, sampling: dict, preprocessor=None) 
     start = time.perf_counter()
     out = (preprocessor or _worker_preprocessor).video(data, sampling)
     out.preprocess_s = time.perf_counter() - start  # decoding and preprocessing interleave in one call
+    out.video = True
     return out
 
 

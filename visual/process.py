@@ -11,6 +11,7 @@ spawned like the other children), whose ready payload is a `VisualReady` (the HT
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -28,6 +29,7 @@ from visual.attention_backend import set_vit_att_backend
 from visual.encoder import VisualEncoder
 from visual.messages import EncodeJob, VisualReady
 from visual.models.base import vision_model_class
+from visual.models.fp8_linear import quantize_tower
 from visual.models.weights import read_json
 from visual.options import VisualOptions
 from visual.preprocess import PreprocessPool, start_fork_server
@@ -91,6 +93,10 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
         pool = PreprocessPool.of_preprocessor(preprocessor, cfg.num_preprocess_workers, cfg.shm_prefix)
         phases.done("preprocessor")
     model = cls.from_pretrained(cfg.model_dir, device, dtype, **extra)
+    if cfg.vit_quant_type == "fp8w8a8":
+        swapped = quantize_tower(model.tower)
+        model.cache_salt = json.dumps([model.cache_salt, "vit fp8w8a8"])  # its embeddings are not the bf16 tower's
+        logger.info("vision tower: %d encoder-layer linears in FP8 e4m3", swapped)
     phases.done("tower built and loaded")
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
     warm = warm_up_tower(model, device, cfg.visual_infer_batch_size)  # while the pool's workers start

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision, load_rows
+from language.kernels.kv_quant import KV_FP8_PER_HEAD, KV_PLAIN, kv_quant_scheme
 from language.kernels.launch_utils import (
     INDEX_DTYPES,
     cdiv,
@@ -27,6 +28,7 @@ from language.kernels.launch_utils import (
 
 _MAX_CHUNKS = 64  # stage 2 merges all chunks of a head in one tile
 _PROGRAMS_PER_SM = 4  # enough programs in flight to cover HBM latency
+_FP8_PER_HEAD = tl.constexpr(KV_FP8_PER_HEAD)
 
 
 # The chunk count is not specialized, and stage 2's tile is the largest chunk count, so that decode-graph capture
@@ -52,6 +54,9 @@ def _decode_partial_kernel(
     stride_v_slot,
     stride_v_h,
     stride_req,
+    k_scale_ptr,  # int8: [S, Hk]; fp8: [Hk]; unquantized: unused (kv_quant.py)
+    v_scale_ptr,
+    stride_scale_slot,
     num_chunks,  # chunks per sequence (the grid's third axis)
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -64,6 +69,7 @@ def _decode_partial_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     WINDOWED: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # kv_quant.KV_*
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -85,6 +91,8 @@ def _decode_partial_kernel(
     q_rows = seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :]
     q = load_rows(q_ptr + q_rows, g_mask, d_mask, MASK_ROWS=True, EVEN_D=EVEN_D)
 
+    if KV_QUANT == _FP8_PER_HEAD:  # this head's K scale multiplies every score: fold it into the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -92,10 +100,13 @@ def _decode_partial_kernel(
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, offs_g, offs_g, offs_g, start_n, end, req_to_token_ptr + req * stride_req,
             k_cache_ptr + kv_head * stride_k_h, v_cache_ptr + kv_head * stride_v_h,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            k_scale_ptr + kv_head, v_scale_ptr + kv_head, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             MASKED=True, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
+    if KV_QUANT == _FP8_PER_HEAD:  # and its V scale every output
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty sequence yields zeros, as the reference does
     store_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_CHUNK:
@@ -185,16 +196,22 @@ def decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     window: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `decode_attention_ref`: q [B, Hq, D] (any batch/head strides); sequence b attends to its
     b_seq_len[b] cached tokens, req_to_token[b_req_idx[b], :b_seq_len[b]]. Returns [B, Hq, D] in q's dtype.
     max_seq_len: an upper bound on b_seq_len (default: req_to_token's width); keys past it are not read.
     window > 0 (a sliding-window layer): only the last `window` keys; a plain int, so a captured graph replays each
-    layer's own."""
+    layer's own.
+    k_scale/v_scale: an int8 or float8 cache's scales (kv_quant.py)."""
     device = check_device(
         q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, b_req_idx=b_req_idx, b_seq_len=b_seq_len
     )
     num_heads, num_kv_heads, head_dim = check_attention_operands(q, k_cache, v_cache, req_to_token)
+    kv_quant = kv_quant_scheme(k_cache, v_cache, k_scale, v_scale)
+    if kv_quant != KV_PLAIN:
+        check_device(q=q, k_scale=k_scale, v_scale=v_scale)
     batch = q.shape[0]
     for name, t in (("b_req_idx", b_req_idx), ("b_seq_len", b_seq_len)):
         check_dtype(name, t, INDEX_DTYPES)
@@ -223,10 +240,13 @@ def decode_attention(
     _decode_partial_kernel[(batch, num_kv_heads, num_chunks)](
         q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse,
         scale * LOG2E, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), num_chunks,
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,  # unused when plain
+        num_kv_heads, num_chunks,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
         BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, EVEN_D=block_d == head_dim,
-        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), WINDOWED=window > 0, **_launch_config(),
+        DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), WINDOWED=window > 0, KV_QUANT=kv_quant,
+        **_launch_config(),
     )  # fmt: skip
     if not single:
         _decode_merge_kernel[(batch, num_heads)](

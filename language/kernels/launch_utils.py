@@ -13,6 +13,7 @@ _INTERPRET_ENV = "TRITON_INTERPRET"
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+_QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)  # kv_quant.QUANT_DTYPES (which imports this module)
 
 
 def interpreting() -> bool:
@@ -73,8 +74,10 @@ def check_attention_operands(
     check_shape("k_cache", k_cache, (None, None, head_dim))
     num_kv_heads = k_cache.shape[1]
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    assert k_cache.dtype == v_cache.dtype == q.dtype, (
-        f"q, k_cache, v_cache must share a dtype (got {q.dtype}, {k_cache.dtype}, {v_cache.dtype})"
+    # A quantized cache (int8, float8 e4m3: kv_quant.py) is read into q's dtype by the kernels.
+    assert k_cache.dtype == v_cache.dtype and (k_cache.dtype == q.dtype or k_cache.dtype in _QUANT_KV_DTYPES), (
+        f"q, k_cache, v_cache must share a dtype, or the caches be int8/float8 (got {q.dtype}, {k_cache.dtype}, "
+        f"{v_cache.dtype})"
     )
     assert num_heads % num_kv_heads == 0, f"query heads {num_heads} not a multiple of KV heads {num_kv_heads}"
     check_shape("req_to_token", req_to_token, (None, None))

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision, load_rows
+from language.kernels.kv_quant import KV_FP8_PER_HEAD, KV_PLAIN, kv_quant_scheme
 from language.kernels.launch_utils import (
     INDEX_DTYPES,
     cdiv,
@@ -24,6 +25,8 @@ from language.kernels.launch_utils import (
     interpreting,
     pow2_at_least,
 )
+
+_FP8_PER_HEAD = tl.constexpr(KV_FP8_PER_HEAD)
 
 
 @triton.jit
@@ -47,6 +50,9 @@ def _prefill_attention_kernel(
     stride_v_slot,
     stride_v_h,
     stride_req,
+    k_scale_ptr,  # int8: [S, Hk]; fp8: [Hk]; unquantized: unused (kv_quant.py)
+    v_scale_ptr,
+    stride_scale_slot,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     PACK: tl.constexpr,  # query heads stacked into one tile's rows: 1 or GROUP
@@ -60,6 +66,7 @@ def _prefill_attention_kernel(
     WINDOWED: tl.constexpr,
     KEY_ENDS: tl.constexpr,
     BOUNDED: tl.constexpr,  # WINDOWED or KEY_ENDS
+    KV_QUANT: tl.constexpr,  # kv_quant.KV_*
 ):
     seq = tl.program_id(1)
     head_block = tl.program_id(2)
@@ -87,28 +94,36 @@ def _prefill_attention_kernel(
     q = load_rows(q_ptr + q_rows, m_mask, d_mask, MASK_ROWS=True, EVEN_D=EVEN_D)  # [BLOCK_M, BLOCK_D]
     q_pos = prefix_len + pos  # absolute positions of this tile's queries
 
+    if KV_QUANT == _FP8_PER_HEAD:  # this head's K scale multiplies every score: fold it into the softmax scale
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     slot_row_ptr = req_to_token_ptr + req * stride_req
     k_head_ptr = k_cache_ptr + kv_head * stride_k_h
     v_head_ptr = v_cache_ptr + kv_head * stride_v_h
+    k_scale_head_ptr = k_scale_ptr + kv_head  # read only by an int8 cache
+    v_scale_head_ptr = v_scale_ptr + kv_head
 
     if BOUNDED:
         acc, m_i, l_i = _attend_bounded(
             acc, m_i, l_i, q, q_pos, tokens, m_mask, key_ends_ptr, window, seq_len, slot_row_ptr, k_head_ptr,
-            v_head_ptr, stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             WINDOWED=WINDOWED, KEY_ENDS=KEY_ENDS, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_causal(
             acc, m_i, l_i, q, q_pos, m_block, prefix_len, q_len, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             PACK=PACK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
 
+    if KV_QUANT == _FP8_PER_HEAD:  # and its V scale every output
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
     out_rows = tokens[:, None] * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
     if EVEN_D:
@@ -120,9 +135,9 @@ def _prefill_attention_kernel(
 @triton.jit
 def _attend_causal(
     acc, m_i, l_i, q, q_pos, m_block, prefix_len, q_len, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-    stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+    k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot, offs_d, d_mask, qk_scale,
     PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     """Plain causal attention of one tile of queries: every key up to each query's position."""
     # Key tiles every query of this tile sees in full (keys <= the first row's position): no masks at all.
@@ -131,18 +146,20 @@ def _attend_causal(
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, q_pos, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             MASKED=False, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
     # The diagonal band, up to the last real row's position: causal mask; later key tiles are skipped entirely.
     last_pos = prefix_len + tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // PACK, q_len - 1)
     for start_n in range(full_end, last_pos + 1, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, q_pos, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             MASKED=True, CAUSAL=True, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -150,9 +167,9 @@ def _attend_causal(
 @triton.jit
 def _attend_bounded(
     acc, m_i, l_i, q, q_pos, tokens, m_mask, key_ends_ptr, window, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-    stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+    k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot, offs_d, d_mask, qk_scale,
     WINDOWED: tl.constexpr, KEY_ENDS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
     """Each query sees the keys [lo, hi): lo = position - window + 1 in a sliding-window layer (else 0), hi = the
     position + 1 or, for a token of a bidirectional block, the block's end. Key tiles inside every row's range run
@@ -172,23 +189,26 @@ def _attend_bounded(
     for start_n in range(first, tl.minimum(full_start, last), BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             MASKED=True, CAUSAL=False, BOUNDED=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
     for start_n in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             MASKED=False, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
     for start_n in range(tl.maximum(full_end, first), last, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
             acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            stride_k_slot, stride_v_slot, offs_d, d_mask, qk_scale,
+            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
+            offs_d, d_mask, qk_scale,
             MASKED=True, CAUSAL=False, BOUNDED=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32,
+            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -228,18 +248,24 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     key_ends: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `prefill_attention_ref`: q [N, Hq, D] packed queries (any token/head strides), sequence b owns
     rows b_q_start[b]:+b_q_len[b], the last b_q_len[b] of its b_seq_len[b] tokens, whose K/V sit in the slots
     req_to_token[b_req_idx[b], :b_seq_len[b]]. Returns [N, Hq, D] in q's dtype.
     max_q_len: the longest b_q_len (sizes the grid); None reads it from b_q_len, which syncs with the GPU.
     window > 0: a sliding-window layer; key_ends [N]: bidirectional blocks (both as in the reference). Without
-    either, the kernel compiles as plain causal attention."""
+    either, the kernel compiles as plain causal attention.
+    k_scale/v_scale: an int8 or float8 cache's scales (kv_quant.py)."""
     device = check_device(
         q=q, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, b_req_idx=b_req_idx,
         b_q_start=b_q_start, b_q_len=b_q_len, b_seq_len=b_seq_len,
     )  # fmt: skip
     num_heads, num_kv_heads, head_dim = check_attention_operands(q, k_cache, v_cache, req_to_token)
+    kv_quant = kv_quant_scheme(k_cache, v_cache, k_scale, v_scale)
+    if kv_quant != KV_PLAIN:
+        check_device(q=q, k_scale=k_scale, v_scale=v_scale)
     num_tokens = q.shape[0]
     batch = b_req_idx.shape[0]
     for name, t in (("b_req_idx", b_req_idx), ("b_q_start", b_q_start), ("b_q_len", b_q_len), ("b_seq_len", b_seq_len)):
@@ -270,8 +296,10 @@ def prefill_attention(
         q, k_cache, v_cache, out, req_to_token, b_req_idx, b_q_start, b_q_len, b_seq_len,
         b_q_len if key_ends is None else key_ends, scale * LOG2E, window, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,  # unused when plain
+        num_kv_heads,
         NUM_HEADS=num_heads, GROUP=group, PACK=pack, HEAD_DIM=head_dim, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), WINDOWED=window > 0,
-        KEY_ENDS=key_ends is not None, BOUNDED=window > 0 or key_ends is not None, **config,
+        KEY_ENDS=key_ends is not None, BOUNDED=window > 0 or key_ends is not None, KV_QUANT=kv_quant, **config,
     )  # fmt: skip
     return out

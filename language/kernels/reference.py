@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from language.kernels.kv_quant import FP8_MAX, INT8_MAX
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [N, H], weight: [H] -> [N, H]. Same rounding as HF Llama: normalise in fp32, cast, then scale."""
@@ -76,12 +78,53 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return x * cos + rotated * sin
 
 
+def encode_kv_ref(
+    x: torch.Tensor, cache_dtype: torch.dtype, head_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, Hk, D] -> (x as the cache stores it, in cache_dtype; int8's new scales [N, Hk] fp32, else None).
+    int8: per row, scale = absmax / 127 and round(x * 127 / absmax), half away from zero. float8 e4m3:
+    x / head_scale [Hk], clamped to +-448. A float cache: x cast."""
+    if cache_dtype == torch.int8:
+        xf = x.float()
+        absmax = xf.abs().amax(-1)  # [N, Hk]
+        # tensor / tensor: a Python number over a tensor would be a reciprocal, then a product (two roundings)
+        scaled = xf * torch.where(absmax > 0, absmax.new_tensor(INT8_MAX) / absmax, 0.0)[..., None]
+        rounded = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5))
+        return rounded.to(torch.int8), absmax / INT8_MAX
+    if cache_dtype == torch.float8_e4m3fn:
+        inv = head_scale.new_tensor(1.0) / head_scale  # [Hk]
+        return (x.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype), None
+    return x.to(cache_dtype), None
+
+
+def decode_kv_ref(rows: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """rows = cache[slots] [L, Hk, D] -> their values in fp32: stored * scale, the scale per (slot, head) [S, Hk]
+    (int8) or per head [Hk] (float8); a float cache's rows as they are."""
+    values = rows.float()
+    if scale is None:
+        return values
+    if scale.dim() == 2:
+        return values * scale[slots][..., None]
+    return values * scale[None, :, None]
+
+
 def store_kv_ref(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """k_cache/v_cache: [S, Hk, D]; k/v: [N, Hk, D]; slots: [N] -> k_cache[slots] = k (in place)."""
-    k_cache[slots] = k.to(k_cache.dtype)
-    v_cache[slots] = v.to(v_cache.dtype)
+    """k_cache/v_cache: [S, Hk, D]; k/v: [N, Hk, D]; slots: [N] -> k_cache[slots] = k (in place), encoded as the
+    cache stores it (encode_kv_ref); an int8 cache's new scales go to k_scale/v_scale[slots]."""
+    for cache, scale, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
+        stored, row_scale = encode_kv_ref(x, cache.dtype, scale)
+        cache[slots] = stored
+        if row_scale is not None:
+            scale[slots] = row_scale
 
 
 def prefill_attention_ref(
@@ -98,6 +141,9 @@ def prefill_attention_ref(
     out: torch.Tensor | None = None,
     window: int = 0,
     key_ends: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed ("nopad") sequences whose K/V are already stored in the cache.
 
@@ -119,8 +165,8 @@ def prefill_attention_ref(
         if q_len == 0:
             continue
         slots = req_to_token[int(b_req_idx[b]), :seq_len].long()
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        k = decode_kv_ref(k_cache[slots], slots, k_scale).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = decode_kv_ref(v_cache[slots], slots, v_scale).repeat_interleave(group, dim=1)
         qb = q[start : start + q_len].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [Hq, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
@@ -147,6 +193,9 @@ def decode_attention_ref(
     max_seq_len: int | None = None,  # bounds the Triton kernel's key chunks; unused here
     out: torch.Tensor | None = None,
     window: int = 0,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence. q: [B, Hq, D]; sequence b attends to all its b_seq_len[b] cached tokens (window > 0:
     the last `window` of them), read through req_to_token[b_req_idx[b]]. Returns [B, Hq, D]."""
@@ -163,6 +212,8 @@ def decode_attention_ref(
         scale,
         out=out,
         window=window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -86,7 +86,8 @@ class Gemma3Attention(Attention):
         qk = kernels.apply_rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        kernels.store_kv(kv.k[self.layer_id], kv.v[self.layer_id], k, v, out_slots)
+        k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
+        kernels.store_kv(k_cache, v_cache, k, v, out_slots, k_scale=k_scale, v_scale=v_scale)
         return q
 
 

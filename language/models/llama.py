@@ -16,6 +16,8 @@ from language.models.hf_config import lm_config_from_hf
 from language.parallel.group import TPGroup
 from language.parallel.layers import Linear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from language.parallel.sharding import Shard, TensorView, make_shard, take
+from language.quant.loading import ScaleView, fit_rows, is_scale
+from language.quant.scheme import QuantScheme
 
 
 class RMSNorm(nn.Module):
@@ -60,7 +62,8 @@ class Attention(nn.Module):
         qk = kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        kernels.store_kv(kv.k[self.layer_id], kv.v[self.layer_id], k, v, out_slots)
+        k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
+        kernels.store_kv(k_cache, v_cache, k, v, out_slots, k_scale=k_scale, v_scale=v_scale)
         return q
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
@@ -71,24 +74,24 @@ class Attention(nn.Module):
         """q: [n, Hq, D] -> [n, Hq, D] (into `out` where given): the decode kernel for decode rows, the prefill
         kernel for the chunks. This part depends on the step's sequences, so piecewise graphs leave it eager."""
         kv, nd, n = batch.kv, batch.num_decode, q.shape[0]
-        k_cache, v_cache = kv.k[self.layer_id], kv.v[self.layer_id]
+        k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
         if nd == n:
             return kernels.decode_attention(
                 q, k_cache, v_cache, kv.req_to_token, batch.req_idx, batch.decode_seq_lens, self.scale,
-                max_seq_len=batch.max_decode_len, out=out, window=self.window,
+                max_seq_len=batch.max_decode_len, out=out, window=self.window, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         if out is None and nd:
             out = q.new_empty(q.shape)  # [n, Hq, D] contiguous
         prefill_out = kernels.prefill_attention(
             q[nd:], k_cache, v_cache, kv.req_to_token, batch.prefill_req_idx, batch.q_starts, batch.q_lens,
             batch.prefill_seq_lens, self.scale, max_q_len=batch.max_q_len, out=None if out is None else out[nd:],
-            window=self.window, key_ends=batch.prefill_key_ends,
+            window=self.window, key_ends=batch.prefill_key_ends, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         if nd == 0:
             return prefill_out
         kernels.decode_attention(
             q[:nd], k_cache, v_cache, kv.req_to_token, batch.req_idx[:nd], batch.decode_seq_lens, self.scale,
-            max_seq_len=batch.max_decode_len, out=out[:nd], window=self.window,
+            max_seq_len=batch.max_decode_len, out=out[:nd], window=self.window, k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
         return out
 
@@ -162,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
     bidirectional_images = False
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[nn.Module] = RMSNorm
+    quant: QuantScheme | None = None  # set by the loader (language/model_builder.py) for a quantized decoder
 
     @classmethod
     def lm_config(cls, model_dir: str, raw_config: dict) -> LMConfig:
@@ -249,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
         piece = None
         if module in _FUSED:
             module, piece = _FUSED[module]
+        if self.quant is not None and is_scale(name):  # sliced as its weight's rows and columns
+            view = ScaleView(view, self.quant)
         return take(self.shard, module, piece, view)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -274,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
             param = params[pname]
             sizes = self._fused_sizes(target)
             start = sum(sizes[:shard])
+            if is_scale(name):
+                tensor = fit_rows(tensor, sizes[shard])
             param.data[start : start + sizes[shard]].copy_(tensor)
             loaded.add(pname)
             return
@@ -282,6 +290,8 @@ class LlamaForCausalLM(nn.Module):
         target = params[name].data
         if name in ("embed_tokens.weight", "lm_head.weight"):  # this rank's vocabulary rows; the rest is padding
             target = target[: self.shard.vocab_rows]
+        if is_scale(name):
+            tensor = fit_rows(tensor, target.shape[0])
         if target.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model wants {tuple(target.shape)}")
         target.copy_(tensor)

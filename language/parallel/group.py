@@ -36,6 +36,12 @@ class TPGroup:
             dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over ranks, in place (at load: FP8 scales of a row-parallel weight's whole rows)."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[n, m] on each rank -> [n, size * m], rank r's block at columns [r*m, (r+1)*m), on every rank."""
         if self.size == 1:

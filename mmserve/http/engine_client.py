@@ -309,7 +309,7 @@ class EngineClient:
                 self._end(out.rid)
                 if stream.first_token_time is not None and out.output_tokens > 1:
                     self.metrics.tpot.observe((now - stream.first_token_time) / (out.output_tokens - 1))
-                self.metrics.on_finished(out, stream.arrival, now)
+                self.metrics.on_finished(out, stream.arrival, now, stream.first_token_time)
             stream.queue.put_nowait(out)
 
     async def _encode_deferred(self, rid: str) -> None:

@@ -62,6 +62,19 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=r,
         )
+        self.prefill_time = Histogram(
+            "mmserve_request_prefill_time_seconds",
+            "Time from the engine's admission of the request to its first token (its prefill, chunks of other "
+            "prompts' prefills and decode steps between them included)",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "mmserve_request_decode_time_seconds",
+            "Time from the request's first token to its last",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
         self.max_tokens = Histogram(
             "mmserve_request_params_max_tokens",
             "max_new_tokens (max_tokens) of each request, as the engine runs it",
@@ -100,11 +113,16 @@ class ServerMetrics:
         if out.finished:
             self.request_success.labels(finished_reason=out.finish_reason or "error").inc()
 
-    def on_finished(self, out: TextOutput, arrival: float, now: float) -> None:
-        """Timings of a request whose client stayed to its end (times from time.monotonic())."""
+    def on_finished(self, out: TextOutput, arrival: float, now: float, first_token: float | None = None) -> None:
+        """Timings of a request whose client stayed to its end (times from time.monotonic(); first_token: when its
+        first token came, None if none did)."""
         self.e2e_latency.observe(now - arrival)
         if out.scheduled_at is not None:
             self.inference_time.observe(max(now - out.scheduled_at, 0.0))
+        if first_token is not None:
+            self.decode_time.observe(now - first_token)
+            if out.scheduled_at is not None:
+                self.prefill_time.observe(max(first_token - out.scheduled_at, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

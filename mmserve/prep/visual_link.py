@@ -30,6 +30,7 @@ from mmserve.prep.multimodal.preparer import MultimodalPreparer
 from mmserve.prep.multimodal.url_fetch import FetchPolicy
 from mmserve.prep.multimodal.video_io import VideoPolicy
 from mmserve.prep.tokenization import MultimodalInput, PreparedPrompt, RunSync
+from mmserve.prep.vision_timing import VisionTiming
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.weights import read_json
 from visual.options import VisualOptions
@@ -92,6 +93,7 @@ class VisualLink:
         """`processor`: load_prompt_processor's, built while the children start."""
         self.endpoints = endpoints
         self.coordinator = CacheCoordinator(config.cache_capacity, shm_prefix, send_job=self._send_job)
+        self.timing = VisionTiming()
         policy = ImagePolicy(
             max_pixels=config.max_image_pixels,
             max_images=config.max_images_per_request,
@@ -178,6 +180,8 @@ class VisualLink:
             msg = pickle.loads(await self._results.recv())
             if isinstance(msg, (EncodeDone, EncodeFailed)):
                 self.coordinator.on_result(msg)
+                if isinstance(msg, EncodeDone):
+                    self.timing.observe(msg)
             else:
                 logger.error("HTTP server got a %s from the visual process; dropped", type(msg).__name__)
 
@@ -204,3 +208,4 @@ class VisualLink:
             "Images in the embedding cache that requests still hold (until their prefill ran or the router let go)",
             value=m["mmserve_embed_cache_items_in_use"],
         )
+        yield from self.timing.collect()

@@ -3,12 +3,14 @@ each family's server module, on its server): short synthetic clips written with 
 given to HF's processor (the checkpoint's video processor, sampling with the same fps), whose pixel_values_videos,
 video_grid_thw (and Qwen2.5-VL's second_per_grid_ts) feed HF's generate. Greedy tokens and prompt token counts must
 equal HF's, through /generate and /v1/chat/completions; a video with an image; a two-turn chat repeating the video
-(encoded once, its prefix reused); a corrupt video or one over a limit gets a 400 naming the field, and the server
-goes on serving."""
+(encoded once, its prefix reused); the sampling parameters are part of the embedding cache key; a corrupt video or one
+over a limit (bytes, duration, frames) gets a 400 naming the field, and the server goes back to idle: no KV slot or
+cache entry held, no pixel segment left in /dev/shm, and goes on serving."""
 
 from __future__ import annotations
 
 import base64
+import os
 
 import httpx
 from transformers import AutoTokenizer, Qwen2VLImageProcessor
@@ -27,6 +29,11 @@ MAX_PIXELS = 28 * 28 * 12  # frames resized small: a short prompt for the tiny m
 KWARGS = {"fps": FPS, "max_pixels": MAX_PIXELS}
 CLIP = clip(112, 84, 3, 10, seed=1)  # 3 s at 10 fps: 6 frames sampled at 2 fps, 3 temporal patches
 CLIP_2 = clip(84, 112, 2, 8, seed=2)
+# The limits every family's server runs with: a clip sampled at a high fps is over --max_video_frames; HUGE (57 kB) is
+# over --max_video_bytes, LONG (4 s) over --max_video_seconds, while CLIP (32 kB, 3 s) and CLIP_2 are within them
+SERVER_ARGS = ("--max_video_frames", "16", "--max_video_bytes", "40000", "--max_video_seconds", "3.5")
+HUGE = clip(224, 224, 1, 10, seed=4)
+LONG = clip(32, 32, 4, 2, seed=3)
 
 
 def hf_video_greedy(family: QwenVLFamily, model_dir: str, max_pixels: int = MAX_PIXELS):
@@ -144,8 +151,53 @@ def check_bad_videos_get_400(server) -> None:
         (generate(server, prompt, [CLIP], kwargs={"fpz": 2}), "mm_processor_kwargs.fpz"),
         (generate(server, prompt, [CLIP], kwargs={"fps": 60.0}), "multimodal_params.videos"),  # --max_video_frames
         (generate(server, CHAT.format("No placeholder."), [CLIP]), "multimodal_params.videos"),
+        (generate(server, prompt, [HUGE]), "multimodal_params.videos[0]"),  # --max_video_bytes
+        (generate(server, prompt, [LONG]), "multimodal_params.videos[0]"),  # --max_video_seconds
     ]
     for r, field in bad:
         assert r.status_code == 400, r.text
         assert r.json()["field"] == field, r.text
+    assert "larger than 40000 bytes" in bad[-2][0].text and "(--max_video_seconds)" in bad[-1][0].text
+    check_idle(server)
     assert len(cases.generate(server, *cases.CASES[2], max_new_tokens=2)) == 2  # and the server keeps serving
+
+
+def check_idle(server) -> None:
+    """Nothing held after the refused requests: no KV slot, no cache entry in use, and in /dev/shm only the cache's
+    own entries (no preprocessing worker's pixels in transit)."""
+    server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0)
+    server.wait_metric("mmserve_embed_cache_items_in_use", lambda v: v == 0)
+    segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{server.proc.pid}_")]
+    assert not [n for n in segments if "_px" in n], segments
+    assert len(segments) == server.metrics()["mmserve_embed_cache_items"], segments
+
+
+def check_sampling_is_part_of_the_cache_key(server) -> None:
+    """The same file sampled another way (fps, num_frames, min/max pixels from mm_processor_kwargs) is another
+    embedding cache entry, encoded anew, with its own prompt length; the same sampling written in another order, or
+    the server's default written out, is the same entry."""
+    prompt = CHAT.format(VIDEO + "What happens?")
+
+    def prompt_len_and_encodes(kwargs: dict | None) -> tuple[int, float]:
+        before = server.metrics()[cases.ENCODED]
+        r = generate(server, prompt, [CLIP_2], kwargs=kwargs)
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_tokens"], server.metrics()[cases.ENCODED] - before
+
+    base = {"fps": FPS, "max_pixels": MAX_PIXELS}
+    first, encoded = prompt_len_and_encodes(base)
+    assert encoded in (0, 1)  # an earlier test may have sent it
+    assert prompt_len_and_encodes({"max_pixels": MAX_PIXELS, "fps": FPS}) == (first, 0)
+    others = [
+        {"fps": 4.0, "max_pixels": MAX_PIXELS},
+        {"num_frames": 6, "max_pixels": MAX_PIXELS},
+        {"fps": FPS, "max_pixels": MAX_PIXELS // 4},
+        {"fps": FPS, "min_pixels": 2 * MAX_PIXELS, "max_pixels": 4 * MAX_PIXELS},  # CLIP_2 is below min_pixels
+    ]
+    lengths = [first]
+    for kwargs in others:
+        length, encoded = prompt_len_and_encodes(kwargs)
+        assert encoded == 1, kwargs
+        lengths.append(length)
+    assert len(set(lengths)) == len(lengths), lengths  # each sampling gives another prompt: the sampling was applied
+    assert prompt_len_and_encodes(base) == (first, 0)

@@ -165,3 +165,8 @@ def test_request_metrics_move_by_the_requests(server):
     assert moved("mmserve_request_queue_time_seconds_count") == 3
     e2e = moved("mmserve_e2e_request_latency_seconds_sum")
     assert 0 < moved("mmserve_request_inference_time_seconds_sum") < e2e
+    # the inference time split at the first token: prefill, then decode
+    prefill, decode = "mmserve_request_prefill_time_seconds", "mmserve_request_decode_time_seconds"
+    assert moved(prefill + "_count") == moved(decode + "_count") == 2
+    split = moved(prefill + "_sum") + moved(decode + "_sum")
+    assert 0 < split <= moved("mmserve_request_inference_time_seconds_sum") + 1e-6

@@ -17,8 +17,8 @@ from tests.models.qwen_vl_harness import VISION, QwenVLFamily
 MODEL = "qwen2_5_vl"  # the model folder's name, as /v1/models reports it
 FAMILY = QwenVLFamily(MODEL, "Qwen2_5_VLForConditionalGeneration", build_qwen2_5_vl, Qwen2_5_VLForConditionalGeneration,
                       Qwen2_5_VLProcessor, Qwen2VLVideoProcessor)  # fmt: skip
-# --max_video_frames 16: a clip sampled at a high fps is over it (qwen_vl_video_cases)
-model_dir, server, hf = cases.server_fixtures(FAMILY, "--max_video_frames", "16")
+# the video limits of qwen_vl_video_cases (SERVER_ARGS): its over-limit videos get 400s
+model_dir, server, hf = cases.server_fixtures(FAMILY, *video.SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from tests.models.qwen_vl_harness import CHAT, VISION, QwenVLFamily
 
 FAMILY = QwenVLFamily("qwen2_vl", "Qwen2VLForConditionalGeneration", build_qwen2_vl, Qwen2VLForConditionalGeneration,
                       Qwen2VLProcessor, Qwen2VLVideoProcessor)  # fmt: skip
-# --max_video_frames 16: a clip sampled at a high fps is over it (qwen_vl_video_cases)
-model_dir, server, hf = cases.server_fixtures(FAMILY, "--max_video_frames", "16")
+# the video limits of qwen_vl_video_cases (SERVER_ARGS): its over-limit videos get 400s
+model_dir, server, hf = cases.server_fixtures(FAMILY, *video.SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +50,8 @@ def test_two_turn_video_chat_equals_hf(server, hf_video):
 
 def test_bad_videos_get_400(server):
     video.check_bad_videos_get_400(server)
+
+
+def test_video_sampling_is_part_of_the_cache_key(server):
+    """fps, num_frames, min/max pixels each make another entry (the key's code is every family's: checked here)."""
+    video.check_sampling_is_part_of_the_cache_key(server)

@@ -22,8 +22,8 @@ MODEL = "qwen3_vl"  # the model folder's name, as /v1/models reports it
 FAMILY = QwenVLFamily(MODEL, "Qwen3VLForConditionalGeneration", build_qwen3_vl, Qwen3VLForConditionalGeneration,
                       Qwen3VLProcessor, Qwen3VLVideoProcessor)  # fmt: skip
 # Chunks of 16 prompt tokens: every image's rows (12 to 20 tokens here) are split across steps.
-# --max_video_frames 16: a clip sampled at a high fps is over it (qwen_vl_video_cases)
-model_dir, server, hf = cases.server_fixtures(FAMILY, "--chunked_prefill_size", "16", "--max_video_frames", "16")
+# the video limits of qwen_vl_video_cases (SERVER_ARGS): its over-limit videos get 400s
+model_dir, server, hf = cases.server_fixtures(FAMILY, "--chunked_prefill_size", "16", *video.SERVER_ARGS)
 # Qwen3-VL bounds the pixels of all sampled frames together: 6 frames of the test clip resized to 64x96 (6 tokens each)
 VIDEO_MAX_PIXELS = 32 * 32 * 6 * 8
 

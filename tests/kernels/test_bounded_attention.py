@@ -1,9 +1,13 @@
 """Sliding windows and bidirectional blocks (Gemma 3): the prefill kernel's bounded path and the decode kernel's
-window against the torch reference, which is checked here against a mask written out from HF's definition."""
+window against the torch reference, which is checked here against a mask written out from HF's definition; and both
+over a quantized KV cache (Gemma 3 with --llm_kv_type int8kv / fp8kv)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from kernel_cases import ATTENTION_TOL, DEVICE, assert_written_and_close, dtype_params, poisoned, ragged_batch, randn
+from test_kv_quant import quantized
 from test_prefill_attention import force_gqa_pack
 
 from language.kernels.decode_attention import decode_attention
@@ -104,3 +108,39 @@ def test_decode_window_matches_reference(dtype, window, split):
     assert_written_and_close(out, want, ATTENTION_TOL)
     if window < 40:
         assert not torch.allclose(want.float(), decode_attention_ref(*args, 0.15).float())
+
+
+QUANT_CASES = [(torch.int8, 5, False), (torch.int8, 0, True), (torch.int8, 16, True), (torch.float8_e4m3fn, 5, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "cache_dtype, window, blocks", QUANT_CASES, ids=["int8_window", "int8_blocks", "int8_both", "fp8_both"]
+)
+@pytest.mark.parametrize("pack", [1, 0], ids=["packed", "unpacked"])
+def test_prefill_bounded_dequantizes_as_the_reference(dtype, cache_dtype, window, blocks, pack, monkeypatch):
+    """The bounded path's masked and unmasked key tiles both apply the cache's scales."""
+    force_gqa_pack(monkeypatch, pack)
+    q, k_cache, v_cache, *rest = inputs(4, 2, 32, dtype)
+    k_cache, v_cache, k_scale, v_scale = quantized(SimpleNamespace(k_cache=k_cache, v_cache=v_cache), cache_dtype)
+    args = (q, k_cache, v_cache, *rest, 0.2)
+    ends = key_ends(Q_LENS, PREFIX_LENS, BLOCKS) if blocks else None
+    bounds = dict(window=window, key_ends=ends, k_scale=k_scale, v_scale=v_scale)
+    out = poisoned(tuple(q.shape), dtype)
+    prefill_attention(*args, max_q_len=max(Q_LENS), out=out, **bounds)
+    assert_written_and_close(out, prefill_attention_ref(*args, **bounds), ATTENTION_TOL)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one_chunk"])
+def test_decode_window_dequantizes_as_the_reference(cache_dtype, split):
+    gen = torch.Generator().manual_seed(11)
+    seq_lens = [1, 45, 7, 130, 2] if not split else [130]
+    batch = ragged_batch(seq_lens, 2, 32, torch.bfloat16, gen)
+    q = randn(len(seq_lens), 4, 32, dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache, k_scale, v_scale = quantized(batch, cache_dtype)
+    args = (q, k_cache, v_cache, batch.req_to_token, batch.b_req_idx, batch.b_seq_len, 0.15)
+    out = poisoned(tuple(q.shape), torch.bfloat16)
+    decode_attention(*args, out=out, window=7, k_scale=k_scale, v_scale=v_scale)
+    want = decode_attention_ref(*args, window=7, k_scale=k_scale, v_scale=v_scale)
+    assert_written_and_close(out, want, ATTENTION_TOL)

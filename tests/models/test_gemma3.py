@@ -52,7 +52,7 @@ def test_features_equal_hf(model_dir, hf_model):
     torch.testing.assert_close(torch.stack(got), expected.reshape(2, 16, 64), rtol=1e-5, atol=1e-5)
 
 
-def our_generation(model_dir: str, prefix: str, chunked_prefill_size: int = 4096):
+def our_generation(model_dir: str, prefix: str, chunked_prefill_size: int = 4096, kv_type: str = "None"):
     """Prompt ids and greedy tokens through our pieces: prompt processor, vision model -> shared-memory cache ->
     the language engine, all prompts in one batch."""
     from cache.shm_store import read_embedding, write_embedding
@@ -73,7 +73,7 @@ def our_generation(model_dir: str, prefix: str, chunked_prefill_size: int = 4096
         items.append([MultimodalItem(off, read_embedding(prefix, f"img{i}"), f"img{i}")
                       for off, i in zip(mm.offsets, image_ids, strict=True)])  # fmt: skip
     llm = LLM(model_dir, device="cpu", data_type="float32", max_total_token_num=2048,
-              chunked_prefill_size=chunked_prefill_size)  # fmt: skip
+              chunked_prefill_size=chunked_prefill_size, llm_kv_type=kv_type)  # fmt: skip
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), mm_items=items)
     return prompts, [o.token_ids for o in outs]
 
@@ -128,3 +128,26 @@ def test_image_tokens_see_each_other(model_dir, hf_model):
         both = hf_model(**inputs).logits[0, -1]
         one_way = hf_model(**causal).logits[0, -1]
     assert not torch.allclose(both, one_way, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_dir", ["published"], indirect=True)
+def test_int8_kv_cache_against_hf(model_dir, hf_model, shm_prefix):
+    """--llm_kv_type int8kv with sliding windows and image blocks, in 5-token chunks that read the quantized KV of
+    earlier ones. Issue 33's rule: where our greedy tokens first leave HF's, ours is among HF's 5 most likely."""
+    _, ours = our_generation(model_dir, shm_prefix, chunked_prefill_size=5, kv_type="int8kv")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    agreed = 0
+    for (text, image_ids), got in zip(PROMPTS, ours, strict=True):
+        inputs = hf_inputs(processor, text, image_ids)
+        theirs = hf_greedy(hf_model, inputs)
+        i = next((i for i, (a, b) in enumerate(zip(got, theirs, strict=True)) if a != b), NEW_TOKENS)
+        agreed += i
+        if i < NEW_TOKENS:
+            ids = torch.cat([inputs["input_ids"], torch.tensor([theirs[:i]], dtype=torch.long)], dim=1)
+            extended = {**inputs, "input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            if "token_type_ids" in inputs:
+                extended["token_type_ids"] = torch.nn.functional.pad(inputs["token_type_ids"], (0, i))
+            with torch.no_grad():
+                top = hf_model(**extended).logits[0, -1].topk(5).indices.tolist()
+            assert got[i] in top, f"{text!r} step {i}: our {got[i]} not in HF's top 5 {top}"
+    assert agreed >= 0.75 * NEW_TOKENS * len(PROMPTS), agreed

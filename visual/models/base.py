@@ -22,6 +22,7 @@ class ImageInput:
     grid_thw: tuple[int, int, int] | None = None  # Qwen2-VL: patch grid (t, h, w) before the 2x2 merge
     decode_s: float = 0.0  # the worker's time to decode the file (for the visual process's timing log)
     preprocess_s: float = 0.0  # the worker's time in the family's preprocessor
+    video: bool = False  # made from a video's frames
     extra: dict = field(default_factory=dict)
 
     @property

@@ -11,6 +11,7 @@ DeepStack merger per `deepstack_visual_indexes` block (`deepstack_merger_list.j`
 
     python -m mmserve.testing.checkpoints.qwen3_vl --out /tmp/q3vl        # tiny, for tests (CPU)
     python -m mmserve.testing.checkpoints.qwen3_vl --out /tmp/q3vl8b --shape 8b  # 8B-shaped, bf16, for benchmarks
+    python -m mmserve.testing.checkpoints.qwen3_vl --out /tmp/q3vl --fp8 block  # as Qwen3-VL-*-Instruct-FP8
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import torch
 
 from mmserve.prep.chat_templates import QWEN3_VL
+from mmserve.testing.checkpoints.fp8 import quantize_checkpoint
 from mmserve.testing.checkpoints.llama import llama_tensor_specs
 from mmserve.testing.checkpoints.qwen2_5_vl import EXTRA_TOKENS as QWEN2_5_EXTRA_TOKENS
 from mmserve.testing.checkpoints.qwen2_vl import SPECIAL_TOKENS, _layer_norm, _linear, build_qwen2_vl_tokenizer
@@ -203,6 +205,9 @@ def main() -> None:
     ap.add_argument("--min_pixels", type=int, default=None, help="default: 65536 for 8b (published), 4096 tiny")
     ap.add_argument("--max_pixels", type=int, default=None, help="default: 16777216 for 8b (published), 65536 tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--fp8", choices=["block", "channel"], default=None,
+                    help="decoder linears in FP8: block = the Qwen3-VL-*-FP8 layout (128x128 weight_scale_inv), "
+                    "channel = compressed-tensors FP8-dynamic")  # fmt: skip
     args = ap.parse_args()
     big = args.shape == "8b"
     dtype = getattr(torch, args.dtype or ("bfloat16" if big else "float32"))
@@ -210,7 +215,10 @@ def main() -> None:
     max_pixels = args.max_pixels or (PUBLISHED_MAX_PIXELS if big else TINY_MAX_PIXELS)
     build_qwen3_vl(args.out, args.shape, dtype, args.dialect, min_pixels, max_pixels,
                    num_shards=None if big else 2, device=args.device)  # fmt: skip
-    print(f"wrote {args.shape} Qwen3-VL checkpoint ({args.dialect} layout) to {args.out}")
+    if args.fp8:
+        quantize_checkpoint(args.out, args.fp8)
+    print(f"wrote {args.shape} Qwen3-VL checkpoint ({args.dialect} layout{', FP8 ' + args.fp8 if args.fp8 else ''}) "
+          f"to {args.out}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -138,6 +138,19 @@ def test_vllm_spellings_are_aliases():
     assert cfg.served_model_name == "m"
 
 
+def test_kv_cache_types_by_lightllm_and_vllm_names():
+    """--llm_kv_type (LightLLM's) and --kv_cache_dtype (vLLM's) set one field, in one spelling from there on."""
+    spellings = {"": "None", "--llm_kv_type None": "None", "--kv_cache_dtype auto": "None",
+                 "--llm_kv_type int8kv": "int8kv", "--kv_cache_dtype int8": "int8kv",
+                 "--llm_kv_type fp8kv": "fp8kv", "--llm_kv_type fp8kv_sph": "fp8kv", "--kv-cache-dtype fp8": "fp8kv",
+                 "--kv_cache_dtype fp8_e4m3": "fp8kv"}  # fmt: skip
+    for flags, kv_type in spellings.items():
+        assert parse_config(shlex.split("--model_dir /m " + flags)).engine_config().llm_kv_type == kv_type, flags
+    result = subprocess.run([sys.executable, "-m", "mmserve.api_server", "--llm_kv_type", "int4kv"],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert result.returncode == 2 and "--llm_kv_type" in result.stderr
+
+
 def test_the_engine_reads_the_names_the_command_line_sets():
     """One name end to end: the engine's config has the flag's field, with the flag's value."""
     cfg = parse_config(shlex.split(

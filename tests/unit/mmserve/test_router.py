@@ -212,6 +212,31 @@ def test_a_prompt_that_arrives_during_a_long_prompt_step_joins_the_next_step(rou
         ctx.term()
 
 
+def test_under_a_flood_of_prompts_the_next_step_is_planned_while_a_long_one_runs(model_dir, monkeypatch, tmp_path):
+    """Prompts already queued fill the next step's prefill budget: waiting for the step in flight would only idle
+    the device through the next step's planning, so the router returns at once and plans it overlapped."""
+    monkeypatch.setattr(router_module, "_PLAN_AFTER_PROMPT_TOKENS", 8)
+    cfg = EngineConfig(model_dir=model_dir, max_total_token_num=KV_SLOTS, device="cpu", chunked_prefill_size=8)
+    router = Router(EngineCore(cfg))
+    ctx = zmq.Context()
+    inbox = PullQueue(ctx, f"ipc://{tmp_path}/inbox")
+    try:
+        router.handle(request("a", prompt_len=10))
+        router.step()  # launches the first 8 of a's 10 prompt tokens: a long step
+        inflight = router.core._inflight
+        inflight.event = event = _StepStillRunning(lambda: event.queries >= 3)
+        router._plan_after_long_step(inbox)  # a's last 2 tokens are queued, less than a step's 8: it waits
+        assert event.queries == 3
+        inflight.event = _StepStillRunning(lambda: False)
+        router.handle(dataclasses.replace(request("b"), prompt_ids=list(range(40, 46))))
+        inflight.event = _StepStillRunning(lambda: pytest.fail("waited for the step in flight"))
+        router._plan_after_long_step(inbox)  # 2 + 6 queued tokens fill the next step: no wait
+        assert inflight.event.queries == 0
+    finally:
+        inbox.close()
+        ctx.term()
+
+
 def test_tokens_go_out_before_a_prompt_step_is_launched(router):
     router.handle(request("a", n=4))
     first = router.step()  # launches a's prompt

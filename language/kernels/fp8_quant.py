@@ -1,0 +1,100 @@
+"""Dynamic FP8 (e4m3) quantization of activations: each row's groups of `group` columns get their own scale, the
+group's largest magnitude over 448 (e4m3's largest finite value), and the values divided by it, rounded to e4m3.
+group = K is per-token quantization (the per-channel FP8 GEMMs); group = 128 is the 1x128 activation blocks of
+block-wise FP8 checkpoints.
+
+One program per (row, group): a pass over the group for its maximum, a second to scale and store. Both read the
+row from L2 on the second pass, so a decode step pays one launch per linear layer for its activations."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from language.kernels.launch_utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_device,
+    check_dtype,
+    check_inner_contiguous,
+    check_shape,
+    pow2_at_least,
+)
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero group: its values quantize to 0 whatever the scale
+_MAX_BLOCK = 1024
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] float8e4nv, contiguous
+    s_ptr,  # [M, G] fp32, contiguous
+    K,
+    G,
+    stride_x,
+    GROUP: tl.constexpr,  # columns per scale
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    start = g * GROUP
+    stop = tl.minimum(start + GROUP, K)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(start, stop, BLOCK):
+        mask = k0 + offs < stop
+        x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr + row * G + g, scale)
+    q_row = q_ptr + row.to(tl.int64) * K
+    for k0 in range(start, stop, BLOCK):
+        mask = k0 + offs < stop
+        x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))  # IEEE division, as torch
+        tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32 arithmetic: what the
+    hardware's float-to-e4m3 conversion does, so the cast after it is exact (and so is Triton's interpreter's, whose
+    own rounding drops the carry into the exponent). e4m3 keeps 3 mantissa bits above 2^-6 and steps of 2^-9
+    below it: the step at v is 2^(max(exponent(v), -6) - 3); adding and taking away 1.5 * 2^23 rounds v / step to an
+    integer, ties to even (exact: |v / step| < 2^5, and scaling by a power of two is exact)."""
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step_exponent = tl.maximum(exponent, -6) - 3
+    inv_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)
+    step = ((127 + step_exponent) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23
+    return ((v * inv_step + magic) - magic) * step
+
+
+def quantize_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (float) -> (q [M, K] e4m3 contiguous, scales [M, ceil(K / group)] fp32): x ~= q * scale per group.
+    group None: one group per row (per-token)."""
+    device = check_device(x=x)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_shape("x", x, (None, None))
+    check_inner_contiguous("x", x)
+    m, k = x.shape
+    group = group or k
+    assert group >= 1 and k >= 1, "empty rows or groups"
+    groups = cdiv(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=device)
+    if m == 0:
+        return q, scales
+    _quantize_kernel[(m, groups)](
+        x, q, scales, k, groups, x.stride(0),
+        GROUP=group, BLOCK=min(_MAX_BLOCK, pow2_at_least(min(group, k), 16)), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        num_warps=4,
+    )  # fmt: skip
+    return q, scales

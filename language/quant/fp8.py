@@ -1,0 +1,127 @@
+"""FP8 (e4m3) linear arithmetic: quantizing weights and activations, and the scaled matmul, on CUDA through
+cuBLASLt (`torch._scaled_mm`) and our Triton kernels, elsewhere through a torch reference of the same quantized
+arithmetic (the dequantized values multiplied in fp32), so the engine runs quantized on CPU in tests.
+
+Scales multiply: x ~= q * scale. A weight's scales are [N, G] fp32: G = 1 per output channel (quantized at load,
+`--quant_type fp8w8a8`, and compressed-tensors' FP8-dynamic checkpoints), or one per 128 columns (block-wise
+checkpoints: each 128x128 block's scale repeated over its rows, `expand_block_scales`). Activations are quantized
+per token, dynamically, in the weight's groups: one scale per row, or per row and 128 columns."""
+
+from __future__ import annotations
+
+import torch
+
+from language.kernels.fp8_gemm import fp8_gemm
+from language.kernels.fp8_gemv import fp8_gemv, group_size
+from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "expand_block_scales",
+    "fp8_linear",
+    "fp8_linear_ref",
+    "quantize_weight",
+    "weight_scales",
+]
+
+
+def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `quantize_fp8`: x [M, K] -> (q [M, K] e4m3, scales [M, ceil(K / group)] fp32)."""
+    m, k = x.shape
+    group = group or k
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scales = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, G]
+    q = (padded / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, groups * group)[:, :k], scales
+
+
+def quantize_weight(weight: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight [N, K] -> (e4m3 [N, K], per-output-channel scales [N, 1] fp32). `scales`: given ones (a
+    row-parallel shard's, taken over the whole rows), else each row's largest magnitude over 448."""
+    if scales is None:
+        scales = weight_scales(weight)
+    q = (weight.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scales
+
+
+def weight_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel scales [N, 1] fp32 of a weight [N, K]."""
+    return (weight.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def expand_block_scales(block_scales: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """A block-wise checkpoint's scales [ceil(N / b), G] -> per row [ceil(N / b) * b, G] (the caller keeps its N
+    rows)."""
+    return block_scales.float().repeat_interleave(block_rows, dim=0)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """q [R, K] e4m3 with scales [R, G] -> [R, K] fp32 (each scale over ceil(K / G) rounded up to a power of two
+    columns, as the kernels read them)."""
+    k, groups = q.shape[1], scales.shape[1]
+    group = k if groups == 1 else group_size(k, groups)
+    return q.float() * scales.repeat_interleave(group, dim=1)[:, :k]
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The quantized arithmetic in torch: x [n, K] quantized as the kernels do, both operands dequantized to fp32
+    and multiplied -> [n, N] in out_dtype (default x's)."""
+    group = _activation_group(x.shape[-1], weight_scale.shape[1])
+    x_q, x_scale = quantize_rows_ref(x, group)
+    y = dequantize(x_q, x_scale) @ dequantize(weight, weight_scale).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """x [n, K] @ dequantized weight [N, K].T (+ bias) -> [n, N] in out_dtype (default x's): x quantized per token
+    (in the weight's column groups), then the FP8 GEMM. On CUDA: one row through the FP8 GEMV; per-channel
+    weights through cuBLASLt's row-wise scaled GEMM; grouped ones through our block-scaled kernel."""
+    out_dtype = out_dtype or x.dtype
+    if not x.is_cuda:
+        return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
+    groups = weight_scale.shape[1]
+    x_q, x_scale = quantize_fp8(x, _activation_group(x.shape[1], groups))
+    if x.shape[0] == 1:
+        return fp8_gemv(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
+    if groups > 1 or x.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt wants both dims in 16s
+        return fp8_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
+    return _rowwise_scaled_mm(x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def _rowwise_scaled_mm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """cuBLASLt's FP8 GEMM with a scale per row of x and per row of the weight. It writes bf16 only with row-wise
+    scales: an fp32 result (the row-parallel partial sums) is its bf16 output widened."""
+    y = torch._scaled_mm(
+        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16
+    )  # [n, N]
+    if bias is not None:
+        y = y + bias
+    return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _activation_group(k: int, weight_groups: int) -> int | None:
+    """Columns per activation scale: the weight's groups (None: the whole row)."""
+    return None if weight_groups == 1 else group_size(k, weight_groups)

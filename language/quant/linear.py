@@ -1,0 +1,87 @@
+"""The FP8 linear layer of the decoder, and the swap of the model's bf16 linears for it.
+
+`Fp8Linear` holds an e4m3 weight [N, K] and its fp32 scales [N, G], named as checkpoints name them
+(`weight_scale_inv` for block-wise FP8 checkpoints, `weight_scale` for per-channel ones and for weights quantized at
+load), so checkpoint tensors load by name. Under tensor parallelism the scales follow the weight rows: a
+column-parallel layer's rows are this rank's output channels, scales included; a row-parallel layer (o_proj,
+down_proj) keeps every output row, so its scales stay whole (quantized at load: each row's largest magnitude over
+all ranks' columns), and its partial sums are reduced in fp32 and rounded once, as `RowParallelLinear`'s. Its
+activations are quantized per token over this rank's columns (a scale over the whole row would cost a collective per
+layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding,
+lm_head and norms stay in the model's dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from language.parallel.group import TPGroup
+from language.parallel.layers import Linear, RowParallelLinear
+from language.quant.fp8 import FP8_DTYPE, fp8_linear, quantize_weight, weight_scales
+from language.quant.scheme import QuantScheme
+
+
+class Fp8Linear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        scheme: QuantScheme,
+        bias: torch.Tensor | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
+        """tp: the group of a row-parallel layer (None: a column-parallel or unsharded one)."""
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scale_name = scheme.scale_name
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        scales = torch.ones(out_features, scheme.scale_groups(in_features), dtype=torch.float32)
+        self.register_parameter(self.scale_name, nn.Parameter(scales, requires_grad=False))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.tp = tp
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self._parameters[self.scale_name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [n, K]
+        if self.tp is None or not self.tp.enabled:
+            out = fp8_linear(rows, self.weight, self.scales, self.bias)
+        else:  # this rank's columns' partial sums, reduced in fp32 and rounded once
+            partial = fp8_linear(rows, self.weight, self.scales, out_dtype=torch.float32)
+            out = self.tp.all_reduce(partial).to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scales={tuple(self.scales.shape)}"
+
+
+def swap_linears(model: nn.Module, scheme: QuantScheme, quantize: bool) -> int:
+    """Replace every linear of the decoder layers (q/k/v, o, gate/up, down; not lm_head) by an Fp8Linear, in place.
+    quantize: from the loaded weights (per output channel, repeated over the scheme's column groups: random weights
+    of a block-wise scheme, --load_format dummy); else empty, for an FP8 checkpoint's tensors to load into. Each
+    bf16 weight is dropped as its layer is swapped. Returns how many were swapped."""
+    swapped = 0
+    for layer in model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) not in (Linear, RowParallelLinear):
+                    continue
+                setattr(parent, name, _fp8_of(child, scheme, quantize))
+                swapped += 1
+    return swapped
+
+
+def _fp8_of(linear: Linear, scheme: QuantScheme, quantize: bool) -> Fp8Linear:
+    weight = linear.weight
+    with torch.device(weight.device):
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, scheme, linear.bias, getattr(linear, "tp", None))
+    if quantize:
+        scales = weight_scales(weight.detach())
+        if fp8.tp is not None:  # a row-parallel shard: each row's scale over the whole row, as at tp=1
+            fp8.tp.all_reduce_max(scales)
+        q, scales = quantize_weight(weight.detach(), scales)
+        fp8.weight.data.copy_(q)
+        fp8.scales.data.copy_(scales.expand_as(fp8.scales))  # one scale per row, repeated over any column groups
+    return fp8

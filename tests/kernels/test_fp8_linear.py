@@ -1,0 +1,100 @@
+"""The FP8 kernels against the torch reference of the same quantized arithmetic (language/quant/fp8.py): the GEMV
+and the block-scaled GEMM take the same quantized operands, so they differ from it only by the order of the fp32
+sums; the activation quantizer equals the reference: the same scales and the same e4m3 values."""
+
+import pytest
+import torch
+from kernel_cases import DEVICE, poisoned
+
+from language.kernels.fp8_gemm import fp8_gemm
+from language.kernels.fp8_gemv import fp8_gemv
+from language.kernels.fp8_quant import FP8_DTYPE, quantize_fp8
+from language.quant.fp8 import dequantize, expand_block_scales, fp8_linear_ref, quantize_rows_ref, quantize_weight
+
+# The kernels' fp32 sums of the same products, in another order, then one rounding to the output dtype.
+FP8_GEMM_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def _operands(m: int, n: int, k: int, group: int | None, seed: int):
+    """Quantized x [m, k] and weight [n, k] with their scales; group None: per token and per channel, else the
+    weight's scales per 128-row block (a published checkpoint's), expanded per row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    if group is None:
+        w_q, w_scale = quantize_weight(w)
+    else:
+        blocks = torch.rand(-(-n // 128), -(-k // group), generator=gen) * 1e-3 + 1e-4
+        w_q = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE)
+        w_scale = expand_block_scales(blocks, 128)[:n]
+    x_q, x_scale = quantize_rows_ref(x, group)
+    return x, x_q, x_scale, w_q, w_scale
+
+
+def _expected(x_q, x_scale, w_q, w_scale, bias, dtype):
+    y = dequantize(x_q, x_scale) @ dequantize(w_q, w_scale).T
+    return (y if bias is None else y + bias.float()).to(dtype)
+
+
+def _to(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n, k, group", [(7, 64, None), (40, 600, None), (130, 256, 128), (33, 300, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_gemv_matches_the_reference(dtype, n, k, group, with_bias):
+    _, x_q, x_scale, w_q, w_scale = _operands(1, n, k, group, seed=n * k)
+    bias = torch.randn(n).to(dtype) if with_bias else None
+    expected = _expected(x_q, x_scale, w_q, w_scale, bias, dtype)
+    out = poisoned((1, n), dtype)
+    got = fp8_gemv(*_to(DEVICE, x_q, x_scale, w_q, w_scale, bias), out_dtype=dtype, out=out)
+    assert got is out
+    atol, rtol = FP8_GEMM_TOL[dtype]
+    torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, n, k, group", [(3, 48, 64, None), (20, 130, 256, 128), (17, 64, 300, 128)])
+def test_fp8_gemm_matches_the_reference(dtype, m, n, k, group):
+    _, x_q, x_scale, w_q, w_scale = _operands(m, n, k, group, seed=m * n + k)
+    bias = torch.randn(n).to(dtype)
+    expected = _expected(x_q, x_scale, w_q, w_scale, bias, dtype)
+    got = fp8_gemm(*_to(DEVICE, x_q, x_scale, w_q, w_scale, bias), out_dtype=dtype)
+    atol, rtol = FP8_GEMM_TOL[dtype]
+    torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("m, k, group", [(1, 64, None), (5, 600, None), (4, 300, 128), (3, 256, 128)])
+@pytest.mark.parametrize("magnitude", [3.0, 1e-3], ids=["normal", "tiny"])
+def test_quantize_fp8_matches_the_reference(m, k, group, magnitude):
+    """Every e4m3 binade is met (the scale maps each group's largest value to 448), subnormals included; `tiny`
+    inputs check that the scales follow small activations."""
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=gen) * magnitude * torch.logspace(-4, 0, k)[torch.randperm(k, generator=gen)]
+    x = x.to(torch.bfloat16)
+    x[0, :] = 0  # an all-zero row: its values stay 0
+    q_ref, s_ref = quantize_rows_ref(x, group)
+    q, s = quantize_fp8(x.to(DEVICE), group)
+    torch.testing.assert_close(s.cpu(), s_ref, atol=0, rtol=1e-6)
+    assert torch.equal(q.cpu().float(), q_ref.float())
+
+
+def test_reference_is_the_dequantized_product():
+    """The reference's arithmetic, spelled out: per-token activation scales, per-channel weight scales."""
+    x, x_q, x_scale, w_q, w_scale = _operands(4, 24, 64, None, seed=1)
+    y = fp8_linear_ref(x, w_q, w_scale)
+    manual = (x_q.float() * x_scale) @ (w_q.float() * w_scale).T
+    torch.testing.assert_close(y, manual)
+    assert (y - x @ (w_q.float() * w_scale).T).abs().max() < 0.1 * y.abs().max()  # and close to unquantized x's
+
+
+def test_fp8_kernels_check_their_operands():
+    _, x_q, x_scale, w_q, w_scale = _operands(2, 16, 64, None, seed=2)
+    x_q, x_scale, w_q, w_scale = _to(DEVICE, x_q, x_scale, w_q, w_scale)
+    with pytest.raises(AssertionError, match="x_q"):
+        fp8_gemv(x_q, x_scale, w_q, w_scale)  # two rows
+    with pytest.raises(AssertionError, match="weight"):
+        fp8_gemm(x_q, x_scale, w_q.float(), w_scale)  # not fp8
+    with pytest.raises(AssertionError, match="x_scale"):
+        fp8_gemm(x_q, x_scale[:1], w_q, w_scale)
