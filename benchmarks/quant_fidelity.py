@@ -84,6 +84,15 @@ def engine(model_dir: str, gain: float, device: str, **kwargs) -> LLM:
     return llm
 
 
+def answers(generations: list, engine_name: str) -> list[list[int]]:
+    """Each generation's tokens; an engine that answered a prompt with none (a refused or failed request) stops the
+    run with its finish reason, rather than scoring an empty answer."""
+    for n, g in enumerate(generations):
+        if not g.token_ids:
+            raise SystemExit(f"the {engine_name} engine gave prompt {n} no tokens (finish reason {g.finish_reason})")
+    return [g.token_ids for g in generations]
+
+
 def score_prompt(fp8: LLM, bf16: LLM, prompt: list[int], mine: list[int], yours: list[int], fp8_items: list,
                  bf16_items: list) -> dict:  # fmt: skip
     """The rule at the first divergence of FP8's greedy tokens (mine) from bf16's (yours), and FP8's teacher-forced
@@ -118,9 +127,9 @@ def main() -> None:
     prompts, bf16_items, fp8_items = build_prompts(reference_dir, args.prompts, args.vit_fp8, args.device)
     greedy = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     bf16 = engine(reference_dir, args.embed_gain, args.device)
-    theirs = [g.token_ids for g in bf16.generate(prompts, greedy, mm_items=bf16_items)]
+    theirs = answers(bf16.generate(prompts, greedy, mm_items=bf16_items), "bf16")
     fp8 = engine(args.model_dir, args.embed_gain, args.device, quant_type=args.quant_type, llm_kv_type=args.llm_kv_type)
-    ours = [g.token_ids for g in fp8.generate(prompts, greedy, mm_items=fp8_items)]
+    ours = answers(fp8.generate(prompts, greedy, mm_items=fp8_items), "quantized")
     results = [
         score_prompt(fp8, bf16, prompt, mine, yours, fp8_items[n], bf16_items[n])
         for n, (prompt, mine, yours) in enumerate(zip(prompts, ours, theirs, strict=True))
