@@ -45,8 +45,9 @@ def _encode_rows(x, mask, scale_ptr, scale_row, offs_h, h_mask, KV_QUANT: tl.con
     x = tl.where(mask, x.to(tl.float32), 0.0)  # masked lanes of a load are undefined: keep them out of the absmax
     if KV_QUANT == _INT8:
         absmax = tl.max(tl.abs(x), 1)  # [BLOCK_H]
-        tl.store(scale_ptr + scale_row + offs_h, absmax / _INT8_MAX, mask=h_mask)
-        x = x * tl.where(absmax > 0.0, _INT8_MAX / absmax, 0.0)[:, None]
+        # div_rn: IEEE division, as the reference's (a GPU's fp32 `/` is approximate, a few ulps)
+        tl.store(scale_ptr + scale_row + offs_h, tl.math.div_rn(absmax, _INT8_MAX), mask=h_mask)
+        x = x * tl.where(absmax > 0.0, tl.math.div_rn(_INT8_MAX, absmax), 0.0)[:, None]
         x = tl.where(x >= 0.0, x + 0.5, x - 0.5)
     else:
         inv = 1.0 / tl.load(scale_ptr + offs_h, mask=h_mask, other=1.0)  # [BLOCK_H]
@@ -139,4 +140,7 @@ def store_kv(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_heads,
         HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=pow2_at_least(head_dim, 16), KV_QUANT=scheme,
         ROUND_FP8=interpreting(), num_warps=4,
+        # int8 rounds (x * 127 / absmax) + 0.5 as the reference does, in two roundings: a fused multiply-add would
+        # round once and move ties
+        enable_fp_fusion=False,
     )  # fmt: skip
