@@ -52,7 +52,7 @@ def _quantize_kernel(
         mask = k0 + offs < stop
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)  # IEEE division, as the reference
     tl.store(s_ptr + row * G + g, scale)
     q_row = q_ptr + row.to(tl.int64) * K
     for k0 in range(start, stop, BLOCK):
