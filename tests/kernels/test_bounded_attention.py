@@ -63,7 +63,7 @@ def test_reference_is_hf_mask(window):
         slots = req_to_token[int(b_req_idx[b]), :seq_len].long()
         k, v = k_cache[slots].float(), v_cache[slots].float()  # [L, 1, D]
         scores = torch.einsum("qhd,khd->hqk", q[start : start + q_len].float(), k.expand(-1, 2, -1)) * 0.25
-        mask = hf_mask(seq_len, range(prefix, prefix + q_len), spans, window)
+        mask = hf_mask(seq_len, range(prefix, prefix + q_len), spans, window).to(scores.device)  # built on the CPU
         scores = scores.masked_fill(~mask[None], float("-inf"))
         want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.expand(-1, 2, -1))
         torch.testing.assert_close(got[start : start + q_len], want, rtol=1e-5, atol=1e-5)
