@@ -62,7 +62,9 @@ def build_prompts(model_dir: str, num: int, vit_fp8: bool, device: str) -> tuple
         out = []
         for mm, image in zip(encoded, images, strict=True):
             (embeds,) = model.encode([model.preprocess(image)])
-            out.append([MultimodalItem(offset=mm.offsets[0], embeds=embeds, grid_thw=mm.grid_thw[0])])
+            # on the host, as the server's come (from the shared-memory cache): the engine stages them through pinned
+            # memory, which a device tensor cannot be gathered into
+            out.append([MultimodalItem(offset=mm.offsets[0], embeds=embeds.cpu(), grid_thw=mm.grid_thw[0])])
         return out
 
     bf16_items = items(vision)
