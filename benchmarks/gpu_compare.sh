@@ -108,23 +108,22 @@ export TOKENIZERS_PARALLELISM=false
 t_start=$(date +%s)
 say() { echo "[gpu_compare +$(( $(date +%s) - t_start ))s] $*" >&2; }
 collect() { if [ -n "$jsonl" ]; then tee -a "$jsonl"; else cat; fi; }
-bench() {  # bench LOGNAME ARGS...: serve_bench with its JSON lines collected, its stderr in a log
+logged() {  # logged LOGNAME CMD...: CMD's JSON lines collected, its stderr in a log (its tail shown if CMD fails)
   local name=$1; shift
-  # shellcheck disable=SC2086
-  python3 benchmarks/serve_bench.py --family "$family" --client_procs "$client_procs" "$@" $bench_args \
-    2> "$logs/$name.log" | collect
+  "$@" 2> "$logs/$name.log" | collect
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
   return "$rc"
 }
-vbench() {  # vbench LOGNAME ARGS...: video_bench on $video_loads, as bench does serve_bench
+bench() {  # bench LOGNAME ARGS...: serve_bench, logged
   local name=$1; shift
   # shellcheck disable=SC2086
-  python3 benchmarks/video_bench.py --family "$family" --loads "$video_loads" "$@" $video_args \
-    2> "$logs/$name.log" | collect
-  local rc=${PIPESTATUS[0]}
-  [ "$rc" -eq 0 ] || { say "$name failed (rc $rc); log tail:"; tail -c 3000 "$logs/$name.log" | tr '\r' '\n' | tail -30 >&2; }
-  return "$rc"
+  logged "$name" python3 benchmarks/serve_bench.py --family "$family" --client_procs "$client_procs" "$@" $bench_args
+}
+vbench() {  # vbench LOGNAME ARGS...: video_bench on $video_loads, logged
+  local name=$1; shift
+  # shellcheck disable=SC2086
+  logged "$name" python3 benchmarks/video_bench.py --family "$family" --loads "$video_loads" "$@" $video_args
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader >&2 || true
 # BENCH_COMMIT names the commit when this runs in an exported tree (git archive), where git would find none or

@@ -240,6 +240,17 @@ def emit(line: dict) -> None:
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in line.items()}), flush=True)
 
 
+def add_server_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags of the server started here: what start_server reads besides --family and --model_dir, and --startup
+    (report its start-to-healthy time)."""
+    ap.add_argument("--startup", action="store_true", help="report start-to-healthy of the server started here")
+    ap.add_argument("--startup_timeout", type=float, default=600)
+    ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--data_type", default="bf16")
+    ap.add_argument("--mem_fraction", type=float, default=0.85)
+    ap.add_argument("--server_args", default="", help="more flags for the server started here")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server; omitted: start mmserve here")
@@ -282,12 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="new random images (round N's seeds): repeats of a load against one running server miss its cache",
     )
     ap.add_argument("--timeout", type=float, default=600, help="per request, s")
-    ap.add_argument("--startup", action="store_true", help="report start-to-healthy of the server started here")
-    ap.add_argument("--startup_timeout", type=float, default=600)
-    ap.add_argument("--port", type=int, default=18080)
-    ap.add_argument("--data_type", default="bf16")
-    ap.add_argument("--mem_fraction", type=float, default=0.85)
-    ap.add_argument("--server_args", default="", help="more flags for the server started here")
+    add_server_flags(ap)
     ap.add_argument(
         "--client_procs",
         type=int,

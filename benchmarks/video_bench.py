@@ -40,7 +40,7 @@ from benchmarks.bench_client import SENDERS, log, run_concurrent  # noqa: E402
 from benchmarks.bench_stats import summarize  # noqa: E402
 from benchmarks.loads import SYSTEM, question  # noqa: E402
 from benchmarks.openai_stream import served_model  # noqa: E402
-from benchmarks.serve_bench import emit, start_server, stop_server  # noqa: E402
+from benchmarks.serve_bench import add_server_flags, emit, start_server, stop_server  # noqa: E402
 from benchmarks.video_clips import CLIP_DIR, clip_specs, codec, make_clips  # noqa: E402
 
 VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -218,12 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900, help="per request, s")
     ap.add_argument("--no_warmup", action="store_true")
     ap.add_argument("--no_serve", action="store_true", help="no server run (with --hf: HF alone)")
-    ap.add_argument("--startup", action="store_true", help="report start-to-healthy of the server started here")
-    ap.add_argument("--startup_timeout", type=float, default=600)
-    ap.add_argument("--port", type=int, default=18080)
-    ap.add_argument("--data_type", default="bf16")
-    ap.add_argument("--mem_fraction", type=float, default=0.85)
-    ap.add_argument("--server_args", default="", help="more flags for the server started here")
+    add_server_flags(ap)
     ap.add_argument("--hf", action="store_true", help="then HF transformers generate on the same work")
     ap.add_argument("--hf_batch", type=int, default=16, help="clips per HF generate (halved on out of memory)")
     return ap.parse_args(argv)

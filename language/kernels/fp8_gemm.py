@@ -13,18 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.fp8_gemv import group_size
-from language.kernels.fp8_quant import FP8_DTYPE
-from language.kernels.launch_utils import (
-    FLOAT_DTYPES,
-    cdiv,
-    check_device,
-    check_dtype,
-    check_inner_contiguous,
-    check_out,
-    check_shape,
-    pow2_at_least,
-)
+from language.kernels.fp8_gemv import check_fp8_linear_operands, group_size
+from language.kernels.launch_utils import cdiv, check_out, pow2_at_least
 
 
 @triton.jit
@@ -87,24 +77,8 @@ def fp8_gemm(
     """x_q [M, K] e4m3 with x_scale [M, G], weight [N, K] e4m3 with weight_scale [N, G] (fp32; G = 1: per token and
     per channel, else power-of-two groups of columns, 128 for published checkpoints) (+ bias [N]) -> [M, N] in
     out_dtype."""
-    device = check_device(x_q=x_q, x_scale=x_scale, weight=weight, weight_scale=weight_scale)
-    check_dtype("x_q", x_q, (FP8_DTYPE,))
-    check_dtype("weight", weight, (FP8_DTYPE,))
-    check_shape("x_q", x_q, (None, None))
-    m, k = x_q.shape
-    num_out = weight.shape[0]
-    check_shape("weight", weight, (None, k))
-    groups = weight_scale.shape[1]
-    check_shape("weight_scale", weight_scale, (num_out, None))
-    check_shape("x_scale", x_scale, (m, groups))
-    check_dtype("x_scale", x_scale, (torch.float32,))
-    check_dtype("weight_scale", weight_scale, (torch.float32,))
-    for name, t in (("x_q", x_q), ("weight", weight), ("x_scale", x_scale), ("weight_scale", weight_scale)):
-        check_inner_contiguous(name, t)
-    if bias is not None:
-        check_shape("bias", bias, (num_out,))
-        check_dtype("bias", bias, FLOAT_DTYPES)
-        check_inner_contiguous("bias", bias)
+    device, num_out, k = check_fp8_linear_operands(x_q, x_scale, weight, weight_scale, bias, rows=None)
+    m, groups = x_q.shape[0], weight_scale.shape[1]
     if out is None:
         out = torch.empty((m, num_out), dtype=out_dtype, device=device)
     check_out(out, (m, num_out), out_dtype, device)

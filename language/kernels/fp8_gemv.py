@@ -78,23 +78,8 @@ def fp8_gemv(
     """x_q [1, K] e4m3 with x_scale [1, G], weight [N, K] e4m3 with weight_scale [N, G] (fp32; G = 1: per channel,
     else groups of ceil(K / G) rounded up to a power of two, 128 for published checkpoints) (+ bias [N]) ->
     [1, N] in out_dtype."""
-    device = check_device(x_q=x_q, x_scale=x_scale, weight=weight, weight_scale=weight_scale)
-    check_dtype("x_q", x_q, (FP8_DTYPE,))
-    check_dtype("weight", weight, (FP8_DTYPE,))
-    check_shape("x_q", x_q, (1, None))
-    num_out, k = weight.shape
-    check_shape("weight", weight, (None, x_q.shape[1]))
+    device, num_out, k = check_fp8_linear_operands(x_q, x_scale, weight, weight_scale, bias, rows=1)
     groups = weight_scale.shape[1]
-    check_shape("weight_scale", weight_scale, (num_out, None))
-    check_shape("x_scale", x_scale, (1, groups))
-    check_dtype("x_scale", x_scale, (torch.float32,))
-    check_dtype("weight_scale", weight_scale, (torch.float32,))
-    for name, t in (("x_q", x_q), ("weight", weight), ("x_scale", x_scale), ("weight_scale", weight_scale)):
-        check_inner_contiguous(name, t)
-    if bias is not None:
-        check_shape("bias", bias, (num_out,))
-        check_dtype("bias", bias, FLOAT_DTYPES)
-        check_inner_contiguous("bias", bias)
     if out is None:
         out = torch.empty((1, num_out), dtype=out_dtype, device=device)
     check_out(out, (1, num_out), out_dtype, device)
@@ -122,3 +107,33 @@ def group_size(k: int, groups: int) -> int:
     size = pow2_at_least(cdiv(k, groups), 16)
     assert cdiv(k, size) == groups, f"{groups} scale groups over {k} columns: not power-of-two groups"
     return size
+
+
+def check_fp8_linear_operands(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    rows: int | None,
+) -> tuple[torch.device, int, int]:
+    """Checks fp8_gemv's and fp8_gemm's operands (x_q with `rows` rows, None: any); returns (device, N, K)."""
+    device = check_device(x_q=x_q, x_scale=x_scale, weight=weight, weight_scale=weight_scale)
+    check_dtype("x_q", x_q, (FP8_DTYPE,))
+    check_dtype("weight", weight, (FP8_DTYPE,))
+    check_shape("x_q", x_q, (rows, None))
+    num_out, k = weight.shape[0], x_q.shape[1]
+    check_shape("weight", weight, (None, k))
+    groups = weight_scale.shape[1]
+    check_shape("weight_scale", weight_scale, (num_out, None))
+    check_shape("x_scale", x_scale, (x_q.shape[0], groups))
+    check_dtype("x_scale", x_scale, (torch.float32,))
+    check_dtype("weight_scale", weight_scale, (torch.float32,))
+    for name, t in (("x_q", x_q), ("weight", weight), ("x_scale", x_scale), ("weight_scale", weight_scale)):
+        check_inner_contiguous(name, t)
+    if bias is not None:
+        check_shape("bias", bias, (num_out,))
+        check_dtype("bias", bias, FLOAT_DTYPES)
+        check_inner_contiguous("bias", bias)
+    return device, num_out, k

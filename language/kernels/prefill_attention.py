@@ -105,22 +105,39 @@ def _prefill_attention_kernel(
     k_scale_head_ptr = k_scale_ptr + kv_head  # read only by an int8 cache
     v_scale_head_ptr = v_scale_ptr + kv_head
 
+    # Key tiles in three ranges: a ragged leading edge (a sliding window's start), tiles every row sees in full (no
+    # masks at all) and a ragged trailing edge (the causal diagonal band, or a bidirectional block's end); tiles no
+    # row sees are skipped.
     if BOUNDED:
-        acc, m_i, l_i = _attend_bounded(
-            acc, m_i, l_i, q, q_pos, tokens, m_mask, key_ends_ptr, window, seq_len, slot_row_ptr, k_head_ptr,
+        lo, hi, first, full_start, full_end, last = _bounded_key_ranges(
+            q_pos, tokens, m_mask, key_ends_ptr, window, WINDOWED=WINDOWED, KEY_ENDS=KEY_ENDS, BLOCK_N=BLOCK_N
+        )
+        acc, m_i, l_i = _attend_key_range(
+            acc, m_i, l_i, q, q_pos, lo, hi, first, tl.minimum(full_start, last), seq_len, slot_row_ptr, k_head_ptr,
             v_head_ptr, k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
             offs_d, d_mask, qk_scale,
-            WINDOWED=WINDOWED, KEY_ENDS=KEY_ENDS, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            MASKED=True, CAUSAL=False, BOUNDED=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
             DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
-    else:
-        acc, m_i, l_i = _attend_causal(
-            acc, m_i, l_i, q, q_pos, m_block, prefix_len, q_len, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
-            offs_d, d_mask, qk_scale,
-            PACK=PACK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
-        )  # fmt: skip
+        edge_start = tl.maximum(full_end, first)
+    else:  # causal: lo and hi are unread
+        lo = q_pos
+        hi = q_pos
+        full_start = 0
+        full_end, last = _causal_key_ranges(prefix_len, q_len, m_block, PACK=PACK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        edge_start = full_end
+    acc, m_i, l_i = _attend_key_range(
+        acc, m_i, l_i, q, q_pos, lo, hi, full_start, full_end, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+        k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot, offs_d, d_mask, qk_scale,
+        MASKED=False, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+        DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_key_range(
+        acc, m_i, l_i, q, q_pos, lo, hi, edge_start, last, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+        k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot, offs_d, d_mask, qk_scale,
+        MASKED=True, CAUSAL=not BOUNDED, BOUNDED=BOUNDED, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+        DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
+    )  # fmt: skip
 
     if KV_QUANT == _FP8_PER_HEAD:  # and its V scale every output
         acc = acc * tl.load(v_scale_ptr + kv_head)
@@ -133,47 +150,42 @@ def _prefill_attention_kernel(
 
 
 @triton.jit
-def _attend_causal(
-    acc, m_i, l_i, q, q_pos, m_block, prefix_len, q_len, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+def _attend_key_range(
+    acc, m_i, l_i, q, q_pos, key_lo, key_hi, start, end, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
     k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot, offs_d, d_mask, qk_scale,
-    PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, KV_QUANT: tl.constexpr,
 ):  # fmt: skip
-    """Plain causal attention of one tile of queries: every key up to each query's position."""
-    # Key tiles every query of this tile sees in full (keys <= the first row's position): no masks at all.
-    first_pos = prefix_len + (m_block * BLOCK_M) // PACK
-    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
+    """attend_key_tile over the key tiles starting in [start, end), all with the same masks."""
+    for start_n in range(start, end, BLOCK_N):
         acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, q_pos, q_pos, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
+            acc, m_i, l_i, q, q_pos, key_lo, key_hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
             k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
             offs_d, d_mask, qk_scale,
-            MASKED=False, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
-        )  # fmt: skip
-    # The diagonal band, up to the last real row's position: causal mask; later key tiles are skipped entirely.
-    last_pos = prefix_len + tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // PACK, q_len - 1)
-    for start_n in range(full_end, last_pos + 1, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, q_pos, q_pos, q_pos, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
-            offs_d, d_mask, qk_scale,
-            MASKED=True, CAUSAL=True, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
+            MASKED=MASKED, CAUSAL=CAUSAL, BOUNDED=BOUNDED, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
             DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
         )  # fmt: skip
     return acc, m_i, l_i
 
 
 @triton.jit
-def _attend_bounded(
-    acc, m_i, l_i, q, q_pos, tokens, m_mask, key_ends_ptr, window, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-    k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot, offs_d, d_mask, qk_scale,
-    WINDOWED: tl.constexpr, KEY_ENDS: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, KV_QUANT: tl.constexpr,
-):  # fmt: skip
+def _causal_key_ranges(prefix_len, q_len, m_block, PACK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Plain causal attention: every key up to each query's position. Returns (full_end, last): the tiles before
+    full_end hold only keys <= the tile's first row's position, which every row sees; the diagonal band runs up to
+    last, past the last real row's position."""
+    first_pos = prefix_len + (m_block * BLOCK_M) // PACK
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    last_pos = prefix_len + tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // PACK, q_len - 1)
+    return full_end, last_pos + 1
+
+
+@triton.jit
+def _bounded_key_ranges(
+    q_pos, tokens, m_mask, key_ends_ptr, window, WINDOWED: tl.constexpr, KEY_ENDS: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Each query sees the keys [lo, hi): lo = position - window + 1 in a sliding-window layer (else 0), hi = the
-    position + 1 or, for a token of a bidirectional block, the block's end. Key tiles inside every row's range run
-    unmasked; the ragged edges before and after them are masked per row; tiles no row sees are skipped."""
+    position + 1 or, for a token of a bidirectional block, the block's end. Returns lo, hi and the tile bounds
+    first <= full_start <= full_end (tiles in [full_start, full_end) are inside every row's range) and last."""
     hi = q_pos + 1
     if KEY_ENDS:
         hi = tl.maximum(hi, tl.load(key_ends_ptr + tokens, mask=m_mask, other=0))
@@ -186,31 +198,7 @@ def _attend_bounded(
     last = tl.max(tl.where(m_mask, hi, 0))  # past the last key some row sees
     full_start = tl.cdiv(tl.max(tl.where(m_mask, lo, 0)), BLOCK_N) * BLOCK_N  # tiles every row sees in full
     full_end = tl.maximum((tl.min(tl.where(m_mask, hi, big)) // BLOCK_N) * BLOCK_N, full_start)
-    for start_n in range(first, tl.minimum(full_start, last), BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
-            offs_d, d_mask, qk_scale,
-            MASKED=True, CAUSAL=False, BOUNDED=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
-        )  # fmt: skip
-    for start_n in range(full_start, full_end, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
-            offs_d, d_mask, qk_scale,
-            MASKED=False, CAUSAL=False, BOUNDED=False, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
-        )  # fmt: skip
-    for start_n in range(tl.maximum(full_end, first), last, BLOCK_N):
-        acc, m_i, l_i = attend_key_tile(
-            acc, m_i, l_i, q, q_pos, lo, hi, start_n, seq_len, slot_row_ptr, k_head_ptr, v_head_ptr,
-            k_scale_head_ptr, v_scale_head_ptr, stride_k_slot, stride_v_slot, stride_scale_slot,
-            offs_d, d_mask, qk_scale,
-            MASKED=True, CAUSAL=False, BOUNDED=True, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D,
-            DOT_PRECISION=DOT_PRECISION, DOT_FP32=DOT_FP32, KV_QUANT=KV_QUANT,
-        )  # fmt: skip
-    return acc, m_i, l_i
+    return lo, hi, first, full_start, full_end, last
 
 
 # Launch configurations for compiled kernels, first match wins: (max head_dim, max of max_q_len, config). An explicit

@@ -26,9 +26,8 @@ from transformers import AutoConfig
 from language import kernels
 from language.config import LMConfig
 from language.forward_batch import ForwardBatch
-from language.kv_cache import KVCache
 from language.models.hf_config import lm_config_from_hf
-from language.models.llama import MLP, Attention, LlamaForCausalLM
+from language.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from language.parallel.group import TPGroup
 from language.parallel.sharding import Shard
 
@@ -72,23 +71,15 @@ class Gemma3Attention(Attention):
         self.scale = cfg.query_pre_attn_scalar**-0.5
         self.window = cfg.layer_windows[layer_id]
 
-    def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor, kv: KVCache
-    ) -> torch.Tensor:
-        """As Llama's; cos/sin [n, D] hold the global layers' angles, then the sliding layers': this layer takes
-        its half."""
-        n, half = x.shape[0], self.head_dim // 2
+    def rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """As Llama's, with Gemma's norms; cos/sin [n, D] hold the global layers' angles, then the sliding layers':
+        this layer takes its half."""
+        n, half = qkv.shape[0], self.head_dim // 2
         cos, sin = (cos[:, half:], sin[:, half:]) if self.window else (cos[:, :half], sin[:, :half])
-        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
         qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # [n, Hq + Hk, D]
-        qk = kernels.apply_rotary(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
-        kernels.store_kv(k_cache, v_cache, k, v, out_slots, k_scale=k_scale, v_scale=v_scale)
-        return q
+        return kernels.apply_rotary(qk, cos, sin)
 
 
 class GeluMLP(MLP):
@@ -97,35 +88,23 @@ class GeluMLP(MLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
+    """Llama's layer with Gemma's norms, attention and GELU MLP, and two more norms: after the attention and around
+    the MLP."""
+
+    attention_class = Gemma3Attention
+    mlp_class = GeluMLP
+    norm_class = GemmaRMSNorm
+
     def __init__(self, cfg: Gemma3Config, layer_id: int, shard: Shard, tp: TPGroup):
-        super().__init__()
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Gemma3Attention(cfg, layer_id, shard, tp)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.mlp = GeluMLP(cfg, shard, tp)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        super().__init__(cfg, layer_id, shard, tp)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, residual = self.before_attention(x, residual, cos, sin, batch.out_slots, batch.kv)
-        return self.after_attention(self.self_attn.attend(q, batch), residual)
-
-    def before_attention(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        out_slots: torch.Tensor,
-        kv: KVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's (post-norm) MLP output, or the embeddings with residual None -> (q, stream)."""
+    def attention_input(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's (post-norm) MLP output, or the embeddings with residual None."""
         residual = x if residual is None else residual + x
-        return self.self_attn.project(self.input_layernorm(residual), cos, sin, out_slots, kv), residual
+        return self.input_layernorm(residual), residual
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual + self.post_attention_layernorm(self.self_attn.output(attn))

@@ -55,16 +55,20 @@ class Attention(nn.Module):
         here is dense over the rows: piecewise graphs capture it (language/piecewise_graphs.py)."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
-        # q and k sit side by side in each row: one rotary launch covers both.
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # [n, Hq + Hk, D], contiguous
-            qk = kernels.qk_rms_norm(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
-        qk = kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
+        qk = self.rotated_qk(qkv, cos, sin)  # [n, Hq + Hk, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
         kernels.store_kv(k_cache, v_cache, k, v, out_slots, k_scale=k_scale, v_scale=v_scale)
         return q
+
+    def rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qkv [n, q_size + 2 * kv_size] -> the rotated (and normalised, with qk_norm) q and k heads [n, Hq + Hk, D]."""
+        # q and k sit side by side in each row: one rotary launch covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # [n, Hq + Hk, D], contiguous
+            qk = kernels.qk_rms_norm(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
+        return kernels.apply_rotary(qk, cos, sin)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [n, Hq, D] -> [n, hidden] (summed over ranks)."""
@@ -107,12 +111,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[Attention] = Attention
+    mlp_class: type[MLP] = MLP
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(self, cfg: LMConfig, layer_id: int, shard: Shard, tp: TPGroup):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_id, shard, tp)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard, tp)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self.attention_class(cfg, layer_id, shard, tp)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = self.mlp_class(cfg, shard, tp)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
@@ -133,11 +141,14 @@ class DecoderLayer(nn.Module):
         kv: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (q [n, Hq, D], the residual stream [n, hidden]); k and v stored."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = kernels.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h, residual = self.attention_input(x, residual)
         return self.self_attn.project(h, cos, sin, out_slots, kv), residual
+
+    def attention_input(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the attention's normalised input, the residual stream): `residual + x` and the norm fused."""
+        if residual is None:
+            return self.input_layernorm(x), x
+        return kernels.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attn [n, Hq, D], residual [n, hidden] -> (this layer's MLP output, the stream before it)."""

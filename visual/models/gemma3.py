@@ -20,7 +20,7 @@ from transformers import AutoImageProcessor, Gemma3Config, SiglipVisionModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
 from visual.models.base import ImageInput
-from visual.models.weights import load_prefixed_tensors
+from visual.models.weights import load_module_state, load_prefixed_tensors
 
 TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
 PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
@@ -74,8 +74,8 @@ class Gemma3VisionModel:
         with torch.device(device):  # random init on the target device is fast; the weights overwrite it
             tower = SiglipVisionModel._from_config(config.vision_config, dtype=dtype)
             projector = Gemma3MultiModalProjector(config).to(dtype)
-        _load(tower, load_prefixed_tensors(model_dir, tower_prefixes(tower)), "vision tower")
-        _load(projector, load_prefixed_tensors(model_dir, PROJECTOR_PREFIXES), "projector")
+        load_module_state(tower, load_prefixed_tensors(model_dir, tower_prefixes(tower)), "Gemma 3 vision tower")
+        load_module_state(projector, load_prefixed_tensors(model_dir, PROJECTOR_PREFIXES), "Gemma 3 projector")
         preprocessor = read_preprocessor(model_dir, config)
         salt = json.dumps(["gemma3", os.path.realpath(model_dir), preprocessor.image_processor.to_json_string(),
                            str(dtype)], sort_keys=True)  # fmt: skip
@@ -105,11 +105,3 @@ def tower_prefixes(tower: SiglipVisionModel) -> tuple[str, ...]:
     if any(name.startswith("vision_model.") for name in tower.state_dict()):
         return TOWER_PREFIXES
     return tuple(prefix + "vision_model." for prefix in TOWER_PREFIXES)
-
-
-def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    if not state:
-        raise ValueError(f"no Gemma 3 {what} tensors found in the checkpoint")
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"Gemma 3 {what} weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")

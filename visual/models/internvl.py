@@ -25,7 +25,7 @@ from transformers.models.internvl import modeling_internvl as hf
 
 from visual.models import internvl_chat
 from visual.models.base import ImageInput
-from visual.models.weights import load_prefixed_tensors, read_json
+from visual.models.weights import load_module_state, load_prefixed_tensors, read_json
 
 TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
@@ -124,8 +124,8 @@ class InternVLVisionModel:
             tower = hf.InternVLVisionModel._from_config(config.vision_config, dtype=dtype)
             projector = hf.InternVLMultiModalProjector(config).to(dtype)
         tower_state, projector_state = read_vision_state(model_dir)
-        _load(tower, tower_state, "vision tower")
-        _load(projector, projector_state, "projector")
+        load_module_state(tower, tower_state, "InternVL vision tower")
+        load_module_state(projector, projector_state, "InternVL projector")
         preprocessor = read_preprocessor(model_dir, config)
         salt = json.dumps(["internvl", os.path.realpath(model_dir), preprocessor.image_processor.to_json_string(),
                            preprocessor.images_kwargs, str(dtype)], sort_keys=True, default=str)  # fmt: skip
@@ -164,11 +164,3 @@ class InternVLVisionModel:
         # transformers' own pixel shuffle (a function of its arguments only: the model instance is not used)
         shuffled = hf.InternVLModel.pixel_shuffle(None, grid, scale_factor=self.config.downsample_ratio)
         return self.projector(shuffled.reshape(tiles, -1, shuffled.shape[-1]))
-
-
-def _load(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
-    if not state:
-        raise ValueError(f"no InternVL {what} tensors found in the checkpoint")
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"InternVL {what} weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -57,6 +57,15 @@ def _match(name: str, prefixes: tuple[str, ...]) -> str | None:
     return next((p for p in prefixes if name.startswith(p)), None)
 
 
+def load_module_state(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:
+    """module.load_state_dict(state), strictly; `what` names it in the errors (e.g. "Gemma 3 projector")."""
+    if not state:
+        raise ValueError(f"no {what} tensors found in the checkpoint")
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{what} weights do not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
 def read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
