@@ -87,10 +87,11 @@ def encode_kv_ref(
     if cache_dtype == torch.int8:
         xf = x.float()
         absmax = xf.abs().amax(-1)  # [N, Hk]
-        # tensor / tensor: a Python number over a tensor would be a reciprocal, then a product (two roundings)
+        # tensor / tensor: with a Python number on either side, CUDA divides by a reciprocal, then multiplies (two
+        # roundings), where the store kernel divides once
         scaled = xf * torch.where(absmax > 0, absmax.new_tensor(INT8_MAX) / absmax, 0.0)[..., None]
         rounded = torch.trunc(scaled + torch.where(scaled >= 0, 0.5, -0.5))
-        return rounded.to(torch.int8), absmax / INT8_MAX
+        return rounded.to(torch.int8), absmax / absmax.new_tensor(INT8_MAX)  # a true division on a GPU too
     if cache_dtype == torch.float8_e4m3fn:
         inv = head_scale.new_tensor(1.0) / head_scale  # [Hk]
         return (x.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype), None

@@ -58,6 +58,9 @@ SHAPES = {
 }  # fmt: skip
 
 
+NEWLINE_RUNS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+
+
 def token_ids(base_id: int) -> dict[str, int]:
     return {tok: base_id + i for i, tok in enumerate(GEMMA_TOKENS)}
 
@@ -161,8 +164,11 @@ def projector_specs(prefix: str, vision_hidden: int, text_hidden: int) -> list[T
 def build_gemma3_tokenizer(out_dir: str, base_id: int) -> None:
     """A byte-level BPE with <bos>/<eos>, Gemma's turn and image tokens at `base_id`..., the names Gemma3Processor
     reads in tokenizer_config.json's `extra_special_tokens`, and the published chat template."""
-    build_tokenizer(out_dir, vocab_size=min(base_id, 512), bos_token="<bos>", eos_token="<eos>",
-                    extra_special_tokens={i: t for t, i in token_ids(base_id).items()})  # fmt: skip
+    # Gemma's vocabulary holds runs of one to four newlines as single tokens, which vLLM's Gemma 3 processor looks up
+    newlines = {base_id - len(NEWLINE_RUNS) + i: run for i, run in enumerate(NEWLINE_RUNS)}
+    specials = {i: t for t, i in token_ids(base_id).items()}
+    build_tokenizer(out_dir, vocab_size=min(base_id - len(NEWLINE_RUNS), 512), bos_token="<bos>", eos_token="<eos>",
+                    extra_special_tokens=specials, added_tokens=newlines)  # fmt: skip
     path = os.path.join(out_dir, "tokenizer_config.json")
     with open(path) as f:
         config = json.load(f)

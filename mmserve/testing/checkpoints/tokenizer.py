@@ -25,14 +25,15 @@ def build_tokenizer(
     out_dir: str,
     vocab_size: int = 512,
     extra_special_tokens: dict[int, str] | None = None,
+    added_tokens: dict[int, str] | None = None,
     bos_token: str = "<s>",
     eos_token: str = "</s>",
     add_bos: bool = True,
     chat_template: str | None = None,
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE of `vocab_size` ids (specials `<unk>`, bos, eos at 0, 1, 2), then add
-    `extra_special_tokens` at exactly the ids given (the gap up to each id is filled with reserved tokens), and save
-    `tokenizer.json` + `tokenizer_config.json` into out_dir."""
+    `extra_special_tokens` and the ordinary `added_tokens` (kept in decoded text) at exactly the ids given (the gap up
+    to each id is filled with reserved tokens), and save `tokenizer.json` + `tokenizer_config.json` into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -44,7 +45,9 @@ def build_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    for token_id, content in sorted((extra_special_tokens or {}).items()):
+    wanted = [(i, t, True) for i, t in (extra_special_tokens or {}).items()]
+    wanted += [(i, t, False) for i, t in (added_tokens or {}).items()]
+    for token_id, content, special in sorted(wanted):
         size = tok.get_vocab_size()
         if size < token_id:
             # Fillers are ordinary (non-special) tokens, so text from a random-weight model that lands on them still
@@ -54,7 +57,10 @@ def build_tokenizer(
             raise ValueError(
                 f"special token {content!r} wants id {token_id}, but ids up to {tok.get_vocab_size()} are used"
             )
-        tok.add_special_tokens([content])
+        if special:
+            tok.add_special_tokens([content])
+        else:
+            tok.add_tokens([AddedToken(content, normalized=False)])
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, 1)]
