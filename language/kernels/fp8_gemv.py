@@ -33,6 +33,7 @@ from language.kernels.launch_utils import (
 # Output rows per program, columns per step, warps: fp8 rows are half as long in bytes as bf16's, so twice the rows
 # per program for the same bytes in flight. benchmarks/fp8_gemv_bench.py times the alternatives on the GPU.
 _BLOCK_N = 8
+_AMAX_BLOCK = 4096  # 32 values a thread at 4 warps
 _MAX_BLOCK_K = 512  # and the largest column group a fused launch quantizes in one step
 
 
@@ -68,6 +69,7 @@ def _fp8_gemv_kernel(
     GROUP: tl.constexpr,  # columns per scale (grouped weights); a multiple of BLOCK_K, equal to it with QUANTIZE_X
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,  # columns per step of the row's maximum (QUANTIZE_X, PER_CHANNEL)
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
 ):
@@ -77,7 +79,7 @@ def _fp8_gemv_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     if PER_CHANNEL:
         if QUANTIZE_X:  # every program reads the whole row for its maximum: a few KB from L2 (see fp8_gemv_fused)
-            x_scale = e4m3_scale(_row_amax(x_ptr, K, EVEN_K, BLOCK_K), FP8_MAX, MIN_SCALE)
+            x_scale = e4m3_scale(_row_amax(x_ptr, K, AMAX_BLOCK), FP8_MAX, MIN_SCALE)
         else:
             x_scale = tl.load(xs_ptr)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -111,15 +113,13 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _row_amax(x_ptr, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The largest magnitude of x[0:K], in fp32 (a maximum: the same whatever the order, as quantize_fp8's)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptr + k0 + offs_k)
-        else:
-            x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+def _row_amax(x_ptr, K, BLOCK: tl.constexpr):
+    """The largest magnitude of x[0:K], in fp32 (a maximum: the same whatever the order, as quantize_fp8's). Wide
+    steps: each is one round trip to L2 that the weight stream waits for."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     return tl.max(amax, 0)
 
@@ -206,7 +206,8 @@ def _launch(
         x, weight_scale if x_scale is None else x_scale, weight, weight_scale, weight_scale if bias is None else bias,
         out, num_out, k, weight.stride(0), weight_scale.stride(0),
         QUANTIZE_X=quantize_x, PER_CHANNEL=groups == 1, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        GROUP=group, BLOCK_N=config.block_n, BLOCK_K=block_k, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        GROUP=group, BLOCK_N=config.block_n, BLOCK_K=block_k, AMAX_BLOCK=min(_AMAX_BLOCK, pow2_at_least(k, 16)),
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
         num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     return out

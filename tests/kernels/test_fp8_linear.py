@@ -81,7 +81,7 @@ def test_quantize_fp8_matches_the_reference(m, k, group, magnitude):
     assert torch.equal(q.cpu().float(), q_ref.float())
 
 
-FUSED_CASES = [(7, 64, None), (40, 600, None), (24, 1024, None), (130, 256, 128), (33, 300, 128)]
+FUSED_CASES = [(7, 64, None), (40, 600, None), (24, 1024, None), (5, 9000, None), (130, 256, 128), (33, 300, 128)]
 CONFIGS = [None, GemvConfig(block_n=16, block_k=128, num_warps=4), GemvConfig(block_n=4, block_k=1024, num_warps=8)]
 
 
