@@ -3,16 +3,22 @@ quantization, which only stream their weights (half the bf16 GEMV's bytes).
 
 out[n] = sum over k of x[k] * w[n, k] * x_scale[g(k)] * w_scale[n, g(k)], g(k) = k // group: one activation scale
 per group of the row and one weight scale per (output row, group). Per-channel weights (and per-token activations)
-are the case of one group per row, passed with group-stride 0. As the bf16 GEMV (language/kernels/gemv.py), each
-program owns BLOCK_N output features and walks the whole reduction with a [BLOCK_N, BLOCK_K] fp32 accumulator."""
+are the case of one group per row: their two scales multiply each row's sum once, after the reduction. As the bf16
+GEMV (language/kernels/gemv.py), each program owns BLOCK_N output features and walks the whole reduction with a
+[BLOCK_N, BLOCK_K] fp32 accumulator.
+
+`fp8_gemv_fused` takes the float row itself and quantizes it inside the kernel, with quantize_fp8's functions: the
+same e4m3 values and scales, so the same result bit for bit as quantize_fp8 then `fp8_gemv`, one launch fewer."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from language.kernels.fp8_quant import FP8_DTYPE
+from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, e4m3_scale, quantize_e4m3
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     cdiv,
@@ -24,14 +30,30 @@ from language.kernels.launch_utils import (
     pow2_at_least,
 )
 
-_BLOCK_N = 8  # fp8 rows are half as long in bytes as bf16's: twice the rows per program for the same bytes in flight
-_MAX_BLOCK_K = 512
+# Output rows per program, columns per step, warps: fp8 rows are half as long in bytes as bf16's, so twice the rows
+# per program for the same bytes in flight. benchmarks/fp8_gemv_bench.py times the alternatives on the GPU.
+_BLOCK_N = 8
+_AMAX_BLOCK = 4096  # 32 values a thread at 4 warps
+_MAX_BLOCK_K = 512  # and the largest column group a fused launch quantizes in one step
+
+
+class GemvConfig(NamedTuple):
+    """A launch of the FP8 GEMV: output rows per program, columns per step (per-channel weights; grouped ones step
+    one group at a time, up to _MAX_BLOCK_K columns), warps per program."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def default_config(k: int) -> GemvConfig:
+    return GemvConfig(_BLOCK_N, min(_MAX_BLOCK_K, pow2_at_least(k, 16)), 8 if k >= 8192 else 4)
 
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr,  # [K] e4m3
-    xs_ptr,  # [G] fp32
+    x_ptr,  # [K]: e4m3 (scaled by xs_ptr), or float (QUANTIZE_X: quantized here, as quantize_fp8 does)
+    xs_ptr,  # [G] fp32 (unused with QUANTIZE_X)
     w_ptr,  # [N, K] e4m3, rows contiguous
     ws_ptr,  # [N, G] fp32
     bias_ptr,  # [N] (unused without HAS_BIAS)
@@ -40,29 +62,66 @@ def _fp8_gemv_kernel(
     K,
     stride_w,
     stride_ws_n,
-    stride_g,  # 1 with groups, 0 per channel (every step reads the row's one scale)
+    QUANTIZE_X: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,  # one scale per weight row and one for x: applied once, to each row's sum
     HAS_BIAS: tl.constexpr,
-    GROUP: tl.constexpr,  # columns per scale; a multiple of BLOCK_K
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no column masks
+    GROUP: tl.constexpr,  # columns per scale (grouped weights); a multiple of BLOCK_K, equal to it with QUANTIZE_X
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,  # columns per step of the row's maximum (QUANTIZE_X, PER_CHANNEL)
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    if PER_CHANNEL:
+        if QUANTIZE_X:  # every program reads the whole row for its maximum: a few KB from L2 (see fp8_gemv_fused)
+            x_scale = e4m3_scale(_row_amax(x_ptr, K, AMAX_BLOCK), FP8_MAX, MIN_SCALE)
+        else:
+            x_scale = tl.load(xs_ptr)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + offs_k < K
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        g = (k0 // GROUP) * stride_g
-        scale = tl.load(ws_ptr + offs_n * stride_ws_n + g, mask=n_mask, other=0.0) * tl.load(xs_ptr + g)
-        acc += (w * x[None, :]) * scale[:, None]
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+        else:
+            k_mask = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if QUANTIZE_X:
+            if not PER_CHANNEL:  # this step is one whole group
+                x_scale = e4m3_scale(tl.max(tl.abs(x), 0), FP8_MAX, MIN_SCALE)
+            x = quantize_e4m3(x, x_scale, FP8_MAX)  # e4m3's values in fp32: what the unfused path loads
+        if PER_CHANNEL:
+            acc += w.to(tl.float32) * x[None, :]
+        else:
+            g = k0 // GROUP
+            if not QUANTIZE_X:
+                x_scale = tl.load(xs_ptr + g)
+            scale = tl.load(ws_ptr + offs_n * stride_ws_n + g, mask=n_mask, other=0.0) * x_scale
+            acc += (w.to(tl.float32) * x[None, :]) * scale[:, None]
         w_ptrs += BLOCK_K
     y = tl.sum(acc, 1)  # [BLOCK_N] fp32
+    if PER_CHANNEL:
+        y = y * (tl.load(ws_ptr + offs_n * stride_ws_n, mask=n_mask, other=0.0) * x_scale)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _row_amax(x_ptr, K, BLOCK: tl.constexpr):
+    """The largest magnitude of x[0:K], in fp32 (a maximum: the same whatever the order, as quantize_fp8's). Wide
+    steps: each is one round trip to L2 that the weight stream waits for."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    return tl.max(amax, 0)
 
 
 def fp8_gemv(
@@ -74,29 +133,82 @@ def fp8_gemv(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """x_q [1, K] e4m3 with x_scale [1, G], weight [N, K] e4m3 with weight_scale [N, G] (fp32; G = 1: per channel,
     else groups of ceil(K / G) rounded up to a power of two, 128 for published checkpoints) (+ bias [N]) ->
     [1, N] in out_dtype."""
     device, num_out, k = check_fp8_linear_operands(x_q, x_scale, weight, weight_scale, bias, rows=1)
-    groups = weight_scale.shape[1]
+    return _launch(x_q, x_scale, weight, weight_scale, bias, out, out_dtype, device, config, quantize_x=False)
+
+
+def fp8_gemv_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """`fp8_gemv` of x [1, K] (float) quantized in the kernel, per token (G = 1) or per group of the weight's
+    columns, with quantize_fp8's arithmetic: the same result, bit for bit, without the quantizer's launch. Out in
+    out_dtype (default x's). Groups up to fused_groups_fit's size.
+
+    Per-channel weights need the whole row's maximum before any column is quantized; every program reads the row
+    once for it (K * 2 bytes from L2: 7 KB for a 3584-wide row, against the BLOCK_N weight rows of K bytes each it
+    streams from HBM), since a first pass would cost the launch this saves, and a grid-wide wait is not to be had."""
+    device = check_device(x=x, weight=weight, weight_scale=weight_scale)
+    check_dtype("x", x, FLOAT_DTYPES)
+    check_shape("x", x, (1, None))
+    check_inner_contiguous("x", x)
+    num_out, k = check_fp8_weight(weight, weight_scale, bias, x.shape[1])
+    assert fused_groups_fit(k, weight_scale.shape[1]), f"{weight_scale.shape[1]} groups over {k}: groups too wide"
+    return _launch(x, None, weight, weight_scale, bias, out, out_dtype or x.dtype, device, config, quantize_x=True)
+
+
+def fused_groups_fit(k: int, groups: int) -> bool:
+    """Whether fp8_gemv_fused takes a weight of `groups` column groups over k columns (per channel, or groups of at
+    most _MAX_BLOCK_K columns: each step quantizes one)."""
+    return groups == 1 or group_size(k, groups) <= _MAX_BLOCK_K
+
+
+def _launch(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    device: torch.device,
+    config: GemvConfig | None,
+    *,
+    quantize_x: bool,
+) -> torch.Tensor:
+    num_out, k = weight.shape
     if out is None:
         out = torch.empty((1, num_out), dtype=out_dtype, device=device)
     check_out(out, (1, num_out), out_dtype, device)
     assert k >= 1, "weight: empty reduction dimension"
     if num_out == 0:
         return out
+    config = config or default_config(k)
+    groups = weight_scale.shape[1]
     if groups == 1:
-        block_k = min(_MAX_BLOCK_K, pow2_at_least(k, 16))
-        group, stride_g = block_k, 0
+        block_k = min(config.block_k, pow2_at_least(k, 16))
+        group = block_k  # unused
     else:
         group = group_size(k, groups)
-        block_k, stride_g = min(group, _MAX_BLOCK_K), 1
-    _fp8_gemv_kernel[(cdiv(num_out, _BLOCK_N),)](
-        x_q, x_scale, weight, weight_scale, weight_scale if bias is None else bias, out, num_out, k,
-        weight.stride(0), weight_scale.stride(0), stride_g,
-        HAS_BIAS=bias is not None, GROUP=group, BLOCK_N=_BLOCK_N, BLOCK_K=block_k,
-        num_warps=8 if k >= 8192 else 4, num_stages=1,
+        block_k = min(group, _MAX_BLOCK_K)
+    _fp8_gemv_kernel[(cdiv(num_out, config.block_n),)](
+        x, weight_scale if x_scale is None else x_scale, weight, weight_scale, weight_scale if bias is None else bias,
+        out, num_out, k, weight.stride(0), weight_scale.stride(0),
+        QUANTIZE_X=quantize_x, PER_CHANNEL=groups == 1, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        GROUP=group, BLOCK_N=config.block_n, BLOCK_K=block_k, AMAX_BLOCK=min(_AMAX_BLOCK, pow2_at_least(k, 16)),
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        num_warps=config.num_warps, num_stages=1,
     )  # fmt: skip
     return out
 
@@ -121,19 +233,29 @@ def check_fp8_linear_operands(
     """Checks fp8_gemv's and fp8_gemm's operands (x_q with `rows` rows, None: any); returns (device, N, K)."""
     device = check_device(x_q=x_q, x_scale=x_scale, weight=weight, weight_scale=weight_scale)
     check_dtype("x_q", x_q, (FP8_DTYPE,))
-    check_dtype("weight", weight, (FP8_DTYPE,))
     check_shape("x_q", x_q, (rows, None))
-    num_out, k = weight.shape[0], x_q.shape[1]
-    check_shape("weight", weight, (None, k))
-    groups = weight_scale.shape[1]
-    check_shape("weight_scale", weight_scale, (num_out, None))
-    check_shape("x_scale", x_scale, (x_q.shape[0], groups))
+    num_out, k = check_fp8_weight(weight, weight_scale, bias, x_q.shape[1])
+    check_shape("x_scale", x_scale, (x_q.shape[0], weight_scale.shape[1]))
     check_dtype("x_scale", x_scale, (torch.float32,))
+    check_inner_contiguous("x_q", x_q)
+    check_inner_contiguous("x_scale", x_scale)
+    return device, num_out, k
+
+
+def check_fp8_weight(
+    weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, k: int
+) -> tuple[int, int]:
+    """Checks an FP8 weight [N, k] with its scales [N, G] (+ bias [N]); returns (N, k)."""
+    check_dtype("weight", weight, (FP8_DTYPE,))
+    num_out = weight.shape[0]
+    check_shape("weight", weight, (None, k))
+    check_shape("weight_scale", weight_scale, (num_out, None))
     check_dtype("weight_scale", weight_scale, (torch.float32,))
-    for name, t in (("x_q", x_q), ("weight", weight), ("x_scale", x_scale), ("weight_scale", weight_scale)):
-        check_inner_contiguous(name, t)
+    check_inner_contiguous("weight", weight)
+    check_inner_contiguous("weight_scale", weight_scale)
     if bias is not None:
         check_shape("bias", bias, (num_out,))
         check_dtype("bias", bias, FLOAT_DTYPES)
         check_inner_contiguous("bias", bias)
-    return device, num_out, k
+        assert bias.device == weight.device, "bias: on another device"
+    return num_out, k

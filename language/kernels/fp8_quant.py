@@ -4,7 +4,8 @@ group = K is per-token quantization (the per-channel FP8 GEMMs); group = 128 is 
 block-wise FP8 checkpoints.
 
 One program per (row, group): a pass over the group for its maximum, a second to scale and store. Both read the
-row from L2 on the second pass, so a decode step pays one launch per linear layer for its activations."""
+row from L2 on the second pass. The batch-1 FP8 GEMV (fp8_gemv.py) quantizes its row itself with the same two
+functions (`e4m3_scale`, `quantize_e4m3`), so a decode step pays no launch for its activations."""
 
 from __future__ import annotations
 
@@ -52,14 +53,26 @@ def _quantize_kernel(
         mask = k0 + offs < stop
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)  # IEEE division, as the reference
+    scale = e4m3_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
     tl.store(s_ptr + row * G + g, scale)
     q_row = q_ptr + row.to(tl.int64) * K
     for k0 in range(start, stop, BLOCK):
         mask = k0 + offs < stop
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))  # IEEE division, as torch
+        q = quantize_e4m3(x, scale, FP8_MAX)
         tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def e4m3_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """The scale of a group whose largest magnitude is amax (fp32): IEEE division, as the reference."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+
+
+@triton.jit
+def quantize_e4m3(x, scale, FP8_MAX: tl.constexpr):
+    """x (fp32) / scale rounded to e4m3's values, in fp32 (exact in e4m3): IEEE division, as torch's."""
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
 
 
 @triton.jit

@@ -1,13 +1,14 @@
 """The FP8 kernels against the torch reference of the same quantized arithmetic (language/quant/fp8.py): the GEMV
 and the block-scaled GEMM take the same quantized operands, so they differ from it only by the order of the fp32
-sums; the activation quantizer equals the reference: the same scales and the same e4m3 values."""
+sums; the activation quantizer equals the reference: the same scales and the same e4m3 values; the GEMV that
+quantizes its row itself equals the quantizer then the GEMV, bit for bit, in every launch configuration."""
 
 import pytest
 import torch
 from kernel_cases import DEVICE, poisoned
 
 from language.kernels.fp8_gemm import fp8_gemm
-from language.kernels.fp8_gemv import fp8_gemv
+from language.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_fused
 from language.kernels.fp8_quant import FP8_DTYPE, quantize_fp8
 from language.quant.fp8 import dequantize, expand_block_scales, fp8_linear_ref, quantize_rows_ref, quantize_weight
 
@@ -80,6 +81,42 @@ def test_quantize_fp8_matches_the_reference(m, k, group, magnitude):
     assert torch.equal(q.cpu().float(), q_ref.float())
 
 
+FUSED_CASES = [(7, 64, None), (40, 600, None), (24, 1024, None), (5, 9000, None), (130, 256, 128), (33, 300, 128)]
+CONFIGS = [None, GemvConfig(block_n=16, block_k=128, num_warps=4), GemvConfig(block_n=4, block_k=1024, num_warps=8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n, k, group", FUSED_CASES)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else "x".join(map(str, c)))
+def test_fused_fp8_gemv_equals_the_unfused_path(dtype, n, k, group, config):
+    """The row quantized inside the GEMV: the same result as quantize_fp8 then fp8_gemv, bit for bit, and the
+    reference's up to the order of the sums. Values over four decades meet every e4m3 binade, subnormals included;
+    a zero group (block case: the columns of the first group) quantizes to zeros."""
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen) * 3 * torch.logspace(-4, 0, k)[torch.randperm(k, generator=gen)]
+    x = x.to(dtype)
+    if group is not None:
+        x[0, :group] = 0
+    _, _, _, w_q, w_scale = _operands(1, n, k, group, seed=n * k)
+    bias = torch.randn(n).to(dtype)
+    x, w_q, w_scale, bias = _to(DEVICE, x, w_q, w_scale, bias)
+    out = poisoned((1, n), dtype)
+    fused = fp8_gemv_fused(x, w_q, w_scale, bias, out=out, config=config)
+    assert fused is out
+    unfused = fp8_gemv(*quantize_fp8(x, group), w_q, w_scale, bias, out_dtype=dtype, config=config)
+    assert torch.equal(fused, unfused), (fused - unfused).abs().max()
+    atol, rtol = FP8_GEMM_TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16]
+    expected = fp8_linear_ref(x.cpu(), w_q.cpu(), w_scale.cpu(), bias.cpu(), dtype)
+    torch.testing.assert_close(fused.cpu(), expected, atol=atol, rtol=rtol)
+
+
+def test_fused_fp8_gemv_of_a_zero_row_is_its_bias():
+    _, _, _, w_q, w_scale = _operands(1, 24, 64, None, seed=3)
+    bias = torch.randn(24).to(torch.bfloat16)
+    x, w_q, w_scale, bias = _to(DEVICE, torch.zeros(1, 64, dtype=torch.bfloat16), w_q, w_scale, bias)
+    assert torch.equal(fp8_gemv_fused(x, w_q, w_scale, bias), bias[None])
+
+
 def test_reference_is_the_dequantized_product():
     """The reference's arithmetic, spelled out: per-token activation scales, per-channel weight scales."""
     x, x_q, x_scale, w_q, w_scale = _operands(4, 24, 64, None, seed=1)
@@ -98,3 +135,10 @@ def test_fp8_kernels_check_their_operands():
         fp8_gemm(x_q, x_scale, w_q.float(), w_scale)  # not fp8
     with pytest.raises(AssertionError, match="x_scale"):
         fp8_gemm(x_q, x_scale[:1], w_q, w_scale)
+    with pytest.raises(AssertionError, match="x: dtype"):
+        fp8_gemv_fused(x_q[:1], w_q, w_scale)  # already quantized
+    with pytest.raises(AssertionError, match="x: shape"):
+        fp8_gemv_fused(x_q.float(), w_q, w_scale)  # two rows
+    wide_groups = torch.ones(16, 2, device=DEVICE)  # two groups of 1024 columns: more than one step quantizes
+    with pytest.raises(AssertionError, match="groups too wide"):
+        fp8_gemv_fused(torch.ones(1, 2048, device=DEVICE), w_q.repeat(1, 32), wide_groups)
