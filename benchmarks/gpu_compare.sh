@@ -202,6 +202,11 @@ t = builtin_chat_template(model_architecture(sys.argv[1])); sys.exit(2) if t is 
       say "the checkpoint has no chat template: vLLM gets the family's built-in one ($template)"
       export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --chat-template $template"
     fi
+    if [ "$family" = gemma3 ]; then
+      # serve.sh asks for FlashAttention 3, which cannot attend bidirectionally within Gemma 3's image blocks (vLLM
+      # refuses to start); Triton attention can, and is what vLLM picks by itself for Gemma 3 on an H100
+      export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --attention-backend TRITON_ATTN"
+    fi
     t0=$(date +%s.%N)
     if bash .vllm/bin/serve.sh "$ckpt" "$vport" >&2; then
       startup=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$t0" "$(date +%s.%N)")
