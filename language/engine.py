@@ -47,8 +47,8 @@ class EngineCore:
     stop token) runs once more in N+1: finishing frees its row and slots, which only steps after N+1 reuse, and its
     sample there is ignored (as an aborted request's). max_new_tokens never wastes a row: staging counts samples.
 
-    Exceptions. Requests with penalties or seeds need their full history on the host, so a step holding one reads
-    the previous step back before staging. Under the router (`step(emit)`), an eager step with prompt rows reads
+    Exceptions. Requests with penalties need their full history on the host, so a step holding one reads the
+    previous step back before staging. Under the router (`step(emit)`), an eager step with prompt rows reads
     the previous step back and hands its tokens over before it is launched (its launch takes tens of ms of host).
 
     A request's image embeddings are dropped once the step that ran its prompt's last chunk has been collected
@@ -232,7 +232,7 @@ class EngineCore:
         staged = None
         if plan:
             staged = stage(plan, self.kv, self.model.position_dims, self.prefix, self.model.bidirectional_images)
-        if self._constrained(staged):  # a step read back above for its history (penalties, seeds) keeps its samples
+        if self._constrained(staged):  # a step read back above for its history (penalties) keeps its samples
             collected += self._launch_constrained(staged)
         elif staged is not None and emit is not None and self._eager_prompt_step(staged):
             collected += self._read_back()
@@ -417,6 +417,6 @@ _NO_STRUCTURED = {
 
 
 def _needs_history(plan: StepPlan) -> bool:
-    """Penalties read every earlier token and seeded sampling counts them: both need the step in flight read back."""
-    reqs = plan.decode + [c.req for c in plan.prefill]
-    return any(r.params.has_penalties or r.params.seed is not None for r in reqs)
+    """Penalties read every earlier token: a decode row's may be in the step in flight, read back first. (A prompt
+    chunk's request has sampled nothing yet; seeded sampling only counts earlier tokens: `num_sampled` does.)"""
+    return any(r.params.has_penalties for r in plan.decode)

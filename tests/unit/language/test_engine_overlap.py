@@ -52,19 +52,37 @@ def test_request_finishing_at_step_n_runs_in_step_n_plus_1_discarded(llm):
     assert engine.stats().kv_used == 0
 
 
-def test_stop_beside_a_seeded_request_frees_every_slot(llm):
-    """A seeded request needs the previous step read back before the next is staged: a request that read-back
-    stops is staged no slot (it used to keep one for good)."""
+def test_stop_beside_a_penalised_request_frees_every_slot(llm):
+    """A decoding request with a penalty needs the previous step read back before the next is staged: a request
+    that read-back stops is staged no slot (it used to keep one for good)."""
     engine = llm.engine
     free_run = llm.generate([_prompt(0)], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
     stop = free_run[3]
-    seeded = SamplingParams(max_new_tokens=8, ignore_eos=True, do_sample=True, temperature=0.7, seed=1)
+    penalised = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2)
     stopper = SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=[stop])
-    gens = llm.generate([_prompt(0), _prompt(3)], [stopper, seeded])
+    gens = llm.generate([_prompt(0), _prompt(3)], [stopper, penalised])
     assert gens[0].token_ids == free_run[: free_run.index(stop) + 1] and len(gens[1].token_ids) == 8
     while engine.has_unfinished():
         engine.step()
     assert engine.kv.slots.num_used == 0 and engine.kv.num_free_rows() == engine.cfg.running_max_req_size
+
+
+def test_seeded_request_draws_the_same_tokens_launched_first_or_after_a_read_back(llm):
+    """A seed needs no read-back (its noise counts the samples staged before): alone, its steps launch before the
+    previous one is read back; beside a decoding request with a penalty, every step reads the previous one back
+    first. It draws the same tokens both ways."""
+    engine = llm.engine
+    seeded = SamplingParams(max_new_tokens=16, ignore_eos=True, do_sample=True, temperature=1.5, seed=11)
+    reqs = [Request("seeded", _prompt(2), seeded)]
+    engine.add_request(reqs[0])
+    engine.step()  # the prompt
+    engine.step()  # the first decode step, launched before the prompt's step is read back
+    assert engine._inflight is not None and engine._inflight.num_decode == 1 and len(reqs[0].output_ids) == 1
+    while not reqs[0].finished:
+        engine.step()
+    penalised = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+    beside = llm.generate([_prompt(2), _prompt(0)], [seeded, penalised])[0].token_ids
+    assert reqs[0].output_ids == beside and len(set(beside)) > 1
 
 
 def test_abort_while_a_step_is_in_flight_frees_exactly_its_slots(llm):
