@@ -25,11 +25,14 @@ def hf_model(tiny_llama_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    return LLM(
-        tiny_llama_dir, max_total_token_num=4096, device="cpu", running_max_req_size=ROWS, chunked_prefill_size=24
-    )
+_ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=_ON_GPU)])
+def llm(tiny_llama_dir, request):
+    """On a GPU: decode graphs and piecewise graphs, so steps really queue behind the one in flight."""
+    return LLM(tiny_llama_dir, max_total_token_num=4096, device=request.param, data_type="float32",
+               running_max_req_size=ROWS, chunked_prefill_size=24)  # fmt: skip
 
 
 def _prompts(vocab: int, n: int) -> list[list[int]]:
@@ -62,6 +65,8 @@ def test_staggered_finishes_equal_hf_and_free_every_slot(llm, hf_model):
         assert (r.output_ids, r.finish_reason) == (expected, reason), r.rid
     assert reqs[-1].output_ids == hf_greedy(hf_model, penalised, MAX_NEW, repetition_penalty=1.3)
     engine = llm.engine
+    if engine.model_info.device.type == "cuda":
+        assert engine.runner.graphs is not None and engine.runner.pieces is not None
     while engine.has_unfinished():  # the wasted row of the last request to stop may still be in flight
         engine.step()
     assert engine.stats().kv_used == 0 and engine.kv.num_free_rows() == ROWS
