@@ -4,7 +4,8 @@
 
 Times the host-side pieces of one step on a real EngineCore (tiny random Llama, CPU) with the model's forward out of
 the clock: scheduling, staging (slot allocation + numpy inputs), packing into the one pinned input buffer, and
-reading the samples back into the requests (the part that sits between one step's end and the next launch)."""
+reading the samples back into the requests (behind the next step on the device, which is launched first, but for
+an eager prompt step under the router: that one waits for it)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,7 @@ def _measure(core: EngineCore, batch: int, chunk_tokens: int) -> tuple[float, ..
     ]
 
     def read_back() -> None:
-        core._inflight = inflight.pop()
-        core._collect()
+        core._collect(inflight.pop())
 
     t_read = _time(read_back, repeats)
     for r in list(core._requests.values()):

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import NoReturn
 
 import torch
 
@@ -26,12 +25,10 @@ from language.request import (
     Request,
     RequestError,
     RequestOutput,
-    RequestRejected,
     RequestStatus,
     TopLogprobs,
-    length_error,
 )
-from language.sampling_params import InvalidParams
+from language.request_checks import check_request, refuse
 from language.scheduler import Scheduler, StepPlan
 from language.step_inputs import StagedStep, stage
 from language.structured import StructuredDecoding
@@ -39,12 +36,20 @@ from language.warmup import warmup
 
 logger = logging.getLogger(__name__)
 
+Collected = tuple[Request, int, float, TopLogprobs | None]  # a sample read back: request, token, logprob, top
+
 
 class EngineCore:
     """Schedules, launches and collects steps. The loop is overlapped: `step()` stages step N+1 on the host while
-    step N runs on the device, then reads N's samples back (the only wait), drops any request that N finished
-    from N+1, launches N+1 and returns N's outputs. Requests with penalties or seeds need their full history on
-    the host, so a step holding one reads the previous step back before staging.
+    step N runs on the device, launches N+1, then reads N's samples back (the only wait, behind N+1 on the device)
+    and returns N's outputs. N+1's decode rows take their input ids on the device from N's samples (`last_token`,
+    indexed by table row), so nothing of N is needed on the host to launch N+1. A request that N finishes (EOS, a
+    stop token) runs once more in N+1: finishing frees its row and slots, which only steps after N+1 reuse, and its
+    sample there is ignored (as an aborted request's). max_new_tokens never wastes a row: staging counts samples.
+
+    Exceptions. Requests with penalties need their full history on the host, so a step holding one reads the
+    previous step back before staging. Under the router (`step(emit)`), an eager step with prompt rows reads
+    the previous step back and hands its tokens over before it is launched (its launch takes tens of ms of host).
 
     A request's image embeddings are dropped once the step that ran its prompt's last chunk has been collected
     (the device has read every image row by then, on any chunking); its first output token says so to the owner
@@ -101,7 +106,6 @@ class EngineCore:
         self._aborted: list[RequestOutput] = []
         self._inflight: InflightStep | None = None
         self._failed_last_step = False  # the last step that ran anything raised
-        self._launched_at = 0.0  # perf_counter when the step in flight was launched
         if device.type == "cuda":
             warmup(self)
         logger.info("engine ready: %s on %s (%s), %d KV slots (%s, %d bytes each)%s", lm.architecture, device, dtype,
@@ -113,8 +117,7 @@ class EngineCore:
         if self.structured is not None:
             self.structured.grammars.close()
         if self.runner.channel is not None:
-            if self._inflight is not None:
-                self._collect()
+            self._read_back()
             self.runner.channel.stop()
             self.runner.channel = None
 
@@ -140,43 +143,10 @@ class EngineCore:
             self.scheduler.add(req)
 
     def _check(self, req: Request) -> None:
-        """What the engine's tensors and the cache can hold. The server's HTTP side checks the length (the same
-        rule) and the parameters before anything is queued; direct callers (the offline LLM) may not have."""
-        info = self.model_info
         if req.rid in self._requests:
-            _refuse("inputs", f"request id {req.rid!r} is already in use")
-        if req.prompt_len == 0:
-            _refuse("inputs", "the prompt is empty")
-        too_long = length_error(req.prompt_len, req.params.max_new_tokens, info.request_limit)
-        if too_long is not None:
-            raise RequestRejected(too_long)
-        if any(t < 0 or t >= info.vocab_size for t in req.prompt_ids):
-            _refuse("inputs", "prompt token id out of the vocabulary")
-        for item in req.mm_items:
-            if item.embeds is None:
-                continue  # covered by the cached prefix, or refused below
-            if item.embeds.dim() != 2 or item.embeds.shape[1] != info.mm_embed_width:
-                _refuse("inputs", f"image embeddings of shape {tuple(item.embeds.shape)}: this model takes rows of "
-                        f"{info.mm_embed_width} values")  # fmt: skip
-        p = req.params
-        try:
-            p.validate()
-        except InvalidParams as e:
-            _refuse(f"parameters.{e.field}", e.message)
-        if p.structured is not None and self.structured is None:
-            _refuse("parameters.structured", _NO_STRUCTURED[self.cfg.output_constraint_mode])
-        for name, ids in (
-            ("allowed_token_ids", p.allowed_token_ids or ()),
-            ("logit_bias", [t for t, _ in p.logit_bias]),
-        ):
-            vocab = info.vocab_size
-            outside = sorted({t for t in ids if t < 0 or t >= vocab})
-            if outside:
-                _refuse(f"parameters.{name}", f"token ids {outside[:8]} are out of the vocabulary (size {vocab})")
-        if p.min_new_tokens and p.allowed_token_ids is not None:
-            masked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(info.eos_token_ids))
-            if set(p.allowed_token_ids) <= masked:
-                _refuse("parameters.allowed_token_ids", "min_new_tokens masks all of them (EOS, stop ids)")
+            refuse("inputs", f"request id {req.rid!r} is already in use")
+        no_structured = _NO_STRUCTURED[self.cfg.output_constraint_mode] if self.structured is None else None
+        check_request(req, self.model_info, no_structured)
 
     def abort(self, rid: str) -> None:
         """Finish a request now. If a step in flight still writes its cache, its slots are reused only by later
@@ -191,9 +161,9 @@ class EngineCore:
     def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Launch the next step and return what the previous one produced (and any aborts).
 
-        emit: if given, it takes those outputs before a step with prompt tokens is launched (and step returns the
-        rest, if any): launching an eager forward over thousands of prompt tokens keeps the host busy for tens of ms,
-        and the previous step's tokens need not wait for that. The device idles only while emit runs.
+        emit: if given, it takes those outputs before an eager step with prompt tokens is launched (and step returns
+        the rest, if any): launching an eager forward over thousands of prompt tokens keeps the host busy for tens of
+        ms, and the previous step's tokens need not wait for that. Steps that replay graphs are launched first.
 
         A step that raises (one request's inputs the admission checks let through, say) fails every request the
         engine holds, returns all KV slots and goes on with the next request: the state a half-staged step leaves
@@ -255,30 +225,38 @@ class EngineCore:
             admitted_at = time.monotonic()
             for req in plan.admitted:
                 req.scheduled_at = admitted_at
-        collected: list[tuple[Request, int, float, TopLogprobs | None]] = []
+        collected: list[Collected] = []
         if self._inflight is not None and _needs_history(plan):
-            collected = self._collect()
+            collected = self._read_back()
+            plan.decode = [r for r in plan.decode if not r.finished]  # those it finished get no slot
         staged = None
         if plan:
             staged = stage(plan, self.kv, self.model.position_dims, self.prefix, self.model.bidirectional_images)
-        constrained = self._constrained(staged)
-        if self._inflight is not None and not constrained:
-            collected = self._collect()
-        if constrained:  # a step read back above for its history (penalties, seeds) keeps its samples
+        if self._constrained(staged):  # a step read back above for its history (penalties) keeps its samples
             collected += self._launch_constrained(staged)
-        elif staged is not None:
+        elif staged is not None and emit is not None and self._eager_prompt_step(staged):
+            collected += self._read_back()
             staged.drop_finished()
-            if staged.num_seqs:
-                if emit is not None and staged.prefill.reqs:
-                    emit(outputs + self._outputs_of(collected))
-                    outputs, collected = [], []
+            emit(outputs + self._outputs_of(collected))
+            outputs, collected = [], []
+            self._inflight = self.runner.launch(staged)
+        else:  # launched before the step in flight is read back: the device goes from one to the other
+            previous, self._inflight = self._inflight, None
+            if staged is not None:
                 self._inflight = self.runner.launch(staged)
-                self._launched_at = time.perf_counter()
+            if previous is not None:
+                collected += self._collect(previous)
         # Built while the device runs the step just launched.
         outputs += self._outputs_of(collected)
         if plan or outputs:
             self.counters.busy_s += time.perf_counter() - t0
         return outputs
+
+    def _eager_prompt_step(self, staged: StagedStep) -> bool:
+        """A step with prompt rows that does not replay graphs: its launch keeps the host busy for tens of ms, so the
+        step in flight is read back and its tokens handed over first (the device idles meanwhile, as it would
+        through most of that launch anyway)."""
+        return bool(staged.prefill.reqs) and not self.runner.replays_pieces(staged.num_tokens)
 
     def _constrained(self, staged: StagedStep | None) -> bool:
         """The step holds rows under a grammar (one look at a counter while no request has one)."""
@@ -287,17 +265,15 @@ class EngineCore:
             return False
         return s.constrained(staged.decode.reqs) or s.constrained(staged.prefill.reqs)
 
-    def _launch_constrained(self, staged: StagedStep) -> list[tuple[Request, int, float, TopLogprobs | None]]:
+    def _launch_constrained(self, staged: StagedStep) -> list[Collected]:
         """A step with grammar-constrained rows: its forward goes to the device before the step in flight is read
         back, and its sampling once that step's tokens have advanced the grammars and the masks are filled, so the
         host's grammar work overlaps the forward. Rows whose request the collected step finished still run (as an
         aborted request's do); their samples are ignored and they get no mask. Returns the collected samples."""
-        staged.drop_finished()
         forwarded = self.runner.forward(staged)
-        collected = self._collect() if self._inflight is not None else []
+        collected = self._read_back()
         self._inflight = self.runner.sample(forwarded, self.structured.token_mask(forwarded.sampled))
         self._inflight.constrained = True
-        self._launched_at = time.perf_counter()
         return collected
 
     def _schedule_compiled(self) -> None:
@@ -312,16 +288,21 @@ class EngineCore:
             error = RequestError.refused("parameters.structured", message)
             self._aborted.append(dataclasses.replace(self._output(req, []), error=error))
 
-    def _outputs_of(self, collected: list[tuple[Request, int, float, TopLogprobs | None]]) -> list[RequestOutput]:
+    def _outputs_of(self, collected: list[Collected]) -> list[RequestOutput]:
         return [self._output(req, [token], [logprob], top) for req, token, logprob, top in collected]
 
-    def _collect(self) -> list[tuple[Request, int, float, TopLogprobs | None]]:
-        """Wait for the step in flight and hand its samples to their requests: (request, token, logprob, its top
-        alternatives or None) each; prompt scores go to their requests' prompt_logprobs first."""
+    def _read_back(self) -> list[Collected]:
+        """Collect the step in flight, if any."""
         inflight, self._inflight = self._inflight, None
+        return self._collect(inflight) if inflight is not None else []
+
+    def _collect(self, inflight: InflightStep) -> list[Collected]:
+        """Wait for a launched step and hand its samples to their requests: (request, token, logprob, its top
+        alternatives or None) each; prompt scores go to their requests' prompt_logprobs first. A request that
+        finished after the step was launched (an abort, or a stop read back from the step before) gets nothing."""
         out = inflight.wait()
         if logger.isEnabledFor(logging.DEBUG):  # a timeline of the steps (perf_counter: one clock for the host)
-            logger.debug("step timing: launched=%.4f collected=%.4f prefill_tokens=%d decode=%d", self._launched_at,
+            logger.debug("step timing: launched=%.4f collected=%.4f prefill_tokens=%d decode=%d", inflight.launched_at,
                          time.perf_counter(), inflight.num_prefill_tokens, inflight.num_decode)  # fmt: skip
         start = 0
         for req, n in inflight.scored:
@@ -335,7 +316,7 @@ class EngineCore:
         for req, row in inflight.sampled:
             if req.mm_items:  # its prompt's last chunk ran in this step: nothing reads its image rows any more
                 req.mm_items = []  # unmaps the shared memory (the owner releases its cache entries on this output)
-            if not req.finished:  # an abort may have come while the step ran
+            if not req.finished:
                 token, logprob = out.ids[row], out.logprobs[row]
                 self._append_token(req, token, logprob)
                 collected.append((req, token, logprob, out.top(row, req.params.top_logprobs)))
@@ -396,8 +377,8 @@ class EngineCore:
             self.structured.release(req)
         if req.status is RequestStatus.RUNNING:
             if req.prefix_node is not None:
-                # Its answer stays too, so a follow-up turn reuses it. The last sampled token is never stored, and
-                # a decode row staged for the step after this one's last sample is dropped before launch.
+                # Its answer stays too, so a follow-up turn reuses it. The last sampled token is never stored: a
+                # step launched after its last sample writes it to a slot freed here, which later steps reuse.
                 written = min(req.kv_len, req.prompt_len + len(req.output_ids) - 1)
                 self.prefix.release(req, req.cache_ids + req.output_ids, written)
                 self.kv.free_row(req.req_idx, [])
@@ -435,11 +416,7 @@ _NO_STRUCTURED = {
 }
 
 
-def _refuse(param: str, message: str) -> NoReturn:
-    raise RequestRejected(RequestError.refused(param, message))
-
-
 def _needs_history(plan: StepPlan) -> bool:
-    """Penalties read every earlier token and seeded sampling counts them: both need the step in flight read back."""
-    reqs = plan.decode + [c.req for c in plan.prefill]
-    return any(r.params.has_penalties or r.params.seed is not None for r in reqs)
+    """Penalties read every earlier token: a decode row's may be in the step in flight, read back first. (A prompt
+    chunk's request has sampled nothing yet; seeded sampling only counts earlier tokens: `num_sampled` does.)"""
+    return any(r.params.has_penalties for r in plan.decode)

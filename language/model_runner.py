@@ -13,6 +13,7 @@ requests that asked for prompt_logprobs (their rows join the step's `logits_idx`
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +71,7 @@ class InflightStep:
     scored: list[tuple[Request, int]] = field(default_factory=list)  # prompt_logprobs: (request, positions)
     widths: tuple[int, int, int, int] = (0, 0, 0, 0)  # B, k, S, kp
     constrained: bool = False  # some row was sampled under a grammar's token mask
+    launched_at: float = 0.0  # perf_counter when its sampling was queued
 
     def done(self) -> bool:
         """The device has finished the step (never blocks)."""
@@ -177,6 +179,11 @@ class ModelRunner:
         if cuda_graph and on_gpu and piecewise_cuda_graph_max_tokens > 0:
             self.pieces = PiecewiseGraphs(model, kv, device, piecewise_cuda_graph_max_tokens)
 
+    def replays_pieces(self, num_tokens: int) -> bool:
+        """A prompt or mixed step of this many tokens replays piecewise graphs: its launch takes little host time.
+        (A Qwen3-VL step with images runs eagerly all the same: its DeepStack adds work between the layers.)"""
+        return self.pieces is not None and self.pieces.fits(num_tokens)
+
     def launch(self, staged: StagedStep) -> InflightStep:
         """Run the staged step and sample it, all queued on the device; returns at once."""
         return self.sample(self.forward(staged))
@@ -243,7 +250,8 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         widths = (b, k, len(staged.prefill.score_rows), kp)
-        return InflightStep(fwd.sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths)
+        return InflightStep(fwd.sampled, host_ids, host_lps, event, nd, staged.prefill.num_tokens, scored, widths,
+                            launched_at=time.perf_counter())  # fmt: skip
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.pieces is not None and self.pieces.can_run(batch):

@@ -66,8 +66,11 @@ class PiecewiseGraphs:
             self.pieces = {s: [functools.partial(self._piece, i, s) for i in range(len(self.layers) + 1)]
                            for s in self.sizes}  # fmt: skip
 
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1]
+
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.input_ids.shape[0] <= self.sizes[-1] and self.model.layers_only(batch)
+        return self.fits(batch.input_ids.shape[0]) and self.model.layers_only(batch)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward over the batch (as `model(batch)`) -> logits [num_seqs (+ scored), vocab]."""

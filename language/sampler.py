@@ -36,7 +36,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # float32
     seeded: torch.Tensor  # bool
     seed: torch.Tensor  # int64
-    step: torch.Tensor  # int64: output tokens so far (varies the seeded noise per step)
+    step: torch.Tensor  # int64: output tokens sampled before this one (varies the seeded noise per step)
     all_greedy: bool
     any_top: bool
     any_seeded: bool
@@ -65,7 +65,7 @@ class SamplingBatch:
             top_p=t(top_p, torch.float32),
             seeded=t([p.seed is not None for p in ps], torch.bool),
             seed=t([p.seed or 0 for p in ps], torch.int64),
-            step=t([len(r.output_ids) for r in reqs], torch.int64),
+            step=t([_sampled_before(r) for r in reqs], torch.int64),
             all_greedy=all(greedy),
             any_top=any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
             any_seeded=any(p.seed is not None for p in ps),

@@ -8,8 +8,9 @@ into one pinned buffer and sends it in a single copy.
 A request that reuses a cached prefix gets its table row's first columns pointed at the tree's slots in the same
 copy (`table_*`), and a prompt that completes is handed to the prefix cache, so requests staged later reuse it.
 
-If a request of the decode part turns out finished once the previous step is read back (it sampled EOS), `drop`
-takes its row out before anything is launched: a request that finishes at step N never runs at step N+1."""
+Where the previous step is read back between staging and launch (an eager prompt step under the router),
+`drop_finished` takes out the decode rows of requests it finished; otherwise such a row runs and its sample is
+ignored."""
 
 from __future__ import annotations
 

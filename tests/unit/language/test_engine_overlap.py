@@ -1,7 +1,7 @@
-"""The overlapped engine loop on a real tiny model (CPU): step() launches step N+1 before it returns step N's
-tokens, yet a request never runs after the step that finished it, and an abort mid-flight frees exactly its
-slots. (The prefix cache is off here: with it, an aborted request's written slots stay in the tree;
-tests/unit/language/test_prefix_cache.py covers that.)"""
+"""The overlapped engine loop on a real tiny model (CPU): step() launches step N+1 before it reads step N back, so
+a request that N finishes runs once more in N+1, whose sample for it is discarded, and never after; its slots all
+come back. An abort mid-flight frees exactly its slots. (The prefix cache is off here: with it, an aborted request's
+written slots stay in the tree; tests/unit/language/test_prefix_cache.py covers that.)"""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ def _prompt(i: int) -> list[int]:
     return [3 + (7 * i + j) % 50 for j in range(6 + i)]
 
 
-def test_request_finishing_at_step_n_is_not_in_step_n_plus_1(llm):
+def test_request_finishing_at_step_n_runs_in_step_n_plus_1_discarded(llm):
+    """N+1 is launched before N is read back: the request N stops is in it (a wasted row), its sample there is
+    dropped, and no later step holds it."""
     engine = llm.engine
     free_run = llm.generate([_prompt(0)], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
     stop = free_run[3]  # the 4th token it samples: make it a stop token
@@ -38,14 +40,49 @@ def test_request_finishing_at_step_n_is_not_in_step_n_plus_1(llm):
         launched = {id(r) for r, _ in engine._inflight.sampled} if engine._inflight else set()
         if any(o.rid == "stopper" and o.finished for o in outs):
             finished_in_call = call
-        if finished_in_call is not None:
-            assert id(stopper) not in launched, "the stopped request ran in the step after it finished"
+            assert id(stopper) in launched, "the step after the stopping one was launched after the read-back"
+        elif finished_in_call is not None:
+            assert id(stopper) not in launched, "the stopped request ran two steps after it finished"
+            assert all(o.rid != "stopper" for o in outs), "the wasted row's sample reached the stopped request"
         if not engine.has_unfinished():
             break
     assert finished_in_call is not None
     assert stopper.finish_reason == "stop" and stopper.output_ids == free_run[: free_run.index(stop) + 1]
     assert all(len(r.output_ids) == 12 for r in others)
     assert engine.stats().kv_used == 0
+
+
+def test_stop_beside_a_penalised_request_frees_every_slot(llm):
+    """A decoding request with a penalty needs the previous step read back before the next is staged: a request
+    that read-back stops is staged no slot (it used to keep one for good)."""
+    engine = llm.engine
+    free_run = llm.generate([_prompt(0)], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    stop = free_run[3]
+    penalised = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.2)
+    stopper = SamplingParams(max_new_tokens=8, ignore_eos=True, stop_token_ids=[stop])
+    gens = llm.generate([_prompt(0), _prompt(3)], [stopper, penalised])
+    assert gens[0].token_ids == free_run[: free_run.index(stop) + 1] and len(gens[1].token_ids) == 8
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.slots.num_used == 0 and engine.kv.num_free_rows() == engine.cfg.running_max_req_size
+
+
+def test_seeded_request_draws_the_same_tokens_launched_first_or_after_a_read_back(llm):
+    """A seed needs no read-back (its noise counts the samples staged before): alone, its steps launch before the
+    previous one is read back; beside a decoding request with a penalty, every step reads the previous one back
+    first. It draws the same tokens both ways."""
+    engine = llm.engine
+    seeded = SamplingParams(max_new_tokens=16, ignore_eos=True, do_sample=True, temperature=1.5, seed=11)
+    reqs = [Request("seeded", _prompt(2), seeded)]
+    engine.add_request(reqs[0])
+    engine.step()  # the prompt
+    engine.step()  # the first decode step, launched before the prompt's step is read back
+    assert engine._inflight is not None and engine._inflight.num_decode == 1 and len(reqs[0].output_ids) == 1
+    while not reqs[0].finished:
+        engine.step()
+    penalised = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.3)
+    beside = llm.generate([_prompt(2), _prompt(0)], [seeded, penalised])[0].token_ids
+    assert reqs[0].output_ids == beside and len(set(beside)) > 1
 
 
 def test_abort_while_a_step_is_in_flight_frees_exactly_its_slots(llm):

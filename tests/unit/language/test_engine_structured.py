@@ -217,9 +217,9 @@ def test_constrained_steps_overlap_and_compile_once(llm):
         order.append("forward")
         return forward(staged)
 
-    def recording_collect():
+    def recording_collect(inflight):
         order.append("collect")
-        return collect()
+        return collect(inflight)
 
     so = _json(SCHEMAS[2])
     assert engine.structured.grammars.compile(so) is engine.structured.grammars.compile(so)
