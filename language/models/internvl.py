@@ -14,7 +14,7 @@ import torch
 from language.config import LMConfig
 from language.models.hf_config import lm_config_from_hf
 from language.models.llama import LlamaForCausalLM
-from language.parallel.sharding import TensorView
+from language.parallel.sharding import Shard, TensorView
 
 _LM_PREFIXES = ("model.language_model.", "language_model.model.")
 _LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight", "language_model.output.weight")
@@ -50,23 +50,24 @@ class InternVLForCausalLM(LlamaForCausalLM):
 
     def shard_tensor(self, ckpt_name: str, view: TensorView) -> torch.Tensor:
         if ckpt_name.endswith(".attention.wqkv.weight"):
-            return self._unpacked_wqkv(view)
+            return unpack_wqkv(self.shard, view)
         return super().shard_tensor(ckpt_name, view)
 
-    def _unpacked_wqkv(self, view: TensorView) -> torch.Tensor:
-        """InternLM2's `wqkv` [(kv_heads * (group + 2) * D), hidden] holds, for each KV head in turn, its group of
-        query heads, then its key, then its value -> this rank's rows of our fused [q | k | v]. Only the rows of
-        this rank's KV heads are read."""
-        s, d = self.shard, self.cfg.head_dim
-        group = self.cfg.num_heads // self.cfg.num_kv_heads
-        rows = (group + 2) * d  # one KV head's block
-        block = view[s.kv_head0 * rows : (s.kv_head0 + s.kv_heads) * rows]
-        block = block.reshape(s.kv_heads, group + 2, d, block.shape[-1])
-        q = block[:, :group].reshape(s.kv_heads * group, d, -1)  # the query heads of these KV heads, in order
-        first_q = s.head0 - s.kv_head0 * group  # a rank sharing its KV head holds only some of its group
-        q = q[first_q : first_q + s.heads]
-        return torch.cat([q.reshape(s.heads * d, -1), block[:, group].reshape(s.kv_heads * d, -1),
-                          block[:, group + 1].reshape(s.kv_heads * d, -1)])  # fmt: skip
+
+def unpack_wqkv(s: Shard, view: TensorView) -> torch.Tensor:
+    """InternLM2's `wqkv` [(kv_heads * (group + 2) * D), hidden] holds, for each KV head in turn, its group of query
+    heads, then its key, then its value -> this rank's rows of our fused [q | k | v]. Only the rows of this rank's KV
+    heads are read."""
+    d = s.full.head_dim
+    group = s.full.num_heads // s.full.num_kv_heads
+    rows = (group + 2) * d  # one KV head's block
+    block = view[s.kv_head0 * rows : (s.kv_head0 + s.kv_heads) * rows]
+    block = block.reshape(s.kv_heads, group + 2, d, block.shape[-1])
+    q = block[:, :group].reshape(s.kv_heads * group, d, -1)  # the query heads of these KV heads, in order
+    first_q = s.head0 - s.kv_head0 * group  # a rank sharing its KV head holds only some of its group
+    q = q[first_q : first_q + s.heads]
+    return torch.cat([q.reshape(s.heads * d, -1), block[:, group].reshape(s.kv_heads * d, -1),
+                      block[:, group + 1].reshape(s.kv_heads * d, -1)])  # fmt: skip
 
 
 def internlm2_to_llama(name: str) -> str:
