@@ -37,6 +37,28 @@ def check_model_dir(config: ServerConfig) -> None:
                           f"{', '.join(image_architectures())}")  # fmt: skip
     if not any(os.path.isfile(os.path.join(model_dir, name)) for name in _TOKENIZER_FILES):
         raise CannotStart(f"--model_dir {model_dir} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)})")
+    remote = _remote_tokenizer_class(model_dir)
+    if remote and not config.trust_remote_code:
+        raise CannotStart(f"--model_dir {model_dir}: its tokenizer is the checkpoint's own code ({remote}, named in "
+                          "tokenizer_config.json's auto_map); pass --trust_remote_code to run it")  # fmt: skip
+
+
+def _remote_tokenizer_class(model_dir: str) -> str | None:
+    """The checkpoint's own tokenizer class (`module.Class`) where transformers can load its tokenizer only by running
+    that code (tokenizer_class is the auto_map's class, e.g. InternLM2Tokenizer); None otherwise. Qwen-VL's
+    tiktoken folder is read by our own loader instead."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.isfile(os.path.join(model_dir, VOCAB_FILE)) or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        refs = config.get("auto_map", {}).get("AutoTokenizer") or []
+    except (OSError, ValueError, AttributeError):
+        return None  # transformers says what is wrong with it
+    refs = [refs] if isinstance(refs, str) else refs
+    cls = config.get("tokenizer_class")
+    return next((ref for ref in refs if isinstance(ref, str) and cls and ref.endswith("." + cls)), None)
 
 
 def _architecture(model_dir: str) -> str:

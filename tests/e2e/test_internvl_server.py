@@ -1,7 +1,9 @@
 """Issue 31's InternVL acceptance over HTTP, on tiny random checkpoints in both published layouts: the -hf one
 (`InternVLForConditionalGeneration`, with its published chat template) and the remote-code one (`InternVLChatModel`,
-`<image>` prompts, the family's built-in `internvl2_5` template; HF's reference is InternVLForConditionalGeneration on
-the same weights in the -hf layout, which its builder writes beside it). The real server answers concurrent /generate
+`<image>` prompts, the family's built-in `internvl2_5` template), the latter with a Qwen2 language model (InternVL3)
+and with InternLM2 (InternVL2.5-8B: packed `wqkv`, a sentencepiece tokenizer behind remote code, served with
+--trust_remote_code); HF's reference for the remote-code layout is InternVLForConditionalGeneration on the same
+weights in the -hf layout, which its builder writes beside it. The real server answers concurrent /generate
 requests (one image, two images of different tile counts, text only, LightLLM's per-request tile cap
 `image_max_patch_num`) and /v1/chat/completions (one image, a two-turn chat with an image in each user turn) with HF
 transformers' greedy tokens, and its prompt token counts equal InternVLProcessor's. The server prefills 32 tokens a
@@ -25,6 +27,7 @@ from transformers import AutoProcessor, InternVLForConditionalGeneration
 from mmserve.prep.chat_templates import INTERNVL, INTERNVL_CHAT
 from mmserve.testing.checkpoints.internvl import build_internvl_hf
 from mmserve.testing.checkpoints.internvl_chat import build_internvl_chat
+from mmserve.testing.checkpoints.internvl_internlm2 import build_internvl_internlm2
 from mmserve.testing.images import picture, png_b64
 from mmserve.testing.server_proc import ServerProcess, serving
 from tests.e2e.test_openai_api import hf_messages, openai_messages
@@ -55,7 +58,10 @@ TWO_TURNS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["hf", "remote_code"])
+REMOTE_CODE_LAYOUTS = ("remote_code", "internlm2")
+
+
+@pytest.fixture(scope="module", params=["hf", "remote_code", "internlm2"])
 def layout(request) -> str:
     return request.param
 
@@ -64,6 +70,8 @@ def layout(request) -> str:
 def model_dir(layout, tmp_path_factory) -> str:
     if layout == "remote_code":
         return build_internvl_chat(str(tmp_path_factory.mktemp("internvl_chat") / MODEL))
+    if layout == "internlm2":
+        return build_internvl_internlm2(str(tmp_path_factory.mktemp("internvl_internlm2") / MODEL))
     path = build_internvl_hf(str(tmp_path_factory.mktemp("internvl") / MODEL))
     with open(os.path.join(path, "chat_template.json")) as f:
         assert json.load(f) == {"chat_template": INTERNVL}
@@ -72,18 +80,19 @@ def model_dir(layout, tmp_path_factory) -> str:
 
 def request_text(layout: str, hf_text: str) -> str:
     """What the server gets for a prompt HF's processor takes: the remote-code layout's placeholder is `<image>`."""
-    return hf_text.replace(IMAGE_CONTEXT, "<image>") if layout == "remote_code" else hf_text
+    return hf_text.replace(IMAGE_CONTEXT, "<image>") if layout in REMOTE_CODE_LAYOUTS else hf_text
 
 
 @pytest.fixture(scope="module")
 def hf_dir(layout, model_dir) -> str:
-    return model_dir + "-hf" if layout == "remote_code" else model_dir
+    return model_dir + "-hf" if layout in REMOTE_CODE_LAYOUTS else model_dir
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(layout, model_dir, tmp_path_factory):
+    remote_code = ["--trust_remote_code"] if layout == "internlm2" else []  # InternLM2's tokenizer is remote code
     srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--max_total_token_num",
-                        "4096", "--enable_multimodal", "--chunked_prefill_size", "32")  # fmt: skip
+                        "4096", "--enable_multimodal", "--chunked_prefill_size", "32", *remote_code)  # fmt: skip
     with serving(srv):
         yield srv
 
@@ -155,10 +164,10 @@ def test_chat_equals_hf_on_the_layouts_template(layout, server, hf, processor, t
     """The -hf layout's published template, or the remote-code layout's built-in one (its `<image>` given to HF's
     processor as `<IMG_CONTEXT>`)."""
     messages, images = hf_messages(turns)
-    template = INTERNVL_CHAT if layout == "remote_code" else INTERNVL
+    template = INTERNVL_CHAT if layout in REMOTE_CODE_LAYOUTS else INTERNVL
     rendered = processor.apply_chat_template(messages, chat_template=template, add_generation_prompt=True)
     rendered = rendered.replace("<image>", IMAGE_CONTEXT)
-    assert rendered.startswith("<|im_start|>system\n" if layout == "remote_code" else "<|im_start|>user\n")
+    assert rendered.startswith("<|im_start|>system\n" if layout in REMOTE_CODE_LAYOUTS else "<|im_start|>user\n")
     prompt_ids, expected = hf(rendered, images)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
     reply = client.chat.completions.create(model=MODEL, messages=openai_messages(turns), max_tokens=NEW_TOKENS,

@@ -1,5 +1,6 @@
 """Start-up as a newcomer meets it: every mistake in the command line (no such model folder, a folder that is not a
-model, a model without its tokenizer, an unknown device, a port already taken) ends the server within seconds, with
+model, a model without its tokenizer, a tokenizer that is the checkpoint's own code without --trust_remote_code, an
+unknown device, a port already taken) ends the server within seconds, with
 a non-zero exit and one clear line instead of tracebacks from several processes."""
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def no_tokenizer(tmp_path_factory, e2e_model_dir) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def remote_code_tokenizer(tmp_path_factory, e2e_model_dir) -> str:
+    """tokenizer_config.json as InternVL2.5-8B's names its tokenizer: a class only its own code defines."""
+    folder = tmp_path_factory.mktemp("remote_tok") / "model"
+    shutil.copytree(e2e_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    auto_map = {"AutoTokenizer": ["tokenization_internlm2.InternLM2Tokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "InternLM2Tokenizer", "auto_map": auto_map})
+    )
+    return str(folder)
+
+
 @pytest.mark.parametrize(
     "case, expected",
     [
@@ -70,18 +84,20 @@ def no_tokenizer(tmp_path_factory, e2e_model_dir) -> str:
         ("not_a_model", "no config.json"),
         ("unknown_architecture", "BertForMaskedLM"),
         ("no_tokenizer", "tokenizer"),
+        ("remote_code_tokenizer", "pass --trust_remote_code"),
         ("tpu", "--device"),
         ("not_multimodal", "--enable_multimodal"),
     ],
 )
 def test_a_bad_command_line_fails_in_seconds_with_one_line(
-    case, expected, e2e_model_dir, not_a_model, unknown_architecture, no_tokenizer, tmp_path
+    case, expected, e2e_model_dir, not_a_model, unknown_architecture, no_tokenizer, remote_code_tokenizer, tmp_path
 ):
     model = {
         "missing": str(tmp_path / "no_such_model"),
         "not_a_model": not_a_model,
         "unknown_architecture": unknown_architecture,
         "no_tokenizer": no_tokenizer,
+        "remote_code_tokenizer": remote_code_tokenizer,
     }.get(case, e2e_model_dir)
     args = ["--model_dir", model, "--port", str(free_port())]
     if case == "tpu":

@@ -1,7 +1,8 @@
 """Issue 11's CPU acceptance: the real server at --tp 2 (2 ranks on gloo: the router process is rank 0, one worker
-process rank 1) gives HF transformers' greedy tokens for the tiny Llama, LLaVA-1.5 and Qwen2-VL checkpoints, images
-included (their rows reach rank 1 through the step's broadcast); killing a rank mid-load fails the server (on the
-Llama's server, after its comparison: one start for both); a tp that does not divide the heads is refused at once.
+process rank 1) gives HF transformers' greedy tokens for the tiny Llama, LLaVA-1.5, Qwen2-VL and InternVL2.5
+(InternLM2) checkpoints, images included (their rows reach rank 1 through the step's broadcast); killing a rank
+mid-load fails the server (on the Llama's server, after its comparison: one start for both); a tp that does not divide
+the heads is refused at once.
 No server outlives its tests (the Llama's ends with the kill), so none idles beside the next one's start."""
 
 from __future__ import annotations
@@ -89,6 +90,30 @@ def test_qwen2_vl_tp2_equals_hf(tmp_path_factory):
             ours = list(pool.map(lambda case: qwen_vl_cases.generate(srv, *case), cases))
     hf = qwen_vl_cases.hf_greedy_for(QWEN2_VL, model_dir)
     assert ours == [hf(*case) for case in cases]
+
+
+def test_internvl2_5_internlm2_tp2_equals_hf(tmp_path_factory):
+    """InternLM2's packed `wqkv` split by KV head over the ranks (8 query heads, 2 KV heads: 4 and 1 a rank)."""
+    from transformers import AutoProcessor, InternVLForConditionalGeneration
+
+    from mmserve.testing.checkpoints.internvl_internlm2 import build_internvl_internlm2
+    from tests.e2e import test_internvl_server as internvl
+
+    model_dir = build_internvl_internlm2(str(tmp_path_factory.mktemp("internvl_internlm2") / "m"))
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--enable_multimodal",
+                        "--trust_remote_code", *tp_args())  # fmt: skip
+    cases = internvl.GENERATE_CASES  # one image, two images of different tile counts, text only: batched together
+    request = lambda case: internvl.generate(srv, internvl.request_text("internlm2", case[0]), case[1])  # noqa: E731
+    with serving(srv), ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(request, cases))
+    processor = AutoProcessor.from_pretrained(model_dir + "-hf")
+    model = InternVLForConditionalGeneration.from_pretrained(model_dir + "-hf", dtype=torch.float32).eval()
+    for (text, images), answer in zip(cases, answers, strict=True):
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        prompt = inputs["input_ids"][0].tolist()
+        pixels = {"pixel_values": inputs["pixel_values"]} if images else {}
+        assert answer["prompt_tokens"] == len(prompt), text
+        assert [t["id"] for t in answer["tokens"]] == hf_greedy(model, prompt, internvl.NEW_TOKENS, **pixels), text
 
 
 def test_tp_that_does_not_divide_the_heads_fails_at_start(e2e_model_dir, tmp_path):

@@ -2,10 +2,11 @@
 (columns of its input per rank, partial sums all-reduced in fp32 and rounded once, as TP=1's GEMM), the
 vocabulary-parallel embedding and lm_head, exact (with a vocabulary that does not split evenly: the last rank's
 rows are padded), and column slices taken by heads from fused and separate q/k/v tensors, KV heads replicated
-when there are fewer than ranks."""
+when there are fewer than ranks, and InternLM2's packed `wqkv` unpacked to the same slices."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -140,6 +141,32 @@ def test_qkv_slices_by_heads(kv_heads):
                           v[kv_head * d : (kv_head + 1) * d]])  # fmt: skip
         apart = torch.cat([take(s, "qkv_proj", i, t) for i, t in enumerate((q, k, v))])
         assert torch.equal(apart, want) and torch.equal(take(s, "qkv_proj", None, fused), want)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_internlm2_wqkv_unpacks_to_each_ranks_qkv_slice(tp):
+    """InternLM2's packed `wqkv` (per KV head: its query heads, its key, its value; packed here as the published
+    modeling reads it, by the test builder) gives each rank the rows `take` gives it from q, k, v stored apart: KV
+    heads split (tp 1, 2) or replicated (tp 4, 8 over 2 KV heads)."""
+    from language.models.internvl import unpack_wqkv
+    from mmserve.testing.checkpoints.internvl_internlm2 import internlm2_tensors
+
+    cfg = dataclasses.replace(_cfg(heads=8, kv_heads=2, inter=16), hidden_size=16)  # head_dim 2 = 16 / 8
+    text = {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 16, "num_hidden_layers": 1}
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, 16, generator=g) for rows in (16, 4, 4))
+    names = ("q_proj", "k_proj", "v_proj")
+    hf = {f"language_model.model.layers.0.self_attn.{n}.weight": t for n, t in zip(names, (q, k, v), strict=True)}
+    hf |= {f"language_model.model.{n}.weight": torch.zeros(1) for n in ("embed_tokens", "norm")}
+    hf |= {"language_model.lm_head.weight": torch.zeros(1)}
+    hf |= {f"language_model.model.layers.0.{n}.weight": torch.zeros(1) for n in ("self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}  # fmt: skip
+    wqkv = internlm2_tensors(hf, text)["language_model.model.layers.0.attention.wqkv.weight"]
+    assert wqkv.shape == (24, 16) and not torch.equal(wqkv[:16], q)  # packed, not [q | k | v]
+    for rank in range(tp):
+        s = make_shard(cfg, rank, tp)
+        want = torch.cat([take(s, "qkv_proj", i, t) for i, t in enumerate((q, k, v))])
+        assert torch.equal(unpack_wqkv(s, wqkv), want), (tp, rank)
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused():

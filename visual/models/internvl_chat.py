@@ -50,6 +50,8 @@ def chat_config(raw: dict) -> InternVLConfig:
     vision["image_size"] = raw.get("force_image_size") or vision.get("image_size", 448)
     vision["use_absolute_position_embeddings"] = True
     llm = {k: v for k, v in raw["llm_config"].items() if k not in ("architectures", "auto_map")}
+    if llm.get("model_type") == "internlm2":  # transformers has no InternLM2 config; the tower needs only the width
+        llm = {"model_type": "llama", "hidden_size": llm["hidden_size"]}
     return InternVLConfig(
         vision_config=vision,
         text_config=llm,
