@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from language.kernels.fp8_gemm import fp8_gemm
-from language.kernels.fp8_gemv import fp8_gemv, fp8_gemv_fused, fused_groups_fit, group_size
+from language.kernels.fp8_gemv import fp8_gemv, fp8_gemv_fused, group_size
 from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
 __all__ = [
@@ -90,17 +90,17 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [n, K] @ dequantized weight [N, K].T (+ bias) -> [n, N] in out_dtype (default x's): x quantized per token
-    (in the weight's column groups), then the FP8 GEMM. On CUDA: one row through the FP8 GEMV, which quantizes it
-    itself (one launch); per-channel weights through cuBLASLt's row-wise scaled GEMM; grouped ones through our
-    block-scaled kernel."""
+    (in the weight's column groups), then the FP8 GEMM. On CUDA, one row: per-channel weights through the FP8 GEMV
+    that quantizes the row itself (one launch), grouped ones through the quantizer and the GEMV; more rows:
+    per-channel weights through cuBLASLt's row-wise scaled GEMM, grouped ones through our block-scaled kernel."""
     out_dtype = out_dtype or x.dtype
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
     groups = weight_scale.shape[1]
-    if x.shape[0] == 1 and fused_groups_fit(x.shape[1], groups):
+    if x.shape[0] == 1 and groups == 1:
         return fp8_gemv_fused(x, weight, weight_scale, bias, out_dtype=out_dtype)
     x_q, x_scale = quantize_fp8(x, _activation_group(x.shape[1], groups))
-    if x.shape[0] == 1:  # column groups wider than the fused GEMV's step
+    if x.shape[0] == 1:  # grouped scales: fusing measured 1.9x slower on an H100 (benchmarks/fp8_gemv_bench.py)
         return fp8_gemv(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
     if groups > 1 or x.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt wants both dims in 16s
         return fp8_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
