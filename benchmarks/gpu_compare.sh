@@ -207,6 +207,12 @@ t = builtin_chat_template(model_architecture(sys.argv[1])); sys.exit(2) if t is 
       # refuses to start); Triton attention can, and is what vLLM picks by itself for Gemma 3 on an H100
       export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --attention-backend TRITON_ATTN"
     fi
+    if [ -n "$video_loads" ]; then
+      # serve.sh takes no video; vLLM reads videos with OpenCV unless told otherwise, and OpenCV is not carried
+      # (PyAV is, in .whl: carry it in a call of its own on the warm machine, then run this)
+      export VLLM_VIDEO_LOADER_BACKEND=pyav
+      export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --limit-mm-per-prompt {\"image\":{\"count\":1,\"width\":1344,\"height\":1344},\"video\":1}"
+    fi
     t0=$(date +%s.%N)
     if bash .vllm/bin/serve.sh "$ckpt" "$vport" >&2; then
       startup=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1]), 1))" "$t0" "$(date +%s.%N)")
