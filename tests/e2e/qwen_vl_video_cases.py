@@ -157,7 +157,8 @@ def check_bad_videos_get_400(server) -> None:
     for r, field in bad:
         assert r.status_code == 400, r.text
         assert r.json()["field"] == field, r.text
-    assert "larger than 40000 bytes" in bad[-2][0].text and "(--max_video_seconds)" in bad[-1][0].text
+    assert "larger than 40000 bytes (--max_video_bytes)" in bad[-2][0].text
+    assert "(--max_video_seconds)" in bad[-1][0].text
     check_idle(server)
     assert len(cases.generate(server, *cases.CASES[2], max_new_tokens=2)) == 2  # and the server keeps serving
 

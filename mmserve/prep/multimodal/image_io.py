@@ -18,7 +18,7 @@ import pybase64
 from PIL import Image
 
 from mmserve.launch.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
-from mmserve.prep.multimodal.url_fetch import FetchPolicy, UrlFetcher, UrlRefused
+from mmserve.prep.multimodal.url_fetch import FetchPolicy, UrlFetcher, UrlRefused, too_large
 from visual.image_decode import BadImage, open_header, open_image
 
 __all__ = [
@@ -64,7 +64,7 @@ def decode_base64(text: str, max_bytes: int, what: str = "image") -> bytes:
         if not head.endswith(";base64"):
             raise BadImage(f"a data: URL {what} must be base64-encoded")
     if len(text) > (max_bytes + 2) // 3 * 4 + len(text) // 64 + 4:  # room for line breaks, checked again below
-        raise BadImage(f"{what} is larger than {max_bytes} bytes")
+        raise BadImage(f"{what} {too_large(what, max_bytes)}")
     try:
         data = pybase64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
@@ -74,7 +74,7 @@ def decode_base64(text: str, max_bytes: int, what: str = "image") -> bytes:
         except (binascii.Error, ValueError) as e:
             raise BadImage(f"malformed base64 {what} data: {e}") from None
     if len(data) > max_bytes:
-        raise BadImage(f"{what} is larger than {max_bytes} bytes")
+        raise BadImage(f"{what} {too_large(what, max_bytes)}")
     if not data:
         raise BadImage(f"empty {what} data")
     return data
@@ -84,16 +84,16 @@ def is_url(item: object) -> bool:
     return isinstance(item, dict) and item.get("type") == "url"
 
 
-async def fetch_item(item: object, fetcher: UrlFetcher, max_bytes: int) -> object:
-    """A URL entry -> the bytes downloaded (what load_image_bytes then takes as the image file); any other entry as
-    it is."""
+async def fetch_item(item: object, fetcher: UrlFetcher, max_bytes: int, what: str = "image") -> object:
+    """A URL entry -> the bytes downloaded (what load_image_bytes then takes as the image or video file); any other
+    entry as it is."""
     if not is_url(item):
         return item
     url = item.get("data")
     if not isinstance(url, str) or not url:
-        raise BadImage('image "data" must be a non-empty string')
+        raise BadImage(f'{what} "data" must be a non-empty string')
     try:
-        return await fetcher.fetch(url, max_bytes)
+        return await fetcher.fetch(url, max_bytes, what)
     except UrlRefused as e:
         raise BadImage(str(e)) from None
 

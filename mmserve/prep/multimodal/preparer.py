@@ -257,7 +257,7 @@ class MultimodalPreparer:
         loop = asyncio.get_running_loop()
 
         async def one(item: object) -> LoadedVideo:
-            item = await fetch_item(item, self.fetcher, self.video_policy.max_bytes)
+            item = await fetch_item(item, self.fetcher, self.video_policy.max_bytes, "video")
             return await loop.run_in_executor(self.image_executor, load_video, item, self.video_policy,
                                               self.cache_salt, sampling, self.prompt_processor.plan_video)  # fmt: skip
 

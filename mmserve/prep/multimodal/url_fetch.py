@@ -85,60 +85,71 @@ class UrlFetcher:
             limits=httpx.Limits(max_keepalive_connections=0),
         )
 
-    async def fetch(self, url: str, max_bytes: int) -> bytes:
+    async def fetch(self, url: str, max_bytes: int, what: str = "image") -> bytes:
         """The body at `url`, at most max_bytes, all within the policy's deadline (headers and redirects included:
-        a per-read timeout alone lets a host that trickles a byte at a time hold the request indefinitely)."""
+        a per-read timeout alone lets a host that trickles a byte at a time hold the request indefinitely). `what`
+        the URL should hold ("image", "video"), for the messages."""
         try:
-            return await asyncio.wait_for(self._fetch(url, max_bytes), self.policy.timeout_s)
+            return await asyncio.wait_for(self._fetch(url, max_bytes, what), self.policy.timeout_s)
         except asyncio.TimeoutError:
-            raise UrlRefused(f"fetching the image URL timed out after {self.policy.timeout_s:g} s") from None
+            raise UrlRefused(f"fetching the {what} URL timed out after {self.policy.timeout_s:g} s") from None
 
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    async def _fetch(self, url: str, max_bytes: int) -> bytes:
+    async def _fetch(self, url: str, max_bytes: int, what: str) -> bytes:
         for _ in range(self.policy.max_redirects + 1):
-            parsed = _checked_url(url)
+            parsed = _checked_url(url, what)
             port = parsed.port or (443 if parsed.scheme == "https" else 80)
             ip = await resolve_checked(parsed.host, port, self.policy.allow_private)
             try:
                 response = await self._client.send(_pinned_request(self._client, parsed, ip), stream=True)
             except httpx.HTTPError as e:
-                raise UrlRefused(f"fetching the image URL failed: {type(e).__name__}: {e}") from None
+                raise UrlRefused(f"fetching the {what} URL failed: {type(e).__name__}: {e}") from None
             try:
                 if response.status_code in _REDIRECTS and "location" in response.headers:
                     url = urljoin(str(parsed), response.headers["location"])
                     continue
                 if response.status_code != 200:
-                    raise UrlRefused(f"fetching the image URL gave HTTP {response.status_code}")
-                return await _read_capped(response, max_bytes)
+                    raise UrlRefused(f"fetching the {what} URL gave HTTP {response.status_code}")
+                return await _read_capped(response, max_bytes, what)
             finally:
                 await response.aclose()
-        raise UrlRefused(f"image URL redirected more than {self.policy.max_redirects} times")
+        raise UrlRefused(f"{what} URL redirected more than {self.policy.max_redirects} times")
 
 
-def _checked_url(url: str) -> httpx.URL:
+def _checked_url(url: str, what: str) -> httpx.URL:
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, TypeError) as e:
-        raise UrlRefused(f"invalid image URL: {e}") from None
+        raise UrlRefused(f"invalid {what} URL: {e}") from None
     if parsed.scheme not in ("http", "https"):
-        raise UrlRefused(f"image URLs must be http or https, not {parsed.scheme or 'a path'!r}")
+        raise UrlRefused(f"{what} URLs must be http or https, not {parsed.scheme or 'a path'!r}")
     if not parsed.host:
-        raise UrlRefused("image URL has no host")
+        raise UrlRefused(f"{what} URL has no host")
     return parsed
 
 
-async def _read_capped(response: httpx.Response, max_bytes: int) -> bytes:
+async def _read_capped(response: httpx.Response, max_bytes: int, what: str) -> bytes:
     declared = response.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise UrlRefused(f"image at URL is larger than {max_bytes} bytes")
+        raise UrlRefused(f"{what} at URL {too_large(what, max_bytes)}")
     body = bytearray()
     try:
         async for chunk in response.aiter_bytes():
             body += chunk
             if len(body) > max_bytes:
-                raise UrlRefused(f"image at URL is larger than {max_bytes} bytes")
+                raise UrlRefused(f"{what} at URL {too_large(what, max_bytes)}")
     except httpx.HTTPError as e:
-        raise UrlRefused(f"fetching the image URL failed: {type(e).__name__}: {e}") from None
+        raise UrlRefused(f"fetching the {what} URL failed: {type(e).__name__}: {e}") from None
     return bytes(body)
+
+
+# The server flag that bounds each kind of file (images have a fixed bound).
+_BYTE_LIMIT_FLAGS = {"video": "--max_video_bytes"}
+
+
+def too_large(what: str, max_bytes: int) -> str:
+    """The end of a refusal for a file over its byte limit, naming the flag that sets the limit where there is one."""
+    flag = _BYTE_LIMIT_FLAGS.get(what)
+    return f"is larger than {max_bytes} bytes" + (f" ({flag})" if flag else "")

@@ -12,8 +12,15 @@ import pytest
 from PIL import Image
 
 from mmserve.prep.multimodal import url_fetch
-from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy, decode_base64, load_image, load_images
-from mmserve.prep.multimodal.url_fetch import FetchPolicy
+from mmserve.prep.multimodal.image_io import (
+    BadImage,
+    ImagePolicy,
+    decode_base64,
+    fetch_item,
+    load_image,
+    load_images,
+)
+from mmserve.prep.multimodal.url_fetch import FetchPolicy, UrlFetcher
 from tests.fake_image_host import hostile_host
 
 
@@ -186,6 +193,27 @@ def test_url_failures(server, path, message):
 def test_url_byte_cap(server):
     with pytest.raises(BadImage, match="larger than 1000 bytes"):
         load_url(server + "/big", ImagePolicy(max_bytes=1000, fetch=ALLOW.fetch))
+
+
+def test_a_video_over_its_byte_cap_names_the_flag(server):
+    """Sent inline or by URL, a video over --max_video_bytes is refused in words that say it is a video and which
+    flag bounds it; an image's fixed bound names none."""
+
+    async def fetch(path: str, what: str) -> None:
+        fetcher = UrlFetcher(ALLOW.fetch)
+        try:
+            await fetch_item({"type": "url", "data": server + path}, fetcher, 1000, what)
+        finally:
+            await fetcher.aclose()
+
+    with pytest.raises(BadImage, match=r"^video at URL is larger than 1000 bytes \(--max_video_bytes\)$"):
+        asyncio.run(fetch("/big", "video"))
+    with pytest.raises(BadImage, match=r"^fetching the video URL gave HTTP 404$"):
+        asyncio.run(fetch("/missing", "video"))
+    with pytest.raises(BadImage, match=r"^video is larger than 10 bytes \(--max_video_bytes\)$"):
+        decode_base64(base64.b64encode(b"x" * 20).decode(), 10, "video")
+    with pytest.raises(BadImage, match=r"^image at URL is larger than 1000 bytes$"):
+        asyncio.run(fetch("/big", "image"))
 
 
 def test_every_redirect_hop_is_checked(server, monkeypatch):
