@@ -14,17 +14,16 @@ written here from the -hf ones by hand, independently of the loader's mapping (v
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
 import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mmserve.testing.checkpoints.internvl import SHAPES, build_internvl_hf
-from mmserve.testing.checkpoints.writer import write_json
+from mmserve.testing.checkpoints.writer import read_checkpoint, write_json
 
 _VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
@@ -120,10 +119,8 @@ def build_internvl_chat(
     for key in ("extra_special_tokens", "chat_template"):  # InternVLProcessor's names; the -hf template
         tokenizer_config.pop(key, None)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config)
-    tensors = {
-        k: v for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))) for k, v in load_file(path).items()
-    }
-    save_file(remote_tensors(tensors), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    tensors = remote_tensors(read_checkpoint(hf_dir))
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 

@@ -22,14 +22,13 @@ is the inverse of the published modeling's view of it, written independently of 
 from __future__ import annotations
 
 import argparse
-import glob
 import io
 import json
 import os
 
 import sentencepiece as spm
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mmserve.prep.chat_templates import INTERNVL, INTERNVL_SYSTEM_PROMPT
 from mmserve.testing.checkpoints import internvl
@@ -37,7 +36,7 @@ from mmserve.testing.checkpoints.internvl import INTERNVL_TOKENS, VIDEO_TOKEN, p
 from mmserve.testing.checkpoints.internvl_chat import internvl_chat_config, remote_tensors
 from mmserve.testing.checkpoints.llama import llama_tensor_specs
 from mmserve.testing.checkpoints.tokenizer import _CORPUS
-from mmserve.testing.checkpoints.writer import write_checkpoint, write_json
+from mmserve.testing.checkpoints.writer import read_checkpoint, write_checkpoint, write_json
 
 # InternLM2's chat pieces, user-defined symbols of its sentencepiece model (92538-92543 in the published one)
 INTERNLM2_PIECES = ("<|plugin|>", "<|interpreter|>", "<|action_end|>", "<|action_start|>", "<|im_end|>", "<|im_start|>")
@@ -204,7 +203,7 @@ def build_internvl_internlm2(
     remote["llm_config"] = {**llm_config(text), "torch_dtype": "bfloat16"}
     write_json(os.path.join(out_dir, "config.json"), remote)
     write_json(os.path.join(out_dir, "generation_config.json"), {"bos_token_id": 1, "eos_token_id": im_end})
-    hf = {k: v for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))) for k, v in load_file(path).items()}
+    hf = read_checkpoint(hf_dir)
     lm = {k: v for k, v in hf.items() if k.startswith("language_model.")}
     tensors = remote_tensors({k: v for k, v in hf.items() if k not in lm}) | internlm2_tensors(lm, text)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

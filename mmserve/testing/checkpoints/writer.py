@@ -3,6 +3,7 @@ are built this way on the GPU host)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -10,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,9 @@ def _shard_groups(
 def write_json(path: str, obj: dict) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
+
+
+def read_checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, by name."""
+    paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    return {name: tensor for path in paths for name, tensor in load_file(path).items()}
