@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
-from language.kernels import decode_attention, gemv, rms_norm, silu_and_mul, store_kv
+from language.kernels import (
+    decode_attention,
+    gelu_tanh_and_mul,
+    gemma_norm_add_norm,
+    gemv,
+    rms_norm,
+    silu_and_mul,
+    store_kv,
+)
 
 # The package rebinds these names to the dispatching functions, so fetch the modules themselves.
 decode_module = importlib.import_module("language.kernels.decode_attention")
@@ -197,6 +205,11 @@ def bench_elementwise() -> None:
     t = ms(lambda: silu_and_mul(gate_up))
     name = "silu_and_mul 4096x(2x11008)"
     print(f"{name:<72} ours {t:8.4f} ms {1.5 * gate_up.numel() * 2 / t / 1e6:7.0f} GB/s")
+    t = ms(lambda: gelu_tanh_and_mul(gate_up))
+    name = "gelu_tanh_and_mul 4096x(2x11008) (Gemma 3)"
+    print(f"{name:<72} ours {t:8.4f} ms {1.5 * gate_up.numel() * 2 / t / 1e6:7.0f} GB/s")
+    t = ms(lambda: gemma_norm_add_norm(x, x, w, w, 1e-6))  # reads x and residual, writes normed and sum
+    print(f"{'gemma_norm_add_norm 4096x4096 (Gemma 3)':<72} ours {t:8.4f} ms {4 * x.numel() * 2 / t / 1e6:7.0f} GB/s")
     k_cache = torch.empty(8 * tokens, 32, HEAD_DIM, device="cuda", dtype=DTYPE)
     v_cache = torch.empty_like(k_cache)
     k = torch.randn(tokens, 32, HEAD_DIM, device="cuda", dtype=DTYPE)

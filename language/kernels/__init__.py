@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from language.kernels import reference
 from language.kernels.decode_attention import decode_attention as _decode_attention_triton
 from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
+from language.kernels.gemma_norm import gemma_norm_add_norm as _gemma_norm_add_norm_triton
+from language.kernels.gemma_norm import gemma_rms_norm as _gemma_rms_norm_triton
 from language.kernels.gemv import gemv
 from language.kernels.head_rms_norm import qk_rms_norm as _qk_rms_norm_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
@@ -22,6 +24,7 @@ from language.kernels.rms_norm import rms_norm as _rms_norm_triton
 from language.kernels.rotary import apply_rotary as _apply_rotary_triton
 from language.kernels.rotary import mrope_cos_sin as _mrope_cos_sin_triton
 from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
+from language.kernels.silu_mul import gelu_tanh_and_mul as _gelu_tanh_and_mul_triton
 from language.kernels.silu_mul import silu_and_mul as _silu_and_mul_triton
 
 
@@ -49,7 +52,10 @@ def _dispatch(triton_fn: Callable, reference_fn: Callable) -> Callable:
 rms_norm = _dispatch(_rms_norm_triton, reference.rms_norm_ref)
 add_rms_norm = _dispatch(_add_rms_norm_triton, reference.add_rms_norm_ref)
 qk_rms_norm = _dispatch(_qk_rms_norm_triton, reference.qk_rms_norm_ref)
+gemma_rms_norm = _dispatch(_gemma_rms_norm_triton, reference.gemma_rms_norm_ref)
+gemma_norm_add_norm = _dispatch(_gemma_norm_add_norm_triton, reference.gemma_norm_add_norm_ref)
 silu_and_mul = _dispatch(_silu_and_mul_triton, reference.silu_and_mul_ref)
+gelu_tanh_and_mul = _dispatch(_gelu_tanh_and_mul_triton, reference.gelu_tanh_and_mul_ref)
 rotary_cos_sin = _dispatch(_rotary_cos_sin_triton, reference.rotary_cos_sin_ref)
 mrope_cos_sin = _dispatch(_mrope_cos_sin_triton, reference.mrope_cos_sin_ref)
 apply_rotary = _dispatch(_apply_rotary_triton, reference.apply_rotary_ref)
@@ -73,6 +79,9 @@ __all__ = [
     "add_rms_norm",
     "apply_rotary",
     "decode_attention",
+    "gelu_tanh_and_mul",
+    "gemma_norm_add_norm",
+    "gemma_rms_norm",
     "gemv",
     "gemv_applies",
     "linear",

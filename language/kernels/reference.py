@@ -16,13 +16,31 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(x.dtype)
 
 
+def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H], weight: [H] -> [..., H] in x's dtype. HF's Gemma3RMSNorm: normalise and scale by (1 + weight), all
+    in fp32, then round."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def gemma_norm_add_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, x_weight: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (gemma_rms_norm_ref(summed, weight), summed), summed = residual + gemma_rms_norm_ref(x, x_weight): HF Gemma's
+    post-norm of a sublayer's output, its residual add, then the next sublayer's pre-norm."""
+    summed = residual + gemma_rms_norm_ref(x, x_weight, eps)
+    return gemma_rms_norm_ref(summed, weight, eps), summed
+
+
 def qk_rms_norm_ref(
-    qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float
+    qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int, eps: float, gemma: bool = False
 ) -> torch.Tensor:
     """qk: [N, Hq + Hk, D] -> [N, Hq + Hk, D]: RMSNorm over each head, the query heads scaled by q_weight [D], the key
-    heads by k_weight [D] (Qwen3's q_norm / k_norm)."""
-    q = rms_norm_ref(qk[:, :num_q_heads], q_weight, eps)
-    k = rms_norm_ref(qk[:, num_q_heads:], k_weight, eps)
+    heads by k_weight [D] (Qwen3's q_norm / k_norm; `gemma`: Gemma's norm, by (1 + weight) before rounding)."""
+    norm = gemma_rms_norm_ref if gemma else rms_norm_ref
+    q = norm(qk[:, :num_q_heads], q_weight, eps)
+    k = norm(qk[:, num_q_heads:], k_weight, eps)
     return torch.cat([q, k], dim=1)
 
 
@@ -38,6 +56,12 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x: [N, 2I] = [gate | up] -> silu(gate) * up: [N, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x: [N, 2I] = [gate | up] -> gelu(gate, approximate="tanh") * up: [N, I] (Gemma's MLP, HF's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rotary_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,10 @@
 What differs from Llama, each as HF's Gemma3TextModel does it:
 - the token embeddings are scaled by sqrt(hidden), rounded to the model's dtype first (image rows are not);
 - RMSNorm multiplies by (1 + weight), in fp32, then rounds; q and k are normalised per head before the rotary;
-- four norms a layer: before and after the attention, before and after the MLP (GELU-tanh gated);
+- four norms a layer: before and after the attention, before and after the MLP (GELU-tanh gated). A sublayer's
+  output is normalised before its residual add, so each add sits between two norms: post-attention norm, add,
+  pre-feedforward norm in one launch, and across layers post-feedforward norm, add, the next input norm (or the
+  final norm) in one launch, by the next layer: a layer hands on its MLP output before its post-feedforward norm;
 - the attention scale is query_pre_attn_scalar ** -0.5;
 - `layer_types`: sliding-window layers (their own rotary base, rope_local_base_freq) and global ones (rope_theta,
   with linear rope scaling on 4B and up): the window is each layer's attention option;
@@ -19,7 +22,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig
 
@@ -44,21 +46,16 @@ class Gemma3Config(LMConfig):
     final_logit_softcapping: float | None = None
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Gemma3RMSNorm: normalise and scale by (1 + weight) in fp32, then round to x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
-
-
 class GemmaRMSNorm(nn.Module):
+    """HF's Gemma3RMSNorm: normalise and scale by (1 + weight) in fp32, then round to x's dtype."""
+
     def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma_rms_norm(x, self.weight, self.eps)
+        return kernels.gemma_rms_norm(x, self.weight, self.eps)
 
 
 class Gemma3Attention(Attention):
@@ -76,16 +73,16 @@ class Gemma3Attention(Attention):
         this layer takes its half."""
         n, half = qkv.shape[0], self.head_dim // 2
         cos, sin = (cos[:, half:], sin[:, half:]) if self.window else (cos[:, :half], sin[:, :half])
-        q = qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
-        qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # [n, Hq + Hk, D]
-        return kernels.apply_rotary(qk, cos, sin)
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = kernels.qk_rms_norm(
+            qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps, gemma=True
+        )
+        return kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
 
 
 class GeluMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(kernels.gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(DecoderLayer):
@@ -100,15 +97,26 @@ class Gemma3DecoderLayer(DecoderLayer):
         super().__init__(cfg, layer_id, shard, tp)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The previous layer's post-feedforward norm, which this layer applies (set by the model; a tuple, so that
+        # the module is not registered twice).
+        self.previous_post_feedforward: tuple[GemmaRMSNorm, ...] = ()
 
     def attention_input(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's (post-norm) MLP output, or the embeddings with residual None."""
-        residual = x if residual is None else residual + x
-        return self.input_layernorm(residual), residual
+        """x: the previous layer's MLP output before its post-feedforward norm, or the embeddings with residual
+        None -> (the attention's input, the residual stream): that norm, the residual add and the input norm."""
+        norm = self.input_layernorm
+        if residual is None:
+            return norm(x), x
+        (previous,) = self.previous_post_feedforward
+        return kernels.gemma_norm_add_norm(x, residual, previous.weight, norm.weight, norm.eps)
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = residual + self.post_attention_layernorm(self.self_attn.output(attn))
-        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual))), residual
+        """-> (the MLP's output, not yet normalised: the next layer's or the final norm does that, the stream)."""
+        post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        h, residual = kernels.gemma_norm_add_norm(
+            self.self_attn.output(attn), residual, post.weight, pre.weight, pre.eps
+        )
+        return self.mlp(h), residual
 
 
 def _inv_freq(theta: float, head_dim: int, factor: float = 1.0) -> torch.Tensor:
@@ -148,14 +156,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Gemma3Config, tp: TPGroup | None = None):
         super().__init__(cfg, tp)
         self._embed_scale: dict[torch.dtype, float] = {}
-        self.inv_freq = _inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_factor)  # the global layers'
-        self.register_buffer("local_inv_freq", _inv_freq(cfg.local_rope_theta, cfg.head_dim), persistent=False)
+        # [D]: the global layers' frequencies, then the sliding layers': one launch computes both layers' angles.
+        global_freq = _inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_factor)
+        self.inv_freq = torch.cat([global_freq, _inv_freq(cfg.local_rope_theta, cfg.head_dim)])
+        for previous, layer in zip(self.layers, self.layers[1:], strict=False):
+            layer.previous_post_feedforward = (previous.post_feedforward_layernorm,)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> cos, sin [N, D]: the global layers' angles [N, D/2], then the sliding layers'."""
-        cos, sin = kernels.rotary_cos_sin(positions, self.inv_freq)
-        local_cos, local_sin = kernels.rotary_cos_sin(positions, self.local_inv_freq.float())
-        return torch.cat([cos, local_cos], dim=-1), torch.cat([sin, local_sin], dim=-1)
+        return kernels.rotary_cos_sin(positions, self.inv_freq.float())
 
     def embed(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = self.embed_tokens(batch.input_ids) * self.embed_scale(self.embed_tokens.weight.dtype)
@@ -173,7 +182,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def logits(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if batch.logits_idx is not None:  # only each sequence's last row reaches the head
             x, residual = x[batch.logits_idx], residual[batch.logits_idx]
-        logits = self.lm_head(self.norm(residual + x)).float()  # [num_seqs, vocab]
+        last = self.layers[-1].post_feedforward_layernorm  # the last MLP's norm, its add, then the final norm
+        normed, _ = kernels.gemma_norm_add_norm(x, residual, last.weight, self.norm.weight, self.norm.eps)
+        logits = self.lm_head(normed).float()  # [num_seqs, vocab]
         cap = self.cfg.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

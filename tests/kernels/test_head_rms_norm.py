@@ -48,3 +48,30 @@ def test_qk_rms_norm_rejects_a_wrong_weight():
     qk = torch.zeros(2, 3, 16, device=DEVICE)  # the launcher's checks run where its kernel would (GPU, else CPU)
     with pytest.raises(AssertionError, match="k_weight"):
         qk_rms_norm(qk, torch.ones(16, device=DEVICE), torch.ones(8, device=DEVICE), 2, 1e-6)
+
+
+@dtype_params
+@pytest.mark.parametrize("num_tokens, q_heads, k_heads, head_dim", [(1, 2, 1, 16), (5, 4, 2, 256)])
+def test_gemma_qk_rms_norm_matches_reference(dtype, num_tokens, q_heads, k_heads, head_dim):
+    """Gemma 3's q/k norms: (1 + weight) in fp32, one rounding; read out of a fused qkv row."""
+    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    qk = strided_view(randn(num_tokens, q_heads + k_heads, head_dim, dtype=dtype, generator=gen) * 3)
+    q_weight = randn(head_dim, dtype=dtype, generator=gen)
+    k_weight = randn(head_dim, dtype=dtype, generator=gen)
+    got = qk_rms_norm(qk, q_weight, k_weight, q_heads, 1e-6, gemma=True)
+    expected = qk_rms_norm_ref(qk, q_weight, k_weight, q_heads, 1e-6, gemma=True)
+    assert_written_and_close(got, expected, ELEMENTWISE_TOL)
+    assert not torch.allclose(expected, qk_rms_norm_ref(qk, q_weight, k_weight, q_heads, 1e-6), atol=0.1)
+
+
+def test_gemma_qk_reference_is_hf_gemma3_rms_norm():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    q_norm, k_norm = Gemma3RMSNorm(32, eps=1e-6).to(torch.bfloat16), Gemma3RMSNorm(32, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(32, generator=gen))
+        k_norm.weight.copy_(torch.randn(32, generator=gen))
+        qk = (torch.randn(3, 6, 32, generator=gen) * 4).to(torch.bfloat16)
+        expected = torch.cat([q_norm(qk[:, :4]), k_norm(qk[:, 4:])], dim=1)
+        assert torch.equal(qk_rms_norm_ref(qk, q_norm.weight, k_norm.weight, 4, 1e-6, gemma=True), expected)

@@ -52,7 +52,9 @@ def test_features_equal_hf(model_dir, hf_model):
     torch.testing.assert_close(torch.stack(got), expected.reshape(2, 16, 64), rtol=1e-5, atol=1e-5)
 
 
-def our_generation(model_dir: str, prefix: str, chunked_prefill_size: int = 4096, kv_type: str = "None"):
+def our_generation(
+    model_dir: str, prefix: str, chunked_prefill_size: int = 4096, kv_type: str = "None", device: str = "cpu"
+):
     """Prompt ids and greedy tokens through our pieces: prompt processor, vision model -> shared-memory cache ->
     the language engine, all prompts in one batch."""
     from cache.shm_store import read_embedding, write_embedding
@@ -72,7 +74,7 @@ def our_generation(model_dir: str, prefix: str, chunked_prefill_size: int = 4096
         prompts.append(mm.token_ids)
         items.append([MultimodalItem(off, read_embedding(prefix, f"img{i}"), f"img{i}")
                       for off, i in zip(mm.offsets, image_ids, strict=True)])  # fmt: skip
-    llm = LLM(model_dir, device="cpu", data_type="float32", max_total_token_num=2048,
+    llm = LLM(model_dir, device=device, data_type="float32", max_total_token_num=2048,
               chunked_prefill_size=chunked_prefill_size, llm_kv_type=kv_type)  # fmt: skip
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), mm_items=items)
     return prompts, [o.token_ids for o in outs]
@@ -151,3 +153,14 @@ def test_int8_kv_cache_against_hf(model_dir, hf_model, shm_prefix):
                 top = hf_model(**extended).logits[0, -1].topk(5).indices.tolist()
             assert got[i] in top, f"{text!r} step {i}: our {got[i]} not in HF's top 5 {top}"
     assert agreed >= 0.75 * NEW_TOKENS * len(PROMPTS), agreed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model_dir", ["published"], indirect=True)
+def test_greedy_tokens_equal_hf_on_gpu(model_dir, hf_model, shm_prefix):
+    """The Triton path (Gemma's fused norms, q/k norms and GELU, CUDA-graph decode, in 5-token chunks) against HF."""
+    _, ours = our_generation(model_dir, shm_prefix, chunked_prefill_size=5, device="cuda")
+    processor = AutoProcessor.from_pretrained(model_dir)
+    for (text, image_ids), got in zip(PROMPTS, ours, strict=True):
+        assert got == hf_greedy(hf_model, hf_inputs(processor, text, image_ids)), text
