@@ -198,11 +198,17 @@ def build_gemma3(
     num_shards: int | None = 2,
     seed: int = 0,
     device: str = "cpu",
+    tied_head: bool = True,
 ) -> str:
-    """dialect "published": google's tensor names (`language_model.model.*`); "v5": transformers 5's."""
+    """dialect "published": google's tensor names (`language_model.model.*`); "v5": transformers 5's.
+    tied_head False: a head of its own (`lm_head.weight`), unlike the published checkpoints. With the head tied, the
+    residual stream's own token embedding dominates the logits (the greedy tokens repeat the prompt's last one), so
+    scaling the embeddings up for margins (tests/models/test_fp8_families.py) needs an untied head."""
     s = SHAPES[shape]
     os.makedirs(out_dir, exist_ok=True)
     cfg = gemma3_config(shape, dtype)
+    if not tied_head:
+        cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = False
     build_gemma3_tokenizer(out_dir, s["base_id"])
     write_json(os.path.join(out_dir, "config.json"), cfg)
     pad = token_ids(s["base_id"])["<pad>"]
@@ -219,6 +225,9 @@ def build_gemma3(
     specs = text_tensor_specs(cfg["text_config"], lm)
     specs += vision_tensor_specs(s["vision"], top + "vision_tower.vision_model.")
     specs += projector_specs(top + "multi_modal_projector.", s["vision"]["hidden_size"], s["text"]["hidden_size"])
+    if not tied_head:
+        h = s["text"]["hidden_size"]
+        specs.append(TensorSpec("lm_head.weight", (s["vocab"], h), linear_std(h, 2.0)))
     write_checkpoint(out_dir, specs, dtype, num_shards=num_shards, seed=seed, device=device)
     return out_dir
 
