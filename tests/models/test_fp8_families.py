@@ -4,9 +4,10 @@ divergence of the greedy tokens, each side's token is in the other's top 5): `--
 `--llm_kv_type int8kv` on InternVL (Gemma 3's is in test_gemma3.py), on prompts with one image, two images and none,
 prefilled in 16-token chunks (InternVL's 64- and 112-row images span chunks).
 
-Margins as in test_fp8.py: the token embeddings scaled up x4, so that greedy choices stand above the quantization
-noise. Gemma 3's checkpoint gets a head of its own here: with the published tied head, the scaled embedding of the
-prompt's last token dominates the logits and every step repeats it (a test of nothing)."""
+Margins as in test_fp8.py: the token embeddings scaled up x4 (Gemma 3's, written 10x smaller by its builder, x40),
+so that greedy choices stand above the quantization noise. Gemma 3's checkpoint gets a head of its own here: with the
+published tied head, the scaled embedding of the prompt's last token dominates the logits and every step repeats it
+(a test of nothing)."""
 
 from __future__ import annotations
 
@@ -43,12 +44,13 @@ class Family:
     hf_class: type
     chat: str  # a user turn and the generation prompt, around {}
     image: str  # one image's placeholder in HF's processor's text
+    embed_gain: float = EMBED_GAIN  # the builder's embeddings scaled by this
 
 
 FAMILIES = {
     "gemma3": Family("Gemma3ForConditionalGeneration", lambda out: build_gemma3(out, tied_head=False),
                      Gemma3ForConditionalGeneration, "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
-                     "<start_of_image>"),
+                     "<start_of_image>", EMBED_GAIN * 10),  # its builder writes them 10x smaller (tied head)
     "internvl": Family("InternVLForConditionalGeneration", build_internvl_hf, InternVLForConditionalGeneration,
                        "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<IMG_CONTEXT>\n"),
 }  # fmt: skip
@@ -73,7 +75,7 @@ def family(request) -> Family:
 
 @pytest.fixture(scope="module")
 def model_dir(family, tmp_path_factory) -> str:
-    return scale_embeddings(family.build(str(tmp_path_factory.mktemp("sharp") / "m")), EMBED_GAIN)
+    return scale_embeddings(family.build(str(tmp_path_factory.mktemp("sharp") / "m")), family.embed_gain)
 
 
 @pytest.fixture(scope="module")

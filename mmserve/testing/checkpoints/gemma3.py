@@ -59,6 +59,7 @@ SHAPES = {
 
 
 NEWLINE_RUNS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+EMBED_STD_GAIN = 0.2  # the token embeddings' std times sqrt(hidden): see text_tensor_specs
 
 
 def token_ids(base_id: int) -> dict[str, int]:
@@ -111,7 +112,10 @@ def text_tensor_specs(text: dict, prefix: str) -> list[TensorSpec]:
     """Gemma 3's decoder; norm weights near 0 (Gemma scales by 1 + weight); the head is the embeddings."""
     h, inter, d = text["hidden_size"], text["intermediate_size"], text["head_dim"]
     heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
-    specs = [TensorSpec(prefix + "embed_tokens.weight", (text["vocab_size"], h), 2 / h**0.5)]
+    # Embeddings small beside the layers' outputs (after the model's sqrt(hidden) scale): with the head tied, a token
+    # whose embedding dominates the residual stream scores highest against itself, and greedy decoding would repeat
+    # the prompt's last token (10x larger embeddings gave one token 16 times over in every test prompt).
+    specs = [TensorSpec(prefix + "embed_tokens.weight", (text["vocab_size"], h), EMBED_STD_GAIN / h**0.5)]
     for i in range(text["num_hidden_layers"]):
         p = f"{prefix}layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -201,9 +205,9 @@ def build_gemma3(
     tied_head: bool = True,
 ) -> str:
     """dialect "published": google's tensor names (`language_model.model.*`); "v5": transformers 5's.
-    tied_head False: a head of its own (`lm_head.weight`), unlike the published checkpoints. With the head tied, the
-    residual stream's own token embedding dominates the logits (the greedy tokens repeat the prompt's last one), so
-    scaling the embeddings up for margins (tests/models/test_fp8_families.py) needs an untied head."""
+    tied_head False: a head of its own (`lm_head.weight`), unlike the published checkpoints: with the head tied,
+    embeddings scaled up for margins (tests/models/test_fp8_families.py) dominate the logits, and the greedy tokens
+    repeat the prompt's last one."""
     s = SHAPES[shape]
     os.makedirs(out_dir, exist_ok=True)
     cfg = gemma3_config(shape, dtype)
