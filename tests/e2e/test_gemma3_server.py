@@ -58,20 +58,20 @@ def processor(model_dir):
     return AutoProcessor.from_pretrained(model_dir)
 
 
+def hf_greedy(model, processor, text: str, images: list[Image.Image]) -> tuple[list[int], list[int]]:
+    """(HF processor's prompt ids, HF's greedy new ids; the processor's token_type_ids give the image blocks)."""
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
+                             do_sample=False, top_k=None, top_p=None)  # fmt: skip
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="module")
 def hf(model_dir, processor):
     model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def greedy(text: str, images: list[Image.Image]) -> tuple[list[int], list[int]]:
-        """(HF processor's prompt ids, HF's greedy new ids)."""
-        inputs = processor(text=text, images=images or None, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, eos_token_id=[], pad_token_id=0,
-                                 do_sample=False, top_k=None, top_p=None)  # fmt: skip
-        prompt = inputs["input_ids"][0].tolist()
-        return prompt, out[0, len(prompt) :].tolist()
-
-    return greedy
+    return lambda text, images: hf_greedy(model, processor, text, images)
 
 
 def generate(srv: ServerProcess, prompt: str, images: list[Image.Image]) -> dict:

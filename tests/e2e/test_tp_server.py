@@ -1,5 +1,5 @@
 """Issue 11's CPU acceptance: the real server at --tp 2 (2 ranks on gloo: the router process is rank 0, one worker
-process rank 1) gives HF transformers' greedy tokens for the tiny Llama, LLaVA-1.5, Qwen2-VL and InternVL2.5
+process rank 1) gives HF transformers' greedy tokens for the tiny Llama, LLaVA-1.5, Qwen2-VL, Gemma 3 and InternVL2.5
 (InternLM2) checkpoints, images included (their rows reach rank 1 through the step's broadcast); killing a rank
 mid-load fails the server (on the Llama's server, after its comparison: one start for both); a tp that does not divide
 the heads is refused at once.
@@ -114,6 +114,28 @@ def test_internvl2_5_internlm2_tp2_equals_hf(tmp_path_factory):
         pixels = {"pixel_values": inputs["pixel_values"]} if images else {}
         assert answer["prompt_tokens"] == len(prompt), text
         assert [t["id"] for t in answer["tokens"]] == hf_greedy(model, prompt, internvl.NEW_TOKENS, **pixels), text
+
+
+def test_gemma3_tp2_equals_hf(tmp_path_factory):
+    """Gemma 3's 4 query heads and 2 KV heads split 2 and 1 a rank, its tied head by vocabulary rows; sliding and
+    global layers, the image blocks (bidirectional) and 8-token prefill chunks around them on both ranks."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from mmserve.testing.checkpoints.gemma3 import build_gemma3
+    from tests.e2e import test_gemma3_server as gemma3
+
+    model_dir = build_gemma3(str(tmp_path_factory.mktemp("gemma3") / "m"))
+    srv = ServerProcess(model_dir, str(tmp_path_factory.mktemp("log") / "server.log"), "--enable_multimodal",
+                        "--chunked_prefill_size", "8", *tp_args())  # fmt: skip
+    cases = gemma3.GENERATE_CASES  # one image, two images of different sizes, text only: batched together
+    with serving(srv), ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: gemma3.generate(srv, *case), cases))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for (text, images), answer in zip(cases, answers, strict=True):
+        prompt, expected = gemma3.hf_greedy(model, processor, text, images)
+        assert answer["prompt_tokens"] == len(prompt), text
+        assert [t["id"] for t in answer["tokens"]] == expected, text
 
 
 def test_tp_that_does_not_divide_the_heads_fails_at_start(e2e_model_dir, tmp_path):

@@ -59,6 +59,7 @@ SHAPES = {
 
 
 NEWLINE_RUNS = ("\n", "\n\n", "\n\n\n", "\n\n\n\n")
+EMBED_STD_GAIN = 0.2  # the token embeddings' std times sqrt(hidden): see text_tensor_specs
 
 
 def token_ids(base_id: int) -> dict[str, int]:
@@ -111,7 +112,10 @@ def text_tensor_specs(text: dict, prefix: str) -> list[TensorSpec]:
     """Gemma 3's decoder; norm weights near 0 (Gemma scales by 1 + weight); the head is the embeddings."""
     h, inter, d = text["hidden_size"], text["intermediate_size"], text["head_dim"]
     heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
-    specs = [TensorSpec(prefix + "embed_tokens.weight", (text["vocab_size"], h), 2 / h**0.5)]
+    # Embeddings small beside the layers' outputs (after the model's sqrt(hidden) scale): with the head tied, a token
+    # whose embedding dominates the residual stream scores highest against itself, and greedy decoding would repeat
+    # the prompt's last token (10x larger embeddings gave one token 16 times over in every test prompt).
+    specs = [TensorSpec(prefix + "embed_tokens.weight", (text["vocab_size"], h), EMBED_STD_GAIN / h**0.5)]
     for i in range(text["num_hidden_layers"]):
         p = f"{prefix}layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -198,11 +202,17 @@ def build_gemma3(
     num_shards: int | None = 2,
     seed: int = 0,
     device: str = "cpu",
+    tied_head: bool = True,
 ) -> str:
-    """dialect "published": google's tensor names (`language_model.model.*`); "v5": transformers 5's."""
+    """dialect "published": google's tensor names (`language_model.model.*`); "v5": transformers 5's.
+    tied_head False: a head of its own (`lm_head.weight`), unlike the published checkpoints: with the head tied,
+    embeddings scaled up for margins (tests/models/test_fp8_families.py) dominate the logits, and the greedy tokens
+    repeat the prompt's last one."""
     s = SHAPES[shape]
     os.makedirs(out_dir, exist_ok=True)
     cfg = gemma3_config(shape, dtype)
+    if not tied_head:
+        cfg["tie_word_embeddings"] = cfg["text_config"]["tie_word_embeddings"] = False
     build_gemma3_tokenizer(out_dir, s["base_id"])
     write_json(os.path.join(out_dir, "config.json"), cfg)
     pad = token_ids(s["base_id"])["<pad>"]
@@ -219,6 +229,9 @@ def build_gemma3(
     specs = text_tensor_specs(cfg["text_config"], lm)
     specs += vision_tensor_specs(s["vision"], top + "vision_tower.vision_model.")
     specs += projector_specs(top + "multi_modal_projector.", s["vision"]["hidden_size"], s["text"]["hidden_size"])
+    if not tied_head:
+        h = s["text"]["hidden_size"]
+        specs.append(TensorSpec("lm_head.weight", (s["vocab"], h), linear_std(h, 2.0)))
     write_checkpoint(out_dir, specs, dtype, num_shards=num_shards, seed=seed, device=device)
     return out_dir
 

@@ -1,0 +1,148 @@
+"""Quantized serving of Gemma 3 and InternVL (-hf layout, InternVL3's Qwen2 language model) against HF transformers
+on the unquantized weights, under the fidelity rule of quantized serving (mmserve/testing/fidelity.py: at the first
+divergence of the greedy tokens, each side's token is in the other's top 5): `--quant_type fp8w8a8` on both, and
+`--llm_kv_type int8kv` on InternVL (Gemma 3's is in test_gemma3.py), on prompts with one image, two images and none,
+prefilled in 16-token chunks (InternVL's 64- and 112-row images span chunks).
+
+Margins as in test_fp8.py: the token embeddings scaled up x4 (Gemma 3's, written 10x smaller by its builder, x40),
+so that greedy choices stand above the quantization noise. Gemma 3's checkpoint gets a head of its own here: with the
+published tied head, the scaled embedding of the prompt's last token dominates the logits and every step repeats it
+(a test of nothing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoProcessor, AutoTokenizer, Gemma3ForConditionalGeneration, InternVLForConditionalGeneration
+
+from language.request import MultimodalItem
+from language.sampling_params import SamplingParams
+from mmserve.llm import LLM
+from mmserve.testing.checkpoints.fp8 import scale_embeddings
+from mmserve.testing.checkpoints.gemma3 import build_gemma3
+from mmserve.testing.checkpoints.internvl import build_internvl_hf
+from mmserve.testing.fidelity import TOP_K, check_top_k_rule, engine_top_k, first_divergence
+from tests.models.test_llava import noise_image
+from visual.models.base import vision_model_class
+from visual.models.internvl import MIN_TRANSFORMERS
+
+CPU = torch.device("cpu")
+EMBED_GAIN = 4.0
+NEW_TOKENS = 16
+IMAGES = [noise_image(80, 50, 0), noise_image(90, 300, 1)]
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    build: Callable[[str], str]
+    hf_class: type
+    chat: str  # a user turn and the generation prompt, around {}
+    image: str  # one image's placeholder in HF's processor's text
+    embed_gain: float = EMBED_GAIN  # the builder's embeddings scaled by this
+
+
+FAMILIES = {
+    "gemma3": Family("Gemma3ForConditionalGeneration", lambda out: build_gemma3(out, tied_head=False),
+                     Gemma3ForConditionalGeneration, "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
+                     "<start_of_image>", EMBED_GAIN * 10),  # its builder writes them 10x smaller (tied head)
+    "internvl": Family("InternVLForConditionalGeneration", build_internvl_hf, InternVLForConditionalGeneration,
+                       "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n", "<IMG_CONTEXT>\n"),
+}  # fmt: skip
+
+
+def prompts(family: Family) -> list[tuple[str, list[int]]]:
+    """(text, indices into IMAGES) per prompt."""
+    return [
+        (family.chat.format(family.image + "Describe this picture."), [0]),
+        (family.chat.format(family.image * 2 + "Compare the two pictures."), [0, 1]),
+        (family.chat.format("What is AI?"), []),
+        (family.chat.format("Name three colours of the sea."), []),
+    ]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request) -> Family:
+    if request.param == "internvl" and Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        pytest.skip(f"InternVL needs transformers >= {MIN_TRANSFORMERS}")
+    return FAMILIES[request.param]
+
+
+@pytest.fixture(scope="module")
+def model_dir(family, tmp_path_factory) -> str:
+    return scale_embeddings(family.build(str(tmp_path_factory.mktemp("sharp") / "m")), family.embed_gain)
+
+
+@pytest.fixture(scope="module")
+def hf_model(family, model_dir):
+    return family.hf_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def cases(family, model_dir):
+    """(prompt ids, our multimodal items, HF's processor inputs) per prompt; the prompts equal HF's."""
+    from mmserve.prep.multimodal.prompt import prompt_processor_class
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    prompter = prompt_processor_class(family.arch).from_pretrained(model_dir, AutoTokenizer.from_pretrained(model_dir))
+    vision = vision_model_class(family.arch).from_pretrained(model_dir, CPU, torch.float32)
+    out = []
+    for text, image_ids in prompts(family):
+        images = [IMAGES[i] for i in image_ids]
+        mm = prompter.encode(text, [im.size for im in images])
+        embeds = vision.encode([vision.preprocess(im) for im in images]) if images else []
+        items = [MultimodalItem(offset=o, embeds=e) for o, e in zip(mm.offsets, embeds, strict=True)]
+        inputs = processor(text=text, images=images or None, return_tensors="pt")
+        assert inputs["input_ids"][0].tolist() == mm.token_ids, text
+        out.append((mm.token_ids, items, inputs))
+    return out
+
+
+def hf_greedy_and_top(hf_model, inputs) -> tuple[list[int], list[list[int]]]:
+    """HF's greedy tokens (EOS a choice that does not stop it) and, at each step, its top-k next tokens."""
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_scores=True,
+                                return_dict_in_generate=True, eos_token_id=[], pad_token_id=0, top_k=None,
+                                top_p=None)  # fmt: skip
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, [s[0].topk(TOP_K).indices.tolist() for s in out.scores]
+
+
+def check_follows_hf(llm: LLM, hf_model, cases) -> list[int]:
+    """The fidelity rule on every case, all generated in one batch; how many tokens each agreed on first."""
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = llm.generate([p for p, _, _ in cases], params, mm_items=[items for _, items, _ in cases])
+    agreed = []
+    for n, ((prompt, items, inputs), gen) in enumerate(zip(cases, ours, strict=True)):
+        theirs, their_tops = hf_greedy_and_top(hf_model, inputs)
+        our_top = lambda i: engine_top_k(llm, prompt + theirs[:i], items)  # noqa: B023, E731
+        broken = check_top_k_rule(gen.token_ids, theirs, our_top, lambda i: their_tops[i])  # noqa: B023
+        assert broken is None, f"case {n}: {broken}"
+        i = first_divergence(gen.token_ids, theirs)
+        agreed.append(NEW_TOKENS if i is None else i)
+    print("tokens agreed before the first divergence:", agreed)
+    return agreed
+
+
+def test_fp8w8a8_follows_hf(model_dir, hf_model, cases):
+    llm = LLM(model_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=16)
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert llm.engine.runner.model.lm_head.weight.dtype == torch.float32  # the head stays unquantized
+    agreed = check_follows_hf(llm, hf_model, cases)
+    # Most tokens agree outright: the rule alone passes FP8 scales applied to the wrong rows on InternVL here.
+    assert sum(agreed) >= 2 * NEW_TOKENS * len(cases) // 3, agreed
+
+
+@pytest.mark.parametrize("family", ["internvl"], indirect=True)
+def test_int8_kv_cache_follows_hf(model_dir, hf_model, cases):
+    llm = LLM(model_dir, max_total_token_num=2048, device="cpu", llm_kv_type="int8kv", chunked_prefill_size=16)
+    assert llm.engine.kv.k[0].dtype == torch.int8
+    agreed = check_follows_hf(llm, hf_model, cases)
+    assert sum(agreed) >= 0.75 * NEW_TOKENS * len(cases), agreed
