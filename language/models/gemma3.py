@@ -133,7 +133,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def lm_config(cls, model_dir: str, raw_config: dict) -> Gemma3Config:
         raw_text = raw_config.get("text_config") or {}
         bias = bool(raw_text.get("attention_bias", False))
-        base = lm_config_from_hf(model_dir, raw_config, qkv_bias=bias, qk_norm=True)
+        base = lm_config_from_hf(model_dir, raw_config, qkv_bias=bias, qk_norm=True, plain_rope=False)  # _rope
         hf = AutoConfig.for_model(
             raw_config["model_type"], **{k: v for k, v in raw_config.items() if k != "model_type"}
         )

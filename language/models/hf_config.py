@@ -31,6 +31,19 @@ def rope_theta(text: object) -> float:
     return float(params.get("rope_theta") or getattr(text, "rope_theta", None) or 10000.0)
 
 
+# RoPE types served as plain RoPE: M-RoPE's sections are read below, and dynamic NTK changes the base only past
+# max_position_embeddings, where the engine caps requests. Any other type (linear, yarn, llama3, longrope...) would
+# be served with the wrong angles, so it is refused at start.
+PLAIN_ROPE_TYPES = ("default", "mrope", "dynamic")
+
+
+def check_rope_type(text: object, raw: dict) -> None:
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or raw.get("rope_scaling")
+    kind = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    if kind not in PLAIN_ROPE_TYPES:
+        raise ValueError(f"RoPE type {kind!r} is not served for {architecture(raw)} (default, mrope and dynamic are)")
+
+
 def _mrope_parameters(text: object, raw: dict) -> dict:
     for src in (getattr(text, "rope_parameters", None), getattr(text, "rope_scaling", None), raw.get("rope_scaling")):
         if isinstance(src, dict) and src.get("mrope_section"):
@@ -48,13 +61,21 @@ def mrope_interleaved(text: object, raw: dict) -> bool:
 
 
 def lm_config_from_hf(
-    model_dir: str, raw: dict, qkv_bias: bool, model_type: str | None = None, qk_norm: bool = False
+    model_dir: str,
+    raw: dict,
+    qkv_bias: bool,
+    model_type: str | None = None,
+    qk_norm: bool = False,
+    plain_rope: bool = True,
 ) -> LMConfig:
     """The decoder's LMConfig from an HF config (for multimodal configs, its text part). `model_type` overrides the
-    config's own where its fields follow another family's config class."""
+    config's own where its fields follow another family's config class. plain_rope: the decoder applies plain RoPE
+    (or M-RoPE), so any other RoPE type is refused; False where the family reads its own (Gemma 3)."""
     model_type = model_type or raw["model_type"]
     hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
     text = hf.get_text_config()
+    if plain_rope:
+        check_rope_type(text, raw)
     raw_text = raw.get("text_config") or raw
     heads = text.num_attention_heads
     return LMConfig(
