@@ -19,8 +19,8 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
-    pow2_at_least,
 )
+from language.kernels.rms_norm import row_launch_shape
 
 
 @triton.jit
@@ -77,11 +77,6 @@ def _gemma_norm_add_norm_kernel(
     tl.store(out_ptr + row * hidden + offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_shape(hidden: int) -> tuple[int, int]:
-    block_h = pow2_at_least(hidden, 16)
-    return block_h, min(max(block_h // 512, 1), 16)
-
-
 def gemma_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -98,7 +93,7 @@ def gemma_rms_norm(
     check_out(out, (num_rows, hidden), x.dtype, device)
     if num_rows == 0:
         return out
-    block_h, num_warps = _launch_shape(hidden)
+    block_h, num_warps = row_launch_shape(hidden)
     _gemma_rms_norm_kernel[(num_rows,)](
         x, weight.contiguous(), out, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, num_warps=num_warps
     )
@@ -127,7 +122,7 @@ def gemma_norm_add_norm(
     summed = torch.empty((num_rows, hidden), dtype=x.dtype, device=device)
     if num_rows == 0:
         return out, summed
-    block_h, num_warps = _launch_shape(hidden)
+    block_h, num_warps = row_launch_shape(hidden)
     _gemma_norm_add_norm_kernel[(num_rows,)](
         x, residual, x_weight.contiguous(), weight.contiguous(), out, summed, x.stride(0), residual.stride(0), hidden,
         eps, BLOCK_H=block_h, num_warps=num_warps,

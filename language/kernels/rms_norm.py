@@ -40,6 +40,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + offs, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def row_launch_shape(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of a kernel with one program per row of `hidden` values: the whole row in one block,
+    a warp per 512 values (at most 16)."""
+    block_h = pow2_at_least(hidden, 16)
+    return block_h, min(max(block_h // 512, 1), 16)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, H], weight: [H] -> [N, H] in the promoted dtype of (weight, x), like the reference."""
     device = check_device(x=x, weight=weight)
@@ -56,8 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
     check_out(out, (num_rows, hidden), out_dtype, device)
     if num_rows == 0:
         return out
-    block_h = pow2_at_least(hidden, 16)
-    num_warps = min(max(block_h // 512, 1), 16)
+    block_h, num_warps = row_launch_shape(hidden)
     _rms_norm_kernel[(num_rows,)](
         x, weight, out, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, num_warps=num_warps
     )
@@ -112,8 +118,7 @@ def add_rms_norm(
     summed = torch.empty((num_rows, hidden), dtype=x.dtype, device=device)
     if num_rows == 0:
         return out, summed
-    block_h = pow2_at_least(hidden, 16)
-    num_warps = min(max(block_h // 512, 1), 16)
+    block_h, num_warps = row_launch_shape(hidden)
     _add_rms_norm_kernel[(num_rows,)](
         x, residual, weight, out, summed, x.stride(0), residual.stride(0), hidden, eps,
         BLOCK_H=block_h, num_warps=num_warps,
