@@ -39,9 +39,11 @@ PLAIN_ROPE_TYPES = ("default", "mrope", "dynamic")
 
 def check_rope_type(text: object, raw: dict) -> None:
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or raw.get("rope_scaling")
-    kind = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
     if kind not in PLAIN_ROPE_TYPES:
-        raise ValueError(f"RoPE type {kind!r} is not served for {architecture(raw)} (default, mrope and dynamic are)")
+        served = ", ".join(PLAIN_ROPE_TYPES)
+        raise ValueError(f"{kind!r} RoPE scaling is not served for {architecture(raw)} ({served} are)")
 
 
 def _mrope_parameters(text: object, raw: dict) -> dict:

@@ -29,9 +29,6 @@ _INTERNLM2_NAMES = (
     (re.compile(r"\.attention_norm\."), ".input_layernorm."),
     (re.compile(r"\.ffn_norm\."), ".post_attention_layernorm."),
 )
-# The RoPE scalings that equal plain RoPE up to max_position_embeddings, which the engine caps a request at:
-# dynamic NTK changes the base only past it (InternLM2's modeling and transformers' both).
-_PLAIN_WITHIN_MAX_POSITION = (None, "default", "dynamic")
 
 
 class InternVLForCausalLM(LlamaForCausalLM):
@@ -89,16 +86,8 @@ class InternVLChatForCausalLM(InternVLForCausalLM):
         # the top level names the architecture and dtype; the decoder's own fields are llm_config's
         raw = {**llm, "architectures": raw_config["architectures"], "torch_dtype": raw_config.get("torch_dtype")}
         if text_type == "internlm2":  # a Llama decoder under other names (transformers' conversion reads it so)
-            check_rope_scaling(llm)
             if llm.get("bias"):
                 raise ValueError("InternLM2 with attention biases is not served (InternVL2.5's have none)")
             raw = {k: v for k, v in raw.items() if k not in ("bias", "auto_map")}
             text_type = "llama"
         return lm_config_from_hf(model_dir, raw, qkv_bias=text_type == "qwen2", model_type=text_type)
-
-
-def check_rope_scaling(llm: dict) -> None:
-    scaling = llm.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind not in _PLAIN_WITHIN_MAX_POSITION:
-        raise ValueError(f"InternLM2 with {kind!r} RoPE scaling is not served (none and dynamic are)")

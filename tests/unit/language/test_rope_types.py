@@ -24,7 +24,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_h
 )  # fmt: skip
 def test_a_rope_type_that_moves_the_angles_is_refused(tmp_path, scaling):
     raw = llama_config(512, **SHAPE, rope_scaling=scaling)
-    with pytest.raises(ValueError, match=f"RoPE type '{scaling['rope_type']}' is not served for LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=f"'{scaling['rope_type']}' RoPE scaling is not served for LlamaForCausalLM"):
         LlamaForCausalLM.lm_config(str(tmp_path), raw)
 
 
