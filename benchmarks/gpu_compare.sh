@@ -208,10 +208,12 @@ t = builtin_chat_template(model_architecture(sys.argv[1])); sys.exit(2) if t is 
       export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --attention-backend TRITON_ATTN"
     fi
     if [ -n "$video_loads" ]; then
-      # serve.sh takes no video; vLLM reads videos with OpenCV unless told otherwise, and OpenCV is not carried
-      # (PyAV is, in .whl: carry it in a call of its own on the warm machine, then run this)
-      export VLLM_VIDEO_LOADER_BACKEND=pyav
-      export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --limit-mm-per-prompt {\"image\":{\"count\":1,\"width\":1344,\"height\":1344},\"video\":1}"
+      # serve.sh takes no video and caps a prompt at 8192 tokens (a 30 s clip at 2 fps is ~15.4k). vLLM decodes
+      # videos with OpenCV unless --media-io-kwargs names another codec, and OpenCV is not carried (PyAV is, in .whl:
+      # carry it in a call of its own on the warm machine, then run this). The frame sampling stays the one vLLM
+      # picks for the checkpoint's video processor (Qwen2-VL's: HF's fps sampling).
+      export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS:-} --max-model-len 20480 --media-io-kwargs {\"video\":{\"backend\":\"pyav\"}}"
+      export VLLM_EXTRA_ARGS="${VLLM_EXTRA_ARGS} --limit-mm-per-prompt {\"image\":{\"count\":1,\"width\":1344,\"height\":1344},\"video\":1}"
     fi
     t0=$(date +%s.%N)
     if bash .vllm/bin/serve.sh "$ckpt" "$vport" >&2; then
