@@ -18,7 +18,7 @@ from language.kernels.launch_utils import (
 )
 
 _BLOCK = 1024
-_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit
