@@ -2,8 +2,9 @@
 
 - batch 1 (decode): our FP8 GEMV (activation quantizer + GEMV, language/kernels/fp8_gemv.py) against the bf16 GEMV
   and against quantizer + cuBLASLt's row-wise `torch._scaled_mm` at M = 1;
-- batches of 16 to 4096 rows: quantizer + `_scaled_mm` (per channel, what `fp8_linear` runs) against bf16 cuBLAS and
-  against our Triton FP8 GEMM with per-channel scales;
+- batches of 16 to 4096 rows: `fp8_linear` as dispatched (up to 64 rows our weight-streaming GEMM, beyond that
+  quantizer + `_scaled_mm` per channel) against bf16 cuBLAS, quantizer + `_scaled_mm`, and our Triton FP8 GEMM with
+  per-channel scales (benchmarks/fp8_gemm_bench.py tunes the few-row GEMM);
 - block-wise scales (published Qwen3-VL-FP8 checkpoints, 128-column groups): our Triton block GEMM against
   `_scaled_mm` with 1x128 activation and 128x1 (per-row) weight scales, where this torch has it (CUDA >= 12.9, sm90).
 

@@ -14,6 +14,7 @@ import torch
 from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import fp8_gemv, fp8_gemv_fused, group_size
 from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
+from language.kernels.fp8_skinny import fp8_skinny_gemm
 
 __all__ = [
     "FP8_DTYPE",
@@ -24,6 +25,10 @@ __all__ = [
     "quantize_weight",
     "weight_scales",
 ]
+
+# The most rows per-channel FP8 linears run through our weight-streaming GEMM (language/kernels/fp8_skinny.py)
+# rather than cuBLASLt's, whose large tiles leave most SMs idle on a few rows (benchmarks/fp8_gemm_bench.py).
+SKINNY_MAX_ROWS = 64
 
 
 def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +97,8 @@ def fp8_linear(
     """x [n, K] @ dequantized weight [N, K].T (+ bias) -> [n, N] in out_dtype (default x's): x quantized per token
     (in the weight's column groups), then the FP8 GEMM. On CUDA, one row: per-channel weights through the FP8 GEMV
     that quantizes the row itself (one launch), grouped ones through the quantizer and the GEMV; more rows:
-    per-channel weights through cuBLASLt's row-wise scaled GEMM, grouped ones through our block-scaled kernel."""
+    per-channel weights through our weight-streaming GEMM up to SKINNY_MAX_ROWS rows, cuBLASLt's row-wise scaled
+    GEMM beyond, grouped ones through our block-scaled kernel."""
     out_dtype = out_dtype or x.dtype
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
@@ -102,6 +108,8 @@ def fp8_linear(
     x_q, x_scale = quantize_fp8(x, _activation_group(x.shape[1], groups))
     if x.shape[0] == 1:  # grouped scales: fusing measured 1.9x slower on an H100 (benchmarks/fp8_gemv_bench.py)
         return fp8_gemv(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
+    if groups == 1 and x.shape[0] <= SKINNY_MAX_ROWS:
+        return fp8_skinny_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
     if groups > 1 or x.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt wants both dims in 16s
         return fp8_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
     return _rowwise_scaled_mm(x_q, x_scale, weight, weight_scale, bias, out_dtype)

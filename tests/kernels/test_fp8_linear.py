@@ -1,7 +1,8 @@
-"""The FP8 kernels against the torch reference of the same quantized arithmetic (language/quant/fp8.py): the GEMV
-and the block-scaled GEMM take the same quantized operands, so they differ from it only by the order of the fp32
-sums; the activation quantizer equals the reference: the same scales and the same e4m3 values; the GEMV that
-quantizes its row itself equals the quantizer then the GEMV, bit for bit, in every launch configuration."""
+"""The FP8 kernels against the torch reference of the same quantized arithmetic (language/quant/fp8.py): the GEMV,
+the block-scaled GEMM and the few-row GEMM take the same quantized operands, so they differ from it only by the
+order of the fp32 sums; the activation quantizer equals the reference: the same scales and the same e4m3 values;
+the GEMV that quantizes its row itself equals the quantizer then the GEMV, bit for bit, in every launch
+configuration."""
 
 import pytest
 import torch
@@ -10,7 +11,16 @@ from kernel_cases import DEVICE, poisoned
 from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_fused
 from language.kernels.fp8_quant import FP8_DTYPE, quantize_fp8
-from language.quant.fp8 import dequantize, expand_block_scales, fp8_linear_ref, quantize_rows_ref, quantize_weight
+from language.kernels.fp8_skinny import SkinnyConfig, default_config, fp8_skinny_gemm
+from language.quant.fp8 import (
+    SKINNY_MAX_ROWS,
+    dequantize,
+    expand_block_scales,
+    fp8_linear,
+    fp8_linear_ref,
+    quantize_rows_ref,
+    quantize_weight,
+)
 
 # The kernels' fp32 sums of the same products, in another order, then one rounding to the output dtype.
 FP8_GEMM_TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -64,6 +74,61 @@ def test_fp8_gemm_matches_the_reference(dtype, m, n, k, group):
     got = fp8_gemm(*_to(DEVICE, x_q, x_scale, w_q, w_scale, bias), out_dtype=dtype)
     atol, rtol = FP8_GEMM_TOL[dtype]
     torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=rtol)
+
+
+SKINNY_CONFIGS = [
+    None,  # default_config: 64-wide slices, split until ~2 programs per SM
+    SkinnyConfig(block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=3),
+    SkinnyConfig(block_n=32, block_k=32, split_k=3, num_warps=4, num_stages=3, swap_ab=True),
+    SkinnyConfig(block_n=16, block_k=64, split_k=7, num_warps=2, num_stages=2),  # more slices than steps: 5 kept
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, n, k", [(2, 48, 64), (8, 80, 320), (17, 64, 272), (64, 16, 160), (70, 40, 96)])
+@pytest.mark.parametrize("config", SKINNY_CONFIGS, ids=lambda c: "default" if c is None else "x".join(map(str, c)))
+def test_fp8_skinny_gemm_matches_the_reference(dtype, m, n, k, config):
+    """Rows padded to 16/32/64 (and two row tiles at 70), N and K multiples of 16 that are not of the tile (K = 272:
+    a masked last step), split-K slices summed by the second launch, the swapped product; bias and out dtype."""
+    _, x_q, x_scale, w_q, w_scale = _operands(m, n, k, None, seed=m * n + k)
+    bias = torch.randn(n).to(dtype) if m % 2 == 0 else None
+    expected = _expected(x_q, x_scale, w_q, w_scale, bias, dtype)
+    out = poisoned((m, n), dtype)
+    got = fp8_skinny_gemm(*_to(DEVICE, x_q, x_scale, w_q, w_scale, bias), out_dtype=dtype, out=out, config=config)
+    assert got is out
+    atol, rtol = FP8_GEMM_TOL[dtype]
+    torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=rtol)
+
+
+def test_fp8_skinny_default_config_splits_narrow_layers():
+    """Qwen2-VL-7B's linears on 132 SMs: the narrow ones (56-72 slices of 64 columns) split their reduction toward
+    two programs per SM, keeping 4 steps a slice; gate_up's 592 slices need no split."""
+    qkv, gate_up, down = default_config(8, 4608, 3584), default_config(64, 37888, 3584), default_config(16, 3584, 18944)
+    assert qkv.split_k == 3 and qkv.block_k == 256  # 14 steps of 256: 4 a slice at least
+    assert gate_up.split_k == 1
+    assert down.split_k == 5 and down.block_k == 256  # 56 slices x 5 >= 264
+    assert default_config(8, 3584, 3200).block_k == 128  # K not a multiple of 256
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="fp8_linear runs the reference itself off CUDA")
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["x_dtype", "fp32"])
+@pytest.mark.parametrize("m", [1, 2, 8, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1])
+def test_fp8_linear_follows_the_reference_on_each_path(m, out_dtype):
+    """On the GPU, each row count's path (the fused GEMV, the weight-streaming GEMM up to SKINNY_MAX_ROWS rows,
+    cuBLASLt's above), with the row-parallel layers' fp32 out."""
+    x, _, _, w_q, w_scale = _operands(m, 96, 320, None, seed=m)
+    x, w_q, w_scale, bias = _to(DEVICE, x.to(torch.bfloat16), w_q, w_scale, torch.randn(96).to(torch.bfloat16))
+    got = fp8_linear(x, w_q, w_scale, bias, out_dtype)
+    expected = fp8_linear_ref(x.cpu(), w_q.cpu(), w_scale.cpu(), bias.cpu(), out_dtype)
+    assert got.dtype == expected.dtype
+    atol, rtol = FP8_GEMM_TOL[torch.bfloat16]  # cuBLASLt's bf16 out, widened, for fp32 above SKINNY_MAX_ROWS
+    torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=rtol)
+
+
+def test_fp8_skinny_gemm_takes_per_channel_scales_only():
+    _, x_q, x_scale, w_q, w_scale = _operands(4, 32, 256, 128, seed=5)
+    with pytest.raises(AssertionError, match="per-channel"):
+        fp8_skinny_gemm(*_to(DEVICE, x_q, x_scale, w_q, w_scale))
 
 
 @pytest.mark.parametrize("m, k, group", [(1, 64, None), (5, 600, None), (4, 300, 128), (3, 256, 128)])
