@@ -1,7 +1,8 @@
 """Batch-1 FP8 linears on the GPU (Qwen2-VL-7B's decoder shapes), in one table: the bf16 GEMV, the quantizer then the
 FP8 GEMV (two launches), and the FP8 GEMV that quantizes its row itself (`fp8_gemv_fused`, what `fp8_linear` runs for
-one row) over a grid of launch configurations (rows per program x columns per step x warps), with 128-column block
-scales (published FP8 checkpoints) at the end. The bf16 LM head is the reference for what a GEMV reaches here.
+one row) over a grid of launch configurations (rows per program x columns per step x warps), then the LM head (bf16,
+and FP8 as --quant_type fp8w8a8 runs it, over the same grid), with 128-column block scales (published FP8
+checkpoints) at the end.
 
 Each cell: microseconds per call and the weights' bytes per second as a share of the H100 SXM's 3.35 TB/s (each
 call reads another layer's weights, the calls replayed in one CUDA graph, so that none is served from L2). `layer`:
@@ -103,9 +104,9 @@ def cell(us: float | None, nbytes: int) -> str:
     return f"{'-':>13}" if us is None else f"{us:6.1f} {nbytes / (us * 1e-6) / PEAK_BYTES_PER_S:5.0%}"
 
 
-def row(name: str, times: list[float | None], shapes: list[Shape], bf16: bool = False) -> None:
+def row(name: str, times: list[float | None], shapes: list[Shape], bf16: bool = False, totals: bool = True) -> None:
     cells = [cell(t, s.n * s.k * 2 if bf16 else s.fp8_bytes()) for t, s in zip(times, shapes, strict=True)]
-    total = sum(times) if None not in times else None
+    total = sum(times) if None not in times and totals else None
     tail = f"{total:7.1f} {total * LAYERS / 1e3:6.3f}" if total is not None else ""
     print(f"{name:<22}" + " ".join(cells) + f"  {tail}", flush=True)
 
@@ -131,14 +132,27 @@ def main() -> None:
     print(f"{'  default config':<22}" + " ".join(f"{label(default_config(s.k)):>13}" for s in shapes))
     print("bitwise fused == quant+gemv:", ", ".join(f"{s.name} {bitwise_equal(s)}" for s in shapes))
     del shapes
-    lm_head = Shape(*LM_HEAD, scales="none")
-    us = bf16_us(lm_head, args.rep)
-    print(f"lm_head bf16 gemv {LM_HEAD[1]}x{LM_HEAD[2]}: {cell(us, LM_HEAD[1] * LM_HEAD[2] * 2)}")
-    del lm_head
+    lm_head(args.rep)
     blocks = [Shape(*s, scales="block") for s in SHAPES]
     row("block128 quant+gemv", [unfused_us(s, args.rep) for s in blocks], blocks)
     row("block128 fused", [fused_us(s, None, args.rep) for s in blocks], blocks)
     print("bitwise fused == quant+gemv (block128):", ", ".join(f"{s.name} {bitwise_equal(s)}" for s in blocks))
+
+
+def lm_head(rep: int) -> None:
+    """The LM head (once a step, quantized under --quant_type fp8w8a8): bf16 against FP8, over the same grid."""
+    head = Shape(*LM_HEAD)
+    print(f"lm_head {LM_HEAD[1]}x{LM_HEAD[2]}")
+    row("  bf16 gemv", [bf16_us(head, rep)], [head], bf16=True, totals=False)
+    row("  fp8 quant+gemv", [unfused_us(head, rep)], [head], totals=False)
+    row("  fp8 fused default", [fused_us(head, None, rep)], [head], totals=False)
+    times = {}
+    for config in config_grid():
+        times[config] = fused_us(head, config, rep)
+        row(f"  fused {label(config)}", [times[config]], [head], totals=False)
+    best = min(times, key=times.get)
+    print(f"  best config {label(best)}, default config {label(default_config(head.k))}")
+    print("  bitwise fused == quant+gemv:", bitwise_equal(head))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from language.loader import architecture, count_weights, iter_weights, read_conf
 from language.parallel.group import TPGroup
 from language.parallel.sharding import check_divisible
 from language.progress import progress
+from language.quant.head import quantize_lm_head
 from language.quant.linear import swap_linears
 from language.quant.scheme import quant_scheme
 
@@ -67,6 +68,9 @@ def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = Non
         swap_linears(model, scheme, quantize=True)
     if scheme is not None:
         logger.info("decoder linear layers: %s", scheme.describe())
+    if scheme is not None and not scheme.prequantized:  # a published FP8 checkpoint's head stays as published
+        quantize_lm_head(model)
+        logger.info("LM head: FP8 e4m3 per vocabulary row, quantized at load")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # tensors in transit were cached blocks: give them back before sizing the KV cache
     return model.eval(), lm_cfg

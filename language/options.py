@@ -71,14 +71,14 @@ class EngineOptions:
         aliases=("--load-format",),
     )
     # FP8 e4m3 weights (per output channel, quantized at load) and activations (per token, dynamically) for the
-    # decoder's linear layers; a checkpoint published in FP8 (block-wise or FP8-dynamic) runs as published whatever
+    # decoder's linear layers and the LM head; a checkpoint published in FP8 (block-wise or FP8-dynamic) runs as published whatever
     # this says (language/quant/scheme.py).
     quant_type: str = option(
         "none",
         _MODEL,
         "quantize the language model's linear layers: fp8w8a8 (fp8: vLLM's name) = FP8 e4m3 weights per output "
-        "channel and activations per token; embedding, lm_head and norms stay in --data_type. An FP8 checkpoint "
-        "runs in its own FP8 format",
+        "channel and activations per token, the LM head too (per vocabulary row); embedding and norms stay in "
+        "--data_type. An FP8 checkpoint runs in its own FP8 format (its head as published)",
         choices=sorted(QUANT_TYPES),
         aliases=("--quantization",),
     )

@@ -45,7 +45,9 @@ class GemvConfig(NamedTuple):
 
 def default_config(k: int) -> GemvConfig:
     """The fastest of benchmarks/fp8_gemv_bench.py's grid on an H100 for the 7B shapes' linears: 16 x 512 x 4 warps
-    for K = 3584 (qkv, o, gate_up), 8 x 1024 x 4 for K = 18944 (down)."""
+    for K = 3584 (qkv, o, gate_up), 8 x 1024 x 4 for K = 18944 (down). The LM head (N = 152064, K = 3584) takes
+    gate_up's: a program's work depends on K alone (its BLOCK_N rows of K bytes, and the row's maximum), and gate_up's
+    2368 programs already fill the GPU many times over, as the head's 9504 do (the bench times the head's grid)."""
     if k >= 8192:
         return GemvConfig(8, 1024, 4)
     return GemvConfig(16, min(_MAX_BLOCK_K, pow2_at_least(k, 16)), 4)

@@ -89,7 +89,11 @@ class ParallelLMHead(Linear):
         self.vocab, self.tp = vocab, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)  # [n, rows]
-        if not self.tp.enabled:
-            return logits
-        return self.tp.all_gather_last(logits)[:, : self.vocab]  # padding rows of the last rank dropped
+        return gather_vocab(super().forward(x), self.vocab, self.tp)
+
+
+def gather_vocab(logits: torch.Tensor, vocab: int, tp: TPGroup) -> torch.Tensor:
+    """Each rank's logits of its vocabulary rows [n, rows] -> [n, vocab], the same on every rank."""
+    if not tp.enabled:
+        return logits
+    return tp.all_gather_last(logits)[:, :vocab]  # padding rows of the last rank dropped

@@ -7,8 +7,8 @@ column-parallel layer's rows are this rank's output channels, scales included; a
 down_proj) keeps every output row, so its scales stay whole (quantized at load: each row's largest magnitude over
 all ranks' columns), and its partial sums are reduced in fp32 and rounded once, as `RowParallelLinear`'s. Its
 activations are quantized per token over this rank's columns (a scale over the whole row would cost a collective per
-layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding,
-lm_head and norms stay in the model's dtype."""
+layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding and
+norms stay in the model's dtype; the LM head is quantized apart (language/quant/head.py)."""
 
 from __future__ import annotations
 

@@ -32,13 +32,17 @@ class QuantScheme:
         return "FP8 e4m3, " + ("the checkpoint's" if self.prequantized else "quantized at load,") + " per channel"
 
 
+# --quant_type fp8w8a8 on a bf16/fp16 checkpoint: e4m3 weights per output channel, quantized at load.
+PER_CHANNEL_AT_LOAD = QuantScheme(prequantized=False, scale_name="weight_scale")
+
+
 def quant_scheme(quant_type: str, raw_config: dict) -> QuantScheme | None:
     """The decoder's scheme (None: unquantized). ValueError for a quantized checkpoint this engine cannot run."""
     config = raw_config.get("quantization_config") or (raw_config.get("text_config") or {}).get("quantization_config")
     if config:
         return _checkpoint_scheme(config)
     if QUANT_TYPES[quant_type] == "fp8w8a8":
-        return QuantScheme(prequantized=False, scale_name="weight_scale")
+        return PER_CHANNEL_AT_LOAD
     return None
 
 

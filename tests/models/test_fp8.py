@@ -119,12 +119,36 @@ def _check_case(llm: LLM, hf_model, case, ours: list[int], n: int) -> int:
     return NEW_TOKENS if i is None else i
 
 
+def checkpoint_tensor(model_dir: str, name: str) -> torch.Tensor:
+    for path in glob.glob(f"{model_dir}/*.safetensors"):
+        tensors = load_file(path)
+        if name in tensors:
+            return tensors[name]
+    raise KeyError(name)
+
+
+def check_fp8_head(model, table: torch.Tensor) -> None:
+    """The LM head holds `table` (the checkpoint's head, or its tied embedding) in e4m3 per row, and its logits are
+    the torch reference of that quantized arithmetic: x per token, the table per row, both in e4m3."""
+    from language.quant.fp8 import fp8_linear_ref, quantize_weight
+    from language.quant.head import Fp8LMHead
+
+    head = model.lm_head
+    assert isinstance(head, Fp8LMHead) and head.weight.dtype == torch.float8_e4m3fn
+    q, scales = quantize_weight(table)
+    assert torch.equal(head.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(head.weight_scale, scales)
+    x = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(0)) * 2
+    torch.testing.assert_close(head(x), fp8_linear_ref(x, q, scales), rtol=1e-5, atol=1e-5)
+
+
 def test_fp8w8a8_quantized_at_load_follows_hf(bf16_dir, hf_model, cases):
     llm = LLM(bf16_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=16)
-    layer = llm.engine.runner.model.layers[0]
+    model = llm.engine.runner.model
+    layer = model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     assert layer.mlp.down_proj.weight_scale.shape == (layer.mlp.down_proj.out_features, 1)
-    assert llm.engine.runner.model.lm_head.weight.dtype == torch.float32  # the head stays unquantized
+    check_fp8_head(model, checkpoint_tensor(bf16_dir, "lm_head.weight"))  # untied: the head's own weight
+    assert model.embed_tokens.weight.dtype == torch.float32
     agreed = _check_follows_hf(llm, hf_model, cases)
     print("tokens agreed before the first divergence:", agreed)
     assert sum(agreed) >= NEW_TOKENS * len(cases) // 2, agreed
@@ -136,6 +160,8 @@ def test_fp8_checkpoint_follows_hf(fmt, request, hf_model, cases):
     llm = LLM(model_dir, max_total_token_num=2048, device="cpu")  # no flag: the checkpoint says FP8
     qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn
+    head = llm.engine.runner.model.lm_head  # as published: unquantized
+    assert torch.equal(head.weight, checkpoint_tensor(model_dir, "lm_head.weight"))
     agreed = _check_follows_hf(llm, hf_model, cases)
     print("tokens agreed before the first divergence:", agreed)
     assert sum(agreed) >= NEW_TOKENS * len(cases) // 2, agreed

@@ -38,6 +38,7 @@ def _layers_on_rank(rank: int, init_method: str) -> bytes:
     rank's process, which a queue's shared memory would not)."""
     from language.parallel.group import init_tp
     from language.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+    from language.quant.head import Fp8LMHead
 
     tp = init_tp(rank, 2, init_method, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)  # the same full weights and inputs on every rank
@@ -67,6 +68,7 @@ def _layers_on_rank(rank: int, init_method: str) -> bytes:
         x = torch.randn(5, cfg.hidden_size, generator=g).to(dtype)
         out[f"embed_{dtype}"] = (embed(ids), table[ids])
         out[f"lm_head_{dtype}"] = (head(x), x, table, shard.vocab)
+        out[f"fp8_lm_head_{dtype}"] = (Fp8LMHead.quantized(head)(x), x, table, shard.vocab)
     torch.distributed.destroy_process_group()
     buf = io.BytesIO()
     torch.save(out, buf)
@@ -123,6 +125,22 @@ def test_vocab_parallel_lm_head_gathers_without_rounding(on_two_ranks, dtype):
     assert torch.equal(logits, torch.cat(per_rank, dim=1))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(logits, torch.nn.functional.linear(x, table), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_fp8_lm_head_equals_tp1(on_two_ranks, dtype):
+    """The FP8 head (--quant_type fp8w8a8): each rank's e4m3 rows and their scales are tp=1's rows (a scale per
+    vocabulary row), and its input, the whole hidden row, is quantized alike on every rank: the gathered logits are
+    each rank's quantized dot products, bit for bit, and tp=1's quantized head's up to the order of the sums."""
+    from language.quant.fp8 import fp8_linear_ref, quantize_weight
+
+    logits, x, table, rows = on_two_ranks[f"fp8_lm_head_{dtype}"]
+    assert logits.shape == (5, table.shape[0]) and logits.dtype == dtype
+    per_rank = [fp8_linear_ref(x, *quantize_weight(table[r * rows : (r + 1) * rows])) for r in range(2)]
+    assert torch.equal(logits, torch.cat(per_rank, dim=1))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(logits, fp8_linear_ref(x, *quantize_weight(table)), rtol=tol, atol=tol)
+    assert (logits.float() - torch.nn.functional.linear(x, table).float()).abs().max() > 0  # it is quantized
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
