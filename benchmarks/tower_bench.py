@@ -11,8 +11,12 @@ For each tower shape (random weights from mmserve/testing/checkpoints/qwen2_vl.p
    against HF's tower with `sdpa` attention (one SDPA call per image per block) on a batch of mixed sizes and on one
    of a single size (ours inside both), within bf16 tolerance;
 3. throughput, images/s, of both paths for 64 images at 336 px and 16 at 896 px (ours: the workers' uint8 images ->
-   embeddings, the processor's float steps on the device; HF's: the processor's patches on the host -> embeddings).
+   embeddings, the processor's float steps on the device; HF's: the processor's patches on the host -> embeddings);
+4. on CUDA, one image alone (`--lone`, 336 and 896 px: one request's tower), ms per `encode` call, median, eager
+   against the replay of its CUDA graph (`visual/tower_graphs.py`), the two checked bit-equal.
 Prints one JSON line per measurement; exits non-zero if a check fails.
+
+    python benchmarks/tower_bench.py --shapes 7b --loads "" --lone 336,896   # the lone-image latencies only
 """
 
 from __future__ import annotations
@@ -156,7 +160,41 @@ def images_per_s(fn: Callable[[], object], images: int, iters: int, device: torc
     return images * iters / (time.perf_counter() - start)
 
 
-def bench_shape(shape: str, dtype: torch.dtype, device: torch.device, loads: list[tuple[int, ...]], iters: int) -> bool:
+def median_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median wall time of fn() to the end of its GPU work, each call alone (a lone request's tower)."""
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def lone_image(ours: Qwen2VLVisionModel, side: int, iters: int) -> dict:
+    """One side x side image alone through `encode`: eager, then replayed from its CUDA graph (captured on the second
+    call, as in serving); ms per call and whether the embeddings are bit-equal."""
+    image = random_images(ours, [(side, side)], seed=side + 1)[0]
+    ours.graphs = None
+    eager = ours.encode([image])[0]
+    eager_ms = median_ms(lambda: ours.encode([image]), iters)
+    ours.enable_cuda_graphs(max_patches=image.tower_rows)
+    try:
+        for _ in range(2):  # seen, then captured
+            ours.encode([image])
+        graphed = ours.encode([image])[0]
+        graph_ms = median_ms(lambda: ours.encode([image]), iters)
+        replays = ours.graphs.replays
+    finally:
+        ours.graphs = None
+    ok = torch.equal(eager, graphed) and replays == iters + 1
+    timings = {"eager_ms": round(eager_ms, 2), "graph_ms": round(graph_ms, 2), "speedup": round(eager_ms / graph_ms, 2)}
+    return {"px": side, "patches": image.tower_rows, **timings, "replays": replays, "ok": ok}
+
+
+def bench_shape(
+    shape: str, dtype: torch.dtype, device: torch.device, loads: list[tuple[int, ...]], iters: int, lone: list[int]
+) -> bool:
     """Checks and timings of one tower shape; True if the checks passed."""
     ours, hf = build_towers(shape, dtype, device)
     vc = hf.config
@@ -179,8 +217,13 @@ def bench_shape(shape: str, dtype: torch.dtype, device: torch.device, loads: lis
         new = images_per_s(lambda: ours.encode(imgs), batch, iters, device)  # noqa: B023
         result = {"hf_sdpa_images_per_s": round(old, 1), "packed_images_per_s": round(new, 1)}
         print(json.dumps({"shape": shape, "px": side, "batch": batch, **result, "speedup": round(new / old, 2)}))
+    lone_ok = True
+    for side in lone if device.type == "cuda" else ():
+        row = lone_image(ours, side, iters * 4)
+        print(json.dumps({"shape": shape, "lone image": "eager vs CUDA graph", **row}))
+        lone_ok &= row["ok"]
     # On CUDA the check must have run the varlen kernel, not the fallback.
-    towers_ok = all(check["ok"] for check in tower_checks)
+    towers_ok = all(check["ok"] for check in tower_checks) and lone_ok
     return kernel_check["ok"] and towers_ok and (kernel_check["varlen"] or device.type != "cuda")
 
 
@@ -191,6 +234,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (the fallback path, fp32)")
     ap.add_argument("--loads", default="336x64,896x16", help="side x images per timed batch")
+    ap.add_argument("--lone", default="336,896", help="sides of the lone images timed eager vs CUDA graph (CUDA)")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -201,7 +245,7 @@ def main() -> int:
     print(json.dumps({"torch": torch.__version__, "varlen_attn": torch_varlen_attn() is not None, "device": name}))
     ok = True
     for shape in args.shapes.split(","):
-        ok &= bench_shape(shape, dtype, device, loads, args.iters)
+        ok &= bench_shape(shape, dtype, device, loads, args.iters, [int(x) for x in args.lone.split(",") if x])
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(json.dumps({"all_checks_passed": bool(ok)}))

@@ -34,6 +34,16 @@ class VisualOptions:
             "that a burst's first images go through in one batch, not one by one (0: never)",
         },
     )
+    # visual/tower_graphs.py: small batches are launch-bound (one 336 px image: ~400 launches, ~25 ms of host time
+    # for ~2 ms of GPU work); 4096 is one 896 px Qwen2-VL image or seven at 336 px.
+    visual_cuda_graph_max_patches: int = field(
+        default=4096,
+        metadata={
+            "group": _VISION,
+            "help": "a vision-tower batch of at most this many patches whose image grids were seen before replays a "
+            "CUDA graph captured for them (Qwen2-VL, Qwen2.5-VL, Qwen3-VL towers on CUDA; 0: always eager)",
+        },
+    )
     vit_att_backend: str = field(
         default="auto",
         metadata={
@@ -70,6 +80,8 @@ class VisualOptions:
             raise ValueError("--visual_batch_wait_ms must be >= 0")
         if self.visual_batch_max_patches < 0:
             raise ValueError("--visual_batch_max_patches must be >= 0")
+        if self.visual_cuda_graph_max_patches < 0:
+            raise ValueError("--visual_cuda_graph_max_patches must be >= 0")
         if self.vit_quant_type not in ("none", "fp8w8a8"):
             raise ValueError("--vit_quant_type must be none or fp8w8a8")
         if self.vit_att_backend not in VIT_ATT_BACKENDS:

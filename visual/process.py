@@ -99,7 +99,8 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
         logger.info("vision tower: %d encoder-layer linears in FP8 e4m3", swapped)
     phases.done("tower built and loaded")
     pool = pool or PreprocessPool(model, cfg.num_preprocess_workers, cfg.shm_prefix)
-    warm = warm_up_tower(model, device, cfg.visual_infer_batch_size)  # while the pool's workers start
+    graphs = use_tower_graphs(model, device, cfg.visual_cuda_graph_max_patches)
+    warm = warm_up_tower(model, device, cfg.visual_infer_batch_size, graphs)  # while the pool's workers start
     phases.done("warm-up")
     pool.wait_started()  # ready means the first image is served at full speed
     phases.done(f"{cfg.num_preprocess_workers} preprocessing workers")
@@ -134,7 +135,23 @@ class StartPhases:
         return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self._phases)
 
 
-def warm_up_tower(model, device: torch.device, max_batch: int) -> list[torch.Tensor]:
+def use_tower_graphs(model, device: torch.device, max_patches: int) -> bool:
+    """Turn on CUDA graphs for the tower's small batches (`visual/tower_graphs.py`) where they apply: on CUDA, with
+    --visual_cuda_graph_max_patches above 0, for the families that have them (the Qwen2-VL generations' towers,
+    whose inputs all derive from the image grids). Gemma 3's, InternVL's, LLaVA's and Qwen-VL's towers stay eager."""
+    enable = getattr(model, "enable_cuda_graphs", None)
+    if device.type != "cuda" or max_patches == 0 or enable is None:
+        return False
+    enable(max_patches)
+    return True
+
+
+# With graphs on, a lone image of each of these sides (LLaVA's 336 px and a common large one) gets its graph at
+# start-up, so that the first request of that size already replays it.
+_GRAPH_WARM_SIDES = (336, 896)
+
+
+def warm_up_tower(model, device: torch.device, max_batch: int, graphs: bool = False) -> list[torch.Tensor]:
     """A batch through the tower and projector, its embeddings returned for `VisualEncoder.warm_up`: the first call
     loads the kernels and sets up the libraries (about a second on a GPU), which would otherwise land on the first
     image served. On a GPU the batch is a full one of 336 px images (LLaVA's size, a common small one): otherwise the
@@ -145,6 +162,10 @@ def warm_up_tower(model, device: torch.device, max_batch: int) -> list[torch.Ten
     if device.type != "cuda":
         return model.encode([model.preprocess(gray)])
     out = model.encode([model.preprocess(gray.resize((336, 336)))] * max_batch)
+    for side in _GRAPH_WARM_SIDES if graphs else ():
+        image = model.preprocess(gray.resize((side, side)))
+        for _ in range(2):  # the second sighting of its grid captures (within --visual_cuda_graph_max_patches)
+            model.encode([image])
     torch.cuda.synchronize()
     return out
 

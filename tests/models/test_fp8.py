@@ -216,6 +216,22 @@ def test_fp8_vision_tower_stays_close_to_its_bf16_self(bf16_dir):
     assert 0 < rel < 0.1, rel
 
 
+def test_fp8_qwen2_vl_tower_takes_pixels_in_its_own_dtype(tmp_path):
+    """--vit_quant_type fp8w8a8 on Qwen2-VL, whose blocks' linears become FP8: the pixels still reach the patch
+    embedding in the tower's dtype, not cast to e4m3 (the dtype of a block's weight) on the way."""
+    from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+    from visual.models.fp8_linear import quantize_tower
+
+    vision = vision_model_class("Qwen2VLForConditionalGeneration").from_pretrained(
+        build_qwen2_vl(str(tmp_path / "q2")), torch.device("cpu"), torch.float32
+    )
+    quantize_tower(vision.tower)
+    seen = []
+    vision.tower.patch_embed.register_forward_hook(lambda _m, args, _out: seen.append(args[0].dtype))
+    vision.encode([vision.preprocess(random_image(150, 100, 1))])
+    assert seen == [torch.float32]
+
+
 def test_block_fp8_tower_weights_are_dequantized_at_load(bf16_dir, tmp_path):
     """A checkpoint whose tower linears are block-wise FP8 too (not left out by modules_to_not_convert): the tower
     loads them dequantized, and its embeddings stay within FP8's noise of the unquantized tower's."""

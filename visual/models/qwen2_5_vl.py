@@ -20,7 +20,6 @@ from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.vision_utils import get_vision_window_index
 
-from visual.models.base import ImageInput
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 
@@ -78,18 +77,11 @@ class Qwen2_5_VLVisionModel(Qwen2VLVisionModel):
         self.window_size: int = tower.config.window_size
         self.patch_size: int = tower.config.patch_size
 
-    @torch.inference_mode()
-    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        weight = self.tower.patch_embed.proj.weight
-        device, dtype = weight.device, weight.dtype
-        grids = [im.grid_thw for im in images]
+    def tower_inputs(self, grids: Sequence[tuple[int, int, int]], device: torch.device) -> dict:
         windows = window_index(grids, self.merge_size, self.window_size, self.patch_size)  # on the host, no sync
-        pixels = self.upload_pixels(images, device, dtype)
-        merged = self.tower(
-            pixels,
+        return dict(
             **self.packed_inputs(grids, device),
             window_index=windows.window_index.to(device, non_blocking=True),
             cu_window_seqlens=windows.cu_window_seqlens.to(device, non_blocking=True),
             max_window_seqlen=windows.max_window_seqlen,
-        ).pooler_output  # [sum of tokens, out_hidden_size], row-major per image again
-        return list(torch.split(merged, [im.num_tokens for im in images]))
+        )  # the tower's output: [sum of tokens, out_hidden_size], row-major per image again

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from visual.models.fused_layers import use_fused_layers
 from visual.models.packed_attention import pack_index
 from visual.models.weights import load_prefixed_tensors
 from visual.staging import HostStaging
+from visual.tower_graphs import TowerGraphs
 from visual.video_decode import BadVideo, probe_video, read_frames
 
 # Published checkpoints name the tower `visual.*`; transformers >= 4.52 saves it as `model.visual.*`.
@@ -128,6 +129,7 @@ class Qwen2VLVisionModel:
         self.merge_size: int = tower.config.spatial_merge_size
         self._preprocessor = Qwen2VLPreprocessor(processor, self.merge_size, video_processor, self.video_planner)
         self._pixels = HostStaging()  # pinned (on CUDA) host buffer the batch's pixels are gathered into
+        self.graphs: TowerGraphs | None = None  # `enable_cuda_graphs`
 
     @classmethod
     def load_preprocessor(cls, model_dir: str, vision_tower_dir: str | None = None) -> Qwen2VLPreprocessor:
@@ -198,7 +200,7 @@ class Qwen2VLVisionModel:
             pieces.append(self._preprocessor.to_patches(resized))
         return torch.cat(pieces).to(dtype) if len(pieces) > 1 else pieces[0].to(dtype)
 
-    def packed_inputs(self, grids: list[tuple[int, int, int]], device: torch.device) -> dict:
+    def packed_inputs(self, grids: Sequence[tuple[int, int, int]], device: torch.device) -> dict:
         """The tower's keyword arguments for a batch packed into one sequence, built on the host (no per-image device
         work, no sync). `grid_thw` [images, 3] is unused by the tower when the indexes are given."""
         index = pack_index(grids, self.merge_size)
@@ -209,10 +211,27 @@ class Qwen2VLVisionModel:
             position_ids=index.position_ids.to(device, non_blocking=True),
         )
 
+    def tower_inputs(self, grids: Sequence[tuple[int, int, int]], device: torch.device) -> dict:
+        """Everything the tower derives from the batch's grids (a later generation adds its own), on the device."""
+        return self.packed_inputs(grids, device)
+
+    def tower_forward(self, pixels: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """pixels [patches, C*T*P*P] -> the batch's embeddings [sum of tokens, embedding width]."""
+        return self.tower(pixels, **inputs).pooler_output
+
+    def enable_cuda_graphs(self, max_patches: int) -> None:
+        """Replay CUDA graphs for batches of at most max_patches patches whose grids were seen before
+        (`visual/tower_graphs.py`); CUDA only."""
+        self.graphs = TowerGraphs(self.tower_forward, self.tower_inputs, max_patches)
+
     @torch.inference_mode()
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        device, dtype = self.tower.get_device(), self.tower.get_dtype()
-        grids = [im.grid_thw for im in images]
+        weight = self.tower.patch_embed.proj.weight  # not a block's: those may be FP8 (--vit_quant_type)
+        device, dtype = weight.device, weight.dtype
+        grids = tuple(im.grid_thw for im in images)
         pixels = self.upload_pixels(images, device, dtype)
-        merged = self.tower(pixels, **self.packed_inputs(grids, device)).pooler_output  # [sum of tokens, hidden]
-        return list(torch.split(merged, [im.num_tokens for im in images]))
+        if self.graphs is not None:
+            embeds = self.graphs.run(grids, pixels)
+        else:
+            embeds = self.tower_forward(pixels, self.tower_inputs(grids, device))
+        return list(torch.split(embeds, [im.num_tokens for im in images]))

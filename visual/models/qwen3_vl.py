@@ -23,7 +23,6 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from families.qwen3_vl_video import plan_video
-from visual.models.base import ImageInput
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 
 
@@ -48,23 +47,19 @@ class Qwen3VLVisionModel(Qwen2VLVisionModel):
         self.num_deepstack = len(tower.config.deepstack_visual_indexes)
         self.embed_width = (1 + self.num_deepstack) * self.hidden_size  # columns of each embedding row
 
-    @torch.inference_mode()
-    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        """-> one [num_tokens, (1 + k) * out_hidden_size] tensor per image: the merger's output, then each
-        DeepStack merger's, side by side."""
-        weight = self.tower.patch_embed.proj.weight
-        device, dtype = weight.device, weight.dtype
-        grids = [im.grid_thw for im in images]
+    def tower_inputs(self, grids: Sequence[tuple[int, int, int]], device: torch.device) -> dict:
         taps, tap_weights = self.interpolation(grids)
-        pixels = self.upload_pixels(images, device, dtype)
-        out = self.tower(
-            pixels,
+        return dict(
             **self.packed_inputs(grids, device),
             interp_indices=taps.to(device, non_blocking=True),
             interp_weights=tap_weights.to(device, non_blocking=True),
         )
-        rows = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)  # [sum of tokens, (1 + k) * hidden]
-        return list(torch.split(rows, [im.num_tokens for im in images]))
+
+    def tower_forward(self, pixels: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """-> [sum of tokens, (1 + k) * out_hidden_size]: the merger's output, then each DeepStack merger's, side by
+        side."""
+        out = self.tower(pixels, **inputs)
+        return torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
 
     def interpolation(self, grids: Sequence[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The position table's interpolation taps [patches, 4] (long) and weights [patches, 4] (fp32) of a batch,

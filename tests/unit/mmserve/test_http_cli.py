@@ -57,6 +57,7 @@ def test_engine_config_from_server_config():
         "--visual_infer_batch_size 0",
         "--visual_batch_max_patches -1",
         "--visual_batch_wait_ms -1",
+        "--visual_cuda_graph_max_patches -1",
         "--vit_att_backend flash",
     ],
 )
@@ -90,7 +91,10 @@ def test_visual_flags_reach_the_visual_process(tmp_path):
     default = visual_process_config(parse_config(shlex.split(LLAMA_LINE)), endpoints, "p_")
     assert (default.visual_infer_batch_size, default.visual_batch_max_patches) == (16, 16384)
     assert (default.vit_att_backend, default.visual_batch_wait_ms) == ("auto", 10.0)
+    assert default.visual_cuda_graph_max_patches == 4096
     flags = " --visual_infer_batch_size 4 --visual_batch_max_patches 0 --vit_att_backend sdpa --visual_batch_wait_ms 15"
+    flags += " --visual_cuda_graph_max_patches 1024"
     cfg = visual_process_config(parse_config(shlex.split(LLAMA_LINE + flags)), endpoints, "p_")
     assert (cfg.visual_infer_batch_size, cfg.visual_batch_max_patches, cfg.jobs_addr) == (4, 0, endpoints.visual)
     assert (cfg.vit_att_backend, cfg.visual_batch_wait_ms) == ("sdpa", 15.0)
+    assert cfg.visual_cuda_graph_max_patches == 1024
