@@ -71,8 +71,8 @@ class EngineOptions:
         aliases=("--load-format",),
     )
     # FP8 e4m3 weights (per output channel, quantized at load) and activations (per token, dynamically) for the
-    # decoder's linear layers and the LM head; a checkpoint published in FP8 (block-wise or FP8-dynamic) runs as published whatever
-    # this says (language/quant/scheme.py).
+    # decoder's linear layers and the LM head; a checkpoint published in FP8 (block-wise or FP8-dynamic) runs as
+    # published whatever this says (language/quant/scheme.py).
     quant_type: str = option(
         "none",
         _MODEL,
