@@ -80,11 +80,14 @@ def _partial_product(
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """sum over k in [k_start, k_stop) of x[m, k] * w[n, k] -> [BLOCK_M, BLOCK_N] fp32 (unscaled)."""
-    if SWAP_AB:
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    """sum over k in [k_start, k_stop) of x[m, k] * w[n, k] -> [BLOCK_M, BLOCK_N] fp32 (unscaled).
+
+    max_num_imprecise_acc=0: on sm_90 Triton otherwise lets the FP8 tensor cores accumulate the whole reduction in
+    their reduced-precision accumulator (~14 mantissa bits), which lands percents off the reference where a sum
+    cancels; with 0 each MMA's result is added to a full fp32 accumulator (the kernel is bound by the weights'
+    bytes, not by those adds)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the swapped product's (dead code otherwise)
     for k0 in range(k_start, k_stop, BLOCK_K):
         if EVEN_K:  # no column mask: the loads stay vectorized
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
@@ -94,11 +97,11 @@ def _partial_product(
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if SWAP_AB:
-            acc_t += tl.dot(w, tl.trans(x))
+            acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=0)
         else:
-            acc += tl.dot(x, tl.trans(w))
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=0)
     if SWAP_AB:
-        return tl.trans(acc_t)
+        acc = tl.trans(acc_t)
     return acc
 
 
