@@ -1,10 +1,11 @@
 """The LM head in FP8, when the server quantizes the decoder at load (`--quant_type fp8w8a8`).
 
 At batch 1 the head is the largest single read of a decode step (Qwen2-VL-7B: 152064 x 3584, 1.09 GB in bf16, about
-9 % of the FP8 step on an H100); in e4m3 it reads half the bytes, through the same per-channel arithmetic as the
-decoder's linears (the fused GEMV at one row, cuBLASLt's row-wise scaled GEMM at more). Each vocabulary row gets its
-own scale, so a row's logit carries only its own rounding, and the per-token activation scale is the same on every
-tensor-parallel rank (each holds whole dot products over the hidden size): tp=N's logits are tp=1's.
+9 % of the FP8 step on an H100); in e4m3 it reads half the bytes, through the same per-channel arithmetic and paths
+as the decoder's linears (language/quant/fp8.py: the fused GEMV at one row, the weight-streaming GEMM at 2-64 rows,
+cuBLASLt's row-wise scaled GEMM at more). Each vocabulary row gets its own scale, so a row's logit carries only its
+own rounding, and the per-token activation scale is the same on every tensor-parallel rank (each holds whole dot
+products over the hidden size): tp=N's logits are tp=1's.
 
 A tied head (tie_word_embeddings) gets its own e4m3 copy; the embedding stays in the model's dtype, since a lookup
 reads one row a token and gains nothing from 8 bits. Published FP8 checkpoints keep their head as published."""
