@@ -6,7 +6,7 @@ best of a grid (output columns per program x columns per step x swapped product 
 Each cell: microseconds per call and the weights' bytes per second as a share of the H100 SXM's 3.35 TB/s (each
 call reads another layer's weights, the calls replayed in one CUDA graph, so that none is served from L2). `quant`:
 the quantizer alone (what fusing it would save at most). Per M, `x28`: the step's four linears times 28 layers, in
-ms. The last lines: the best launch per (shape, M), as `SkinnyConfig`s for fp8_skinny.default_config, and the
+ms. The last lines: the best launch per (shape, M), as `SkinnyConfig`s for skinny_gemm.default_config, and the
 largest difference of the best launch from the torch reference of the same quantized arithmetic.
 
     python benchmarks/fp8_gemm_bench.py [--rep 10] [--batches 8,16,32,64]
@@ -22,8 +22,9 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from language.kernels.fp8_quant import quantize_fp8
-from language.kernels.fp8_skinny import SkinnyConfig, default_config, fp8_skinny_gemm, sm_count, split_for
+from language.kernels.fp8_skinny import fp8_skinny_gemm
 from language.kernels.precompile import compile_only
+from language.kernels.skinny_gemm import SkinnyConfig, default_config, sm_count, split_for
 from language.quant.fp8 import fp8_linear_ref, quantize_weight
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
@@ -48,12 +49,12 @@ class Shape:
         return self.n * self.k + self.n * 4
 
 
-def grid(m: int, shape: Shape, sms: int) -> list[SkinnyConfig]:
-    """The first pass, at 4 warps and 4 stages: 32/64 columns per program, 128/256 per step, the product as is or
-    swapped, the reduction split for two programs per SM (`split_for`) and twice that."""
+def grid(m: int, shape: Shape, sms: int, block_ks: tuple[int, ...] = (128, 256)) -> list[SkinnyConfig]:
+    """The first pass, at 4 warps and 4 stages: 32/64 columns per program, `block_ks` per step, the product as is
+    or swapped, the reduction split for two programs per SM (`split_for`) and twice that."""
     configs = []
     for block_n in (32, 64):
-        for block_k in (128, 256):
+        for block_k in block_ks:
             split = split_for(m, shape.n, shape.k, block_n, block_k, sms)
             for split_k in sorted({split, min(2 * split, max(1, shape.k // block_k // 2))}):
                 for swap_ab in (False, True):
@@ -80,24 +81,42 @@ def ours(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, config: SkinnyConfig
 
 
 class Case:
-    """One (shape, M): its timings in us, by path."""
+    """One (shape, M): its timings in us, by path; our GEMM's by launch. Of the FP8 weights; subclasses take
+    others by overriding the four methods before `run`."""
+
+    BLOCK_KS = (128, 256)  # columns per step in the grid: 128 or 256 bytes of a weight row
 
     def __init__(self, shape: Shape, m: int, sms: int) -> None:
         self.shape, self.m = shape, m
         self.x = torch.randn(m, shape.k, device=DEVICE, dtype=torch.bfloat16)
-        self.configs = grid(m, shape, sms)
+        self.configs = grid(m, shape, sms, self.BLOCK_KS)
         self.us: dict[str, float] = {}
         self.ours: dict[SkinnyConfig, float] = {}
 
+    def weights(self) -> list:
+        return self.shape.fp8
+
+    def call(self, weight, config: SkinnyConfig | None) -> torch.Tensor:
+        return ours(self.x, *weight, config)
+
+    def reference(self, weight) -> torch.Tensor:
+        return fp8_linear_ref(self.x, *weight)
+
+    def baselines(self) -> dict[str, list[Callable[[], object]]]:
+        s = self.shape
+        return {
+            "bf16": [lambda w=w: torch.matmul(self.x, w.t()) for w in s.bf16],
+            "scaled_mm": [lambda w=w, sc=sc: scaled_mm(self.x, w, sc) for w, sc in s.fp8],
+            "quant": [lambda: quantize_fp8(self.x)],
+        }
+
     def compile(self) -> None:
         for config in [None, *self.configs, *self._stage_variants(self.configs[0])]:
-            ours(self.x, *self.shape.fp8[0], config)
+            self.call(self.weights()[0], config)
 
     def run(self, rep: int) -> None:
-        s = self.shape
-        self.us["bf16"] = time_us([lambda w=w: torch.matmul(self.x, w.t()) for w in s.bf16], rep)
-        self.us["scaled_mm"] = time_us([lambda w=w, sc=sc: scaled_mm(self.x, w, sc) for w, sc in s.fp8], rep)
-        self.us["quant"] = time_us([lambda: quantize_fp8(self.x)], rep)
+        for name, calls in self.baselines().items():
+            self.us[name] = time_us(calls, rep)
         self.us["default"] = self._ours_us(None, rep)
         for config in self.configs:
             self.ours[config] = self._ours_us(config, rep)
@@ -108,13 +127,13 @@ class Case:
         return min(self.ours, key=self.ours.get)
 
     def max_rel_error(self) -> float:
-        w, sc = self.shape.fp8[0]
-        got = ours(self.x, w, sc, self.best()).float()
-        ref = fp8_linear_ref(self.x, w, sc).float()
+        weight = self.weights()[0]
+        got = self.call(weight, self.best()).float()
+        ref = self.reference(weight).float()
         return ((got - ref).abs().max() / ref.abs().max()).item()
 
     def _ours_us(self, config: SkinnyConfig | None, rep: int) -> float:
-        return time_us([lambda w=w, sc=sc: ours(self.x, w, sc, config) for w, sc in self.shape.fp8], rep)
+        return time_us([lambda w=w: self.call(w, config) for w in self.weights()], rep)
 
     @staticmethod
     def _stage_variants(config: SkinnyConfig) -> list[SkinnyConfig]:
@@ -151,11 +170,17 @@ def main() -> None:
         cells = [cell(times[0], s.n * s.k * 2)] + [cell(t, s.fp8_bytes()) for t in times[1:]]
         print(f"{s.name:<8}{case.m:>3} " + " ".join(f"{c:>16}" for c in cells)
               + f" {case.us['quant']:6.1f}  {label(best)}", flush=True)  # fmt: skip
+    summarize(cases, totals, sms, itemsize=1)
+
+
+def summarize(cases: list[Case], totals: dict[int, list[float]], sms: int, itemsize: int) -> None:
+    """The x28 lines, each (shape, M)'s best launch beside `default_config`'s, and the best launches' largest
+    difference from the reference."""
     for m, total in totals.items():
         print(f"{'x28':<8}{m:>3} " + " ".join(f"{t * LAYERS / 1e3:>13.3f} ms" for t in total))
-    print("best launches (fp8_skinny.default_config's table):")
+    print(f"best launches (skinny_gemm.default_config's table, itemsize {itemsize}):")
     for case in cases:
-        dflt = default_config(case.m, case.shape.n, case.shape.k, sms)
+        dflt = default_config(case.m, case.shape.n, case.shape.k, sms, itemsize)
         print(f"  ({case.m}, {case.shape.n}, {case.shape.k}): {case.best()!r},  # default {label(dflt)}")
     print("largest |best - reference| / max |reference|:", f"{max(case.max_rel_error() for case in cases):.2e}")
 

@@ -18,6 +18,7 @@ from language.kernels.gemma_norm import gemma_rms_norm as _gemma_rms_norm_triton
 from language.kernels.gemv import gemv
 from language.kernels.head_rms_norm import qk_rms_norm as _qk_rms_norm_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
+from language.kernels.launch_utils import HALF_DTYPES
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from language.kernels.rms_norm import add_rms_norm as _add_rms_norm_triton
 from language.kernels.rms_norm import rms_norm as _rms_norm_triton
@@ -26,6 +27,11 @@ from language.kernels.rotary import mrope_cos_sin as _mrope_cos_sin_triton
 from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul as _gelu_tanh_and_mul_triton
 from language.kernels.silu_mul import silu_and_mul as _silu_and_mul_triton
+from language.kernels.skinny_gemm import skinny_gemm
+
+# The most rows bf16/fp16 linears run through the weight-streaming GEMM (skinny_gemm.py) rather than cuBLAS's,
+# whose wide tiles leave most SMs idle on a few rows (benchmarks/bf16_gemm_bench.py).
+SKINNY_MAX_ROWS = 64
 
 
 def _dispatch(triton_fn: Callable, reference_fn: Callable) -> Callable:
@@ -70,12 +76,31 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and x.dtype == weight.dtype
 
 
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """2 to SKINNY_MAX_ROWS rows of bf16/fp16 on CUDA (decode batches): the weight-streaming GEMM reads the weights
+    faster than cuBLAS does."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 2 <= x.shape[0] <= SKINNY_MAX_ROWS
+        and x.stride(-1) == 1
+        and x.dtype == weight.dtype
+        and x.dtype in HALF_DTYPES
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear (x [n, K], weight [N, K] -> [n, N]), through the GEMV kernel where `gemv_applies`."""
-    return gemv(x, weight, bias) if gemv_applies(x, weight) else F.linear(x, weight, bias)
+    """F.linear (x [n, K], weight [N, K] -> [n, N]), through the GEMV kernel where `gemv_applies`, the
+    weight-streaming GEMM where `skinny_applies`."""
+    if gemv_applies(x, weight):
+        return gemv(x, weight, bias)
+    if skinny_applies(x, weight):
+        return skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 __all__ = [
+    "SKINNY_MAX_ROWS",
     "add_rms_norm",
     "apply_rotary",
     "decode_attention",
@@ -91,6 +116,8 @@ __all__ = [
     "rms_norm",
     "rotary_cos_sin",
     "silu_and_mul",
+    "skinny_applies",
+    "skinny_gemm",
     "splice_embeddings",
     "store_kv",
 ]

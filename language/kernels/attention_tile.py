@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from language.kernels.kv_quant import KV_INT8_PER_TOKEN, KV_PLAIN
-from language.kernels.launch_utils import interpreting
 
 _PLAIN, _INT8 = tl.constexpr(KV_PLAIN), tl.constexpr(KV_INT8_PER_TOKEN)
 LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels can use exp2
@@ -22,12 +21,6 @@ LOG2E = 1.4426950408889634  # scores are kept in base 2 so the kernels can use e
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 dots (tf32 would drift from the reference); half types ignore the setting."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Triton's interpreter multiplies bf16 dot operands as raw bits (garbage), so there the operands are upcast
-    after rounding; compiled kernels always use the tensor cores in the input dtype."""
-    return interpreting() and dtype == torch.bfloat16
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision, load_rows
+from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_precision, load_rows
 from language.kernels.kv_quant import KV_FP8_PER_HEAD, KV_PLAIN, kv_quant_scheme
 from language.kernels.launch_utils import (
     INDEX_DTYPES,
@@ -21,6 +21,7 @@ from language.kernels.launch_utils import (
     check_dtype,
     check_out,
     check_shape,
+    dot_in_fp32,
     interpreting,
     multiprocessor_count,
     pow2_at_least,

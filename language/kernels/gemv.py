@@ -12,16 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.launch_utils import (
-    FLOAT_DTYPES,
-    cdiv,
-    check_device,
-    check_dtype,
-    check_inner_contiguous,
-    check_out,
-    check_shape,
-    pow2_at_least,
-)
+from language.kernels.launch_utils import cdiv, check_inner_contiguous, check_linear_operands, check_out, pow2_at_least
 
 _BLOCK_N = 4  # output features per program: 4 gave the most bandwidth on every 7B shape (3584 to 152064 rows)
 _MAX_BLOCK_K = 512
@@ -72,18 +63,7 @@ def gemv(
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T (+ bias [N]) -> [1, N] in `out_dtype` (default x's dtype; float32 gives the
     unrounded sum, as `linear_fp32`). Same contract as F.linear for one row."""
-    device = check_device(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
-    check_dtype("x", x, FLOAT_DTYPES)
-    check_shape("x", x, (1, None))
-    num_out, k = weight.shape
-    check_shape("weight", weight, (None, x.shape[1]))
-    check_dtype("weight", weight, (x.dtype,))
-    check_inner_contiguous("x", x)
-    check_inner_contiguous("weight", weight)
-    if bias is not None:
-        check_shape("bias", bias, (num_out,))
-        check_dtype("bias", bias, (x.dtype,))
-        check_inner_contiguous("bias", bias)
+    device, num_out, k = check_linear_operands(x, weight, bias, rows=1)
     out_dtype = out_dtype or x.dtype
     if out is None:
         out = torch.empty((1, num_out), dtype=out_dtype, device=device)

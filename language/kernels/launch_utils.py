@@ -12,12 +12,19 @@ import triton
 _INTERPRET_ENV = "TRITON_INTERPRET"
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # the tensor cores' 16-bit operands
 INDEX_DTYPES = (torch.int32, torch.int64)
 _QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)  # kv_quant.QUANT_DTYPES (which imports this module)
 
 
 def interpreting() -> bool:
     return os.environ.get(_INTERPRET_ENV, "0") == "1"
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Triton's interpreter multiplies bf16 dot operands as raw bits (garbage), so there the operands are upcast
+    after rounding; compiled kernels always use the tensor cores in the input dtype."""
+    return interpreting() and dtype == torch.bfloat16
 
 
 def check_device(**tensors: torch.Tensor) -> torch.device:
@@ -60,6 +67,31 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, dev
     assert out.dtype == dtype, f"out: dtype {out.dtype}, expected {dtype}"
     assert out.device == device, f"out: on {out.device}, expected {device}"
     assert out.is_contiguous(), "out: must be contiguous"
+
+
+def check_linear_operands(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    rows: int | None,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> tuple[torch.device, int, int]:
+    """F.linear's operands for a kernel: x [rows (None: any), K] of one of `dtypes`, weight [N, K] and bias [N]
+    of x's dtype, each read as contiguous rows. Returns (device, N, K)."""
+    device = check_device(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    check_dtype("x", x, dtypes)
+    check_shape("x", x, (rows, None))
+    num_out, k = weight.shape
+    check_shape("weight", weight, (None, x.shape[1]))
+    check_dtype("weight", weight, (x.dtype,))
+    check_inner_contiguous("x", x)
+    check_inner_contiguous("weight", weight)
+    if bias is not None:
+        check_shape("bias", bias, (num_out,))
+        check_dtype("bias", bias, (x.dtype,))
+        check_inner_contiguous("bias", bias)
+    return device, num_out, k
 
 
 def check_attention_operands(

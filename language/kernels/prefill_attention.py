@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_in_fp32, dot_precision, load_rows
+from language.kernels.attention_tile import LOG2E, attend_key_tile, dot_precision, load_rows
 from language.kernels.kv_quant import KV_FP8_PER_HEAD, KV_PLAIN, kv_quant_scheme
 from language.kernels.launch_utils import (
     INDEX_DTYPES,
@@ -22,6 +22,7 @@ from language.kernels.launch_utils import (
     check_dtype,
     check_out,
     check_shape,
+    dot_in_fp32,
     interpreting,
     pow2_at_least,
 )

@@ -1,7 +1,8 @@
 """Layers whose output needs the other ranks: a row-parallel linear (partial sums all-reduced), the embedding and
 lm_head split by vocabulary rows. With a group of one they are the plain layers, with no collective at all.
 Column-parallel linears (q/k/v, gate/up) need no communication: they are `Linear` of this rank's width. Every
-layer here multiplies through `kernels.linear` (a GEMV kernel for one row on CUDA, F.linear otherwise).
+layer here multiplies through `kernels.linear` (on CUDA: a GEMV kernel for one row, a weight-streaming GEMM for 2
+to 64 rows, cuBLAS above; F.linear off CUDA).
 
 Each is built to round where the unsharded layer rounds and nowhere else, so that TP=N differs from TP=1 only by
 the order of fp32 sums: the row-parallel partials are summed in fp32 and rounded once; the embedding's sum adds
@@ -28,6 +29,8 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
     if kernels.gemv_applies(x, weight):
         return kernels.gemv(x, weight, out_dtype=torch.float32)
+    if kernels.skinny_applies(x, weight):
+        return kernels.skinny_gemm(x, weight, out_dtype=torch.float32)
     if x.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x.float(), weight.float())

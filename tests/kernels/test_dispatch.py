@@ -5,6 +5,7 @@ import torch
 
 import language.kernels as kernels
 from language.kernels import reference
+from language.parallel.layers import linear_fp32
 
 
 def test_cpu_tensors_take_the_reference_path():
@@ -43,3 +44,33 @@ def test_cuda_tensors_take_the_triton_path():
     out = torch.full_like(x, float("nan"))
     assert kernels.rms_norm(x, torch.ones(8, device="cuda", dtype=torch.float16), 1e-6, out=out) is out
     assert not out.isnan().any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("rows", [2, 17, kernels.SKINNY_MAX_ROWS, kernels.SKINNY_MAX_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_linear_streams_the_weights_for_decode_batches(rows, dtype):
+    """2 to SKINNY_MAX_ROWS rows of bf16/fp16 go through the weight-streaming GEMM (its sums, bit for bit), more
+    through cuBLAS; both within an ulp of the fp32 sum. fp32 partials (`linear_fp32`) take the same path."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 3584, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(4608, 3584, device="cuda", generator=gen) / 60).to(dtype)
+    bias = torch.randn(4608, device="cuda", generator=gen).to(dtype)
+    streamed = rows <= kernels.SKINNY_MAX_ROWS
+    assert kernels.skinny_applies(x, weight) == streamed
+    expected = kernels.skinny_gemm(x, weight, bias) if streamed else torch.nn.functional.linear(x, weight, bias)
+    got = kernels.linear(x, weight, bias)
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(got.float(), x.float() @ weight.float().T + bias.float(), atol=3e-2, rtol=1.6e-2)
+    partial = linear_fp32(x, weight)
+    if streamed:
+        assert torch.equal(partial, kernels.skinny_gemm(x, weight, out_dtype=torch.float32))
+    torch.testing.assert_close(partial, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
+
+
+def test_cpu_linear_is_torchs():
+    """Off CUDA nothing streams: `kernels.linear` is F.linear, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(8, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()
+    assert not kernels.skinny_applies(x, weight)
+    assert torch.equal(kernels.linear(x, weight), torch.nn.functional.linear(x, weight))
