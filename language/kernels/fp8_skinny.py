@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from language.kernels.fp8_gemv import check_fp8_linear_operands
-from language.kernels.launch_utils import cdiv, check_out, pow2_at_least
+from language.kernels.launch_utils import cdiv, check_out, pdl_enter, pdl_launch, pow2_at_least
 
 MAX_BLOCK_M = 64  # rows per program: more rows are more programs, each reading the same weights again (from L2)
 _REDUCE_BLOCK = 512  # outputs per program of the split-K reduction
@@ -129,7 +129,10 @@ def _fp8_skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # At the top: the pipelined loop below loads weights and activations together.
+    pdl_enter(USE_PDL)
     # Row tiles vary fastest: programs that read the same weights (M > BLOCK_M) run side by side, and share L2.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -174,7 +177,9 @@ def _split_k_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_mask = offs_n < N
@@ -224,13 +229,13 @@ def fp8_skinny_gemm(
         x_q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         SPLIT_K=split_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SWAP_AB=config.swap_ab,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(device),
     )  # fmt: skip
     if split_k > 1:
         _split_k_reduce_kernel[(m, cdiv(num_out, _REDUCE_BLOCK))](
             target, x_scale, weight_scale, bias_arg, out, m, num_out,
             x_scale.stride(0), weight_scale.stride(0), out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=min(_REDUCE_BLOCK, pow2_at_least(num_out, 16)),
-            num_warps=4,
+            num_warps=4, **pdl_launch(device),
         )  # fmt: skip
     return out
