@@ -3,6 +3,7 @@
     python benchmarks/decode_bench.py --model_dir /tmp/llama7b   # builds the checkpoint there if missing
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1 --profile 1 --top 40  # any family's LM
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1,64 --quant_type fp8w8a8  # FP8 linears
+    python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1,64 --pdl on,off  # PDL against none
 
 Measures the engine's own step() (CUDA-graph decode + sampling + bookkeeping) in steady state: all requests
 prefilled, every step a pure decode of the whole batch."""
@@ -10,6 +11,7 @@ prefilled, every step a pure decode of the whole batch."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -88,25 +90,46 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="batch sizes to profile after the table, e.g. 1,64")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled batch size")
     ap.add_argument("--quant_type", default="none", help="the engine's --quant_type (fp8w8a8: FP8 linears)")
+    ap.add_argument(
+        "--pdl", default="on", help="programmatic dependent launch: on, off, or on,off (one engine after the other)"
+    )
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         t0 = time.perf_counter()
         build_llama(args.model_dir, "7b", torch.float16, num_shards=None, device="cuda")
         print(f"built 7B-shaped random Llama in {time.perf_counter() - t0:.0f} s")
+    settings = [s.strip() for s in args.pdl.split(",")]
+    assert settings and set(settings) <= {"on", "off"}, f"--pdl {args.pdl}: on, off or both"
+    rows = []
+    for pdl in settings:
+        rows += bench_engine(args, pdl == "on")
+    print(f"| batch | PDL | ms per step | tokens/s | x roofline |  ({args.quant_type})")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(row)
+
+
+def bench_engine(args: argparse.Namespace, pdl: bool) -> list[str]:
+    """One engine with PDL on or off: its table rows (and profiles, printed), then the engine freed."""
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig(model_dir=args.model_dir, max_total_token_num=80_000, running_max_req_size=128,
-                                   quant_type=args.quant_type))  # fmt: skip
-    print(f"engine up in {time.perf_counter() - t0:.0f} s")
+                                   quant_type=args.quant_type, pdl=pdl))  # fmt: skip
+    print(f"engine (PDL {'on' if pdl else 'off'}) up in {time.perf_counter() - t0:.0f} s")
     weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
     floor = weight_bytes / COPY_BANDWIDTH * 1e3
     print(f"weights {weight_bytes / 1e9:.2f} GB -> roofline {floor:.2f} ms per step (weights / 3.0 TB/s)")
-    print("| batch | ms per step | tokens/s | x roofline |")
-    print("|---|---|---|---|")
+    rows = []
     for b in (int(x) for x in args.batches.split(",")):
         ms = decode_ms_per_step(core, b, args.prompt_len, args.steps)
-        print(f"| {b} | {ms:.2f} | {b * 1e3 / ms:.0f} | {ms / floor:.2f} |")
+        rows.append(f"| {b} | {'on' if pdl else 'off'} | {ms:.2f} | {b * 1e3 / ms:.0f} | {ms / floor:.2f} |")
+        print(rows[-1])
     for b in (int(x) for x in args.profile.split(",") if x):
         profile_steps(core, b, args.prompt_len, 20, args.top)
+    core.close()
+    del core
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 from language.config import EngineConfig, resolve_device
 from language.engine_stats import EngineStats, StepCounters
 from language.grammar import Grammars, VocabularyBuilder
+from language.kernels.launch_utils import set_pdl
 from language.model_builder import build_kv_cache, load_model, model_config
 from language.model_info import ModelInfo
 from language.model_runner import InflightStep, ModelRunner
@@ -65,6 +66,7 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, vocabulary: VocabularyBuilder | None = None):
         self.cfg = cfg
         device = resolve_device(cfg.device)
+        set_pdl(cfg.pdl)  # before any kernel runs: the decode graphs capture the launches as they are made
         torch.manual_seed(cfg.seed)
         # Tensor parallelism: this process is rank 0; the other ranks follow its steps (language/parallel/worker.py).
         model_config(cfg)

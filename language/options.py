@@ -127,6 +127,16 @@ class EngineOptions:
     cuda_graph: bool = option(
         True, _KV, "run every step eagerly", flag="disable_cudagraph", aliases=("--enforce-eager",)
     )
+    # Programmatic dependent launch (sm_90+ CUDA): each Triton kernel of a step may start while the one before it
+    # drains, and the weight-streaming GEMVs request their first weights then (language/kernels/launch_utils.py).
+    # Never on CPU, under the Triton interpreter or before Hopper, whatever this says.
+    pdl: bool = option(
+        True,
+        _KV,
+        "launch the Triton kernels one after another, without programmatic dependent launch (on by default on "
+        "Hopper and later GPUs)",
+        flag="disable_pdl",
+    )
     graph_max_batch_size: int = option(256, _KV, "largest decode batch run as a CUDA graph")
     piecewise_cuda_graph_max_tokens: int = option(
         1024,

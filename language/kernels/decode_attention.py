@@ -24,6 +24,8 @@ from language.kernels.launch_utils import (
     dot_in_fp32,
     interpreting,
     multiprocessor_count,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -71,7 +73,9 @@ def _decode_partial_kernel(
     DOT_FP32: tl.constexpr,
     WINDOWED: tl.constexpr,
     KV_QUANT: tl.constexpr,  # kv_quant.KV_*
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)  # before the early return below too
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -143,7 +147,9 @@ def _decode_merge_kernel(
     BLOCK_C: tl.constexpr,  # _MAX_CHUNKS, masked to the chunks in use
     BLOCK_D: tl.constexpr,
     WINDOWED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(b_seq_len_ptr + seq)
@@ -247,12 +253,12 @@ def decode_attention(
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
         BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), WINDOWED=window > 0, KV_QUANT=kv_quant,
-        **_launch_config(),
+        **_launch_config(), **pdl_launch(device),
     )  # fmt: skip
     if not single:
         _decode_merge_kernel[(batch, num_heads)](
             part_out, part_lse, b_seq_len, out, window, num_chunks,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=_launch_config()["BLOCK_N"],
-            BLOCK_C=_MAX_CHUNKS, BLOCK_D=block_d, WINDOWED=window > 0, num_warps=4,
+            BLOCK_C=_MAX_CHUNKS, BLOCK_D=block_d, WINDOWED=window > 0, num_warps=4, **pdl_launch(device),
         )  # fmt: skip
     return out

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from language.kernels.fp8_gemv import check_fp8_linear_operands, group_size
-from language.kernels.launch_utils import cdiv, check_out, pow2_at_least
+from language.kernels.launch_utils import cdiv, check_out, pdl_enter, pdl_launch, pow2_at_least
 
 
 @triton.jit
@@ -38,7 +38,9 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # == the group size: one scale pair per step
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -96,5 +98,6 @@ def fp8_gemm(
         x_q, x_scale, weight, weight_scale, weight_scale if bias is None else bias, out, m, num_out, k,
         x_q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), stride_g,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        **pdl_launch(device),
     )  # fmt: skip
     return out

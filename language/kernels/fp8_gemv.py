@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, e4m3_scale, quantize_e4m3
+from language.kernels.gemv import load_weight_tile
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     cdiv,
@@ -27,6 +28,8 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -75,44 +78,66 @@ def _fp8_gemv_kernel(
     AMAX_BLOCK: tl.constexpr,  # columns per step of the row's maximum (QUANTIZE_X, PER_CHANNEL)
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
+    # The first weight tile is requested before the wait for the previous kernel (no step writes weights): under
+    # PDL its bytes stream in while that kernel drains (and, fused, while the row's maximum is read).
+    w = load_weight_tile(w_ptrs, n_mask, offs_k, 0, K, EVEN_K)
+    pdl_enter(USE_PDL)
+    x_scale = 1.0  # grouped scales are read (or found) per step
     if PER_CHANNEL:
         if QUANTIZE_X:  # every program reads the whole row for its maximum: a few KB from L2 (see fp8_gemv_fused)
             x_scale = e4m3_scale(_row_amax(x_ptr, K, AMAX_BLOCK), FP8_MAX, MIN_SCALE)
         else:
             x_scale = tl.load(xs_ptr)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
-        else:
-            k_mask = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        if QUANTIZE_X:
-            if not PER_CHANNEL:  # this step is one whole group
-                x_scale = e4m3_scale(tl.max(tl.abs(x), 0), FP8_MAX, MIN_SCALE)
-            x = quantize_e4m3(x, x_scale, FP8_MAX)  # e4m3's values in fp32: what the unfused path loads
-        if PER_CHANNEL:
-            acc += w.to(tl.float32) * x[None, :]
-        else:
-            g = k0 // GROUP
-            if not QUANTIZE_X:
-                x_scale = tl.load(xs_ptr + g)
-            scale = tl.load(ws_ptr + offs_n * stride_ws_n + g, mask=n_mask, other=0.0) * x_scale
-            acc += (w.to(tl.float32) * x[None, :]) * scale[:, None]
-        w_ptrs += BLOCK_K
+    acc = _accumulate(
+        acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, 0, K, stride_ws_n, x_scale,
+        QUANTIZE_X, PER_CHANNEL, EVEN_K, GROUP, FP8_MAX, MIN_SCALE,
+    )  # fmt: skip
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = load_weight_tile(w_ptrs + k0, n_mask, offs_k, k0, K, EVEN_K)
+        acc = _accumulate(
+            acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, k0, K, stride_ws_n, x_scale,
+            QUANTIZE_X, PER_CHANNEL, EVEN_K, GROUP, FP8_MAX, MIN_SCALE,
+        )  # fmt: skip
     y = tl.sum(acc, 1)  # [BLOCK_N] fp32
     if PER_CHANNEL:
         y = y * (tl.load(ws_ptr + offs_n * stride_ws_n, mask=n_mask, other=0.0) * x_scale)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _accumulate(
+    acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, k0, K, stride_ws_n, x_scale,
+    QUANTIZE_X: tl.constexpr, PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):  # fmt: skip
+    """acc + the products of weight tile w with x's columns k0:k0 + BLOCK_K (quantized here with QUANTIZE_X); per
+    channel unscaled (x_scale: the row's scale, for QUANTIZE_X), grouped scaled by the step's group scales."""
+    if EVEN_K:
+        x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+    if QUANTIZE_X:
+        if not PER_CHANNEL:  # this step is one whole group
+            x_scale = e4m3_scale(tl.max(tl.abs(x), 0), FP8_MAX, MIN_SCALE)
+        x = quantize_e4m3(x, x_scale, FP8_MAX)  # e4m3's values in fp32: what the unfused path loads
+    if PER_CHANNEL:
+        acc += w.to(tl.float32) * x[None, :]
+    else:
+        g = k0 // GROUP
+        if not QUANTIZE_X:
+            x_scale = tl.load(xs_ptr + g)
+        scale = tl.load(ws_ptr + offs_n * stride_ws_n + g, mask=n_mask, other=0.0) * x_scale
+        acc += (w.to(tl.float32) * x[None, :]) * scale[:, None]
+    return acc
 
 
 @triton.jit
@@ -211,7 +236,7 @@ def _launch(
         QUANTIZE_X=quantize_x, PER_CHANNEL=groups == 1, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         GROUP=group, BLOCK_N=config.block_n, BLOCK_K=block_k, AMAX_BLOCK=min(_AMAX_BLOCK, pow2_at_least(k, 16)),
         FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        num_warps=config.num_warps, num_stages=1,
+        num_warps=config.num_warps, num_stages=1, **pdl_launch(device),
     )  # fmt: skip
     return out
 

@@ -20,6 +20,8 @@ from language.kernels.launch_utils import (
     check_dtype,
     check_inner_contiguous,
     check_shape,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -41,7 +43,9 @@ def _quantize_kernel(
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     g = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -108,6 +112,6 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tenso
     _quantize_kernel[(m, groups)](
         x, q, scales, k, groups, x.stride(0),
         GROUP=group, BLOCK=min(_MAX_BLOCK, pow2_at_least(min(group, k), 16)), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        num_warps=4,
+        num_warps=4, **pdl_launch(device),
     )  # fmt: skip
     return q, scales

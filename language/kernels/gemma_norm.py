@@ -19,6 +19,8 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    pdl_enter,
+    pdl_launch,
 )
 from language.kernels.rms_norm import row_launch_shape
 
@@ -41,7 +43,9 @@ def _gemma_rms_norm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -63,7 +67,9 @@ def _gemma_norm_add_norm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -95,8 +101,9 @@ def gemma_rms_norm(
         return out
     block_h, num_warps = row_launch_shape(hidden)
     _gemma_rms_norm_kernel[(num_rows,)](
-        x, weight.contiguous(), out, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, num_warps=num_warps
-    )
+        x, weight.contiguous(), out, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, num_warps=num_warps,
+        **pdl_launch(device),
+    )  # fmt: skip
     return out
 
 
@@ -125,6 +132,6 @@ def gemma_norm_add_norm(
     block_h, num_warps = row_launch_shape(hidden)
     _gemma_norm_add_norm_kernel[(num_rows,)](
         x, residual, x_weight.contiguous(), weight.contiguous(), out, summed, x.stride(0), residual.stride(0), hidden,
-        eps, BLOCK_H=block_h, num_warps=num_warps,
+        eps, BLOCK_H=block_h, num_warps=num_warps, **pdl_launch(device),
     )  # fmt: skip
     return out, summed

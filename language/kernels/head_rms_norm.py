@@ -17,6 +17,8 @@ from language.kernels.launch_utils import (
     check_dtype,
     check_inner_contiguous,
     check_shape,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -38,7 +40,9 @@ def _qk_rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GEMMA: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -94,6 +98,6 @@ def qk_rms_norm(
     _qk_rms_norm_kernel[grid](
         qk, q_weight.contiguous(), k_weight.contiguous(), out, qk.stride(0), qk.stride(1), out.stride(0),
         out.stride(1), num_heads, num_q_heads, head_dim, eps, BLOCK_H=block_h, BLOCK_D=pow2_at_least(head_dim, 16),
-        GEMMA=gemma, num_warps=4,
+        GEMMA=gemma, num_warps=4, **pdl_launch(device),
     )  # fmt: skip
     return out

@@ -17,6 +17,8 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_shape,
     interpreting,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -80,7 +82,9 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
     KV_QUANT: tl.constexpr,  # kv_quant.KV_*
     ROUND_FP8: tl.constexpr,  # see _round_to_e4m3
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -112,7 +116,7 @@ def store_kv(
     v_cache[slots] = v, in place, cast to the cache dtype. Slots must be distinct (the allocator guarantees it).
     An int8 or float8 cache stores them quantized (kv_quant.py), with its scales: k_scale/v_scale [S, Hk] (int8,
     written here) or [Hk] (float8, read)."""
-    check_device(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slots=slots)
+    device = check_device(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slots=slots)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         check_dtype(name, t, FLOAT_DTYPES + QUANT_DTYPES if name.endswith("cache") else FLOAT_DTYPES)
         check_inner_contiguous(name, t)
@@ -142,5 +146,5 @@ def store_kv(
         ROUND_FP8=interpreting(), num_warps=4,
         # int8 rounds (x * 127 / absmax) + 0.5 as the reference does, in two roundings: a fused multiply-add would
         # round once and move ties
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_launch(device),
     )  # fmt: skip

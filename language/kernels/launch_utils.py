@@ -1,4 +1,4 @@
-"""Checks and sizing helpers shared by the Triton launchers."""
+"""Checks, sizing and launch options shared by the Triton launchers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests without a GPU); otherwise they need CUDA tensors.
 _INTERPRET_ENV = "TRITON_INTERPRET"
@@ -25,6 +27,59 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     """Triton's interpreter multiplies bf16 dot operands as raw bits (garbage), so there the operands are upcast
     after rounding; compiled kernels always use the tensor cores in the input dtype."""
     return interpreting() and dtype == torch.bfloat16
+
+
+# Programmatic dependent launch (PDL, sm_90+): a kernel launched with it may have its programs scheduled while the
+# kernel before it in the stream drains, instead of after it has finished; the kernels take USE_PDL and then run
+# `griddepcontrol.wait` (gdc_wait) before they read or write anything an earlier kernel writes, and signal
+# `launch_dependents` early. CUDA graphs capture such launches as programmatic edges. The engine sets the switch for
+# its process from --disable_pdl (set_pdl); the interpreter has no griddepcontrol, and pre-Hopper GPUs no PDL.
+_PDL_MIN_CAPABILITY = (9, 0)
+PDL_ON = {"USE_PDL": True, "launch_pdl": True}  # a kernel's constexpr and the launch attribute, always together
+PDL_OFF = {"USE_PDL": False, "launch_pdl": False}
+_pdl_wanted = True
+_pdl_by_device: dict[torch.device, bool] = {}  # the decision per device: launches ask hundreds of times a step
+
+
+def set_pdl(enabled: bool) -> None:
+    """Whether this process's kernels use PDL where the device supports it (the engine's --disable_pdl)."""
+    global _pdl_wanted
+    _pdl_wanted = enabled
+    _pdl_by_device.clear()
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or more, with the kernels compiled (not interpreted)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device) >= _PDL_MIN_CAPABILITY
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels launched on `device` use PDL: the switch on and the device able."""
+    decided = _pdl_by_device.get(device)
+    if decided is None:
+        decided = _pdl_by_device[device] = _pdl_wanted and pdl_supported(device)
+    return decided
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """A PDL kernel's barrier, before its first read of anything an earlier kernel writes and its first write: wait
+    until the kernel before it has finished and its writes are visible (and so every kernel before that: each waited
+    in turn, and a kernel launched without PDL only starts once its predecessor has finished). Then let the next
+    kernel's programs be scheduled: they only wait on SMs this kernel leaves free, and signalling here, not before
+    the wait, keeps at most one kernel queued behind the running one. Every program calls it unconditionally,
+    before any early return: a kernel may only finish after the one before it has."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """The launch keywords that turn PDL on or off for a kernel with a USE_PDL constexpr: `kernel[grid](...,
+    **pdl_launch(device))`."""
+    return PDL_ON if use_pdl(device) else PDL_OFF
 
 
 def check_device(**tensors: torch.Tensor) -> torch.device:

@@ -14,6 +14,8 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -28,7 +30,9 @@ def _rms_norm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -65,8 +69,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
         return out
     block_h, num_warps = row_launch_shape(hidden)
     _rms_norm_kernel[(num_rows,)](
-        x, weight, out, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, num_warps=num_warps
-    )
+        x, weight, out, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, num_warps=num_warps,
+        **pdl_launch(device),
+    )  # fmt: skip
     return out
 
 
@@ -82,7 +87,9 @@ def _add_rms_norm_kernel(
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
@@ -121,6 +128,6 @@ def add_rms_norm(
     block_h, num_warps = row_launch_shape(hidden)
     _add_rms_norm_kernel[(num_rows,)](
         x, residual, weight, out, summed, x.stride(0), residual.stride(0), hidden, eps,
-        BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_H=block_h, num_warps=num_warps, **pdl_launch(device),
     )  # fmt: skip
     return out, summed

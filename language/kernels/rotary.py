@@ -18,6 +18,8 @@ from language.kernels.launch_utils import (
     check_out,
     check_shape,
     interpreting,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -40,8 +42,10 @@ def _cos_sin_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_F: tl.constexpr,
     LIBDEVICE: tl.constexpr,  # compiled: CUDA's full-range cosf/sinf (angles reach thousands of radians)
+    USE_PDL: tl.constexpr,
     INTERLEAVED: tl.constexpr = False,  # bands cycle t, h, w (f % 3) below each axis's end, then t
 ):
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_f = tl.arange(0, BLOCK_F)
     mask = (offs_n < num_tokens)[:, None] & (offs_f < num_freqs)[None, :]
@@ -89,7 +93,7 @@ def _cos_sin(
         _cos_sin_kernel[grid](
             positions, inv_freq, out[0], out[1], positions.stride(0), num_tokens, num_freqs, *boundaries,
             BLOCK_N=_BLOCK_TOKENS, BLOCK_F=pow2_at_least(num_freqs, 16), LIBDEVICE=not interpreting(),
-            INTERLEAVED=interleaved, num_warps=4,
+            INTERLEAVED=interleaved, num_warps=4, **pdl_launch(device),
         )  # fmt: skip
     return out[0], out[1]
 
@@ -140,7 +144,9 @@ def _apply_rotary_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_f = tl.arange(0, BLOCK_HALF)
@@ -186,5 +192,6 @@ def apply_rotary(
     _apply_rotary_kernel[grid](
         x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
         HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=pow2_at_least(head_dim // 2, 16), num_warps=4,
+        **pdl_launch(device),
     )  # fmt: skip
     return out

@@ -15,6 +15,8 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    pdl_enter,
+    pdl_launch,
 )
 
 _BLOCK = 1024
@@ -30,7 +32,9 @@ def _act_and_mul_kernel(
     inter,
     BLOCK: tl.constexpr,
     GELU_TANH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -71,5 +75,8 @@ def _act_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> 
     if num_rows == 0 or inter == 0:
         return out
     grid = (num_rows, cdiv(inter, _BLOCK))
-    _act_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4)
+    _act_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4,
+        **pdl_launch(device),
+    )  # fmt: skip
     return out

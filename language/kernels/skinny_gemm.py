@@ -30,6 +30,8 @@ from language.kernels.launch_utils import (
     check_linear_operands,
     check_out,
     dot_in_fp32,
+    pdl_enter,
+    pdl_launch,
     pow2_at_least,
 )
 
@@ -142,7 +144,10 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    # At the top: the pipelined loop below loads weights and activations together.
+    pdl_enter(USE_PDL)
     # Row tiles vary fastest: programs that read the same weights (M > BLOCK_M) run side by side, and share L2.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -189,7 +194,9 @@ def _split_k_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_mask = offs_n < N
@@ -255,12 +262,12 @@ def launch_skinny(
         x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), out.stride(0),
         SCALED=scaled, SPLIT_K=split_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         SWAP_AB=config.swap_ab, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split_k > 1:
         _split_k_reduce_kernel[(m, cdiv(num_out, _REDUCE_BLOCK))](
             target, xs, ws, bias_arg, out, m, num_out, xs.stride(0), ws.stride(0), out.stride(0),
             SCALED=scaled, SPLIT_K=split_k, HAS_BIAS=bias is not None,
-            BLOCK=min(_REDUCE_BLOCK, pow2_at_least(num_out, 16)), num_warps=4,
+            BLOCK=min(_REDUCE_BLOCK, pow2_at_least(num_out, 16)), num_warps=4, **pdl_launch(x.device),
         )  # fmt: skip
     return out

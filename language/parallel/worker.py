@@ -9,6 +9,7 @@ import logging
 import torch
 
 from language.config import EngineConfig, resolve_device
+from language.kernels.launch_utils import set_pdl
 from language.model_builder import build_kv_cache, load_model, model_config
 from language.model_runner import ModelRunner
 from language.parallel import step_sync
@@ -24,6 +25,7 @@ class TPWorker:
             raise ValueError(f"worker rank {rank} outside 1..{cfg.tp - 1}")
         self.rank = rank
         self.device = resolve_device(cfg.device, rank % cfg.ranks_per_node)
+        set_pdl(cfg.pdl)
         torch.manual_seed(cfg.seed)
         model_config(cfg)  # a tp that cannot split the model: the message before waiting for the other ranks
         self.tp = init_tp(rank, cfg.tp, cfg.dist_init_method, self.device)

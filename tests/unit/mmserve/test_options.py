@@ -164,3 +164,8 @@ def test_the_engine_reads_the_names_the_command_line_sets():
 
     for f in dataclasses.fields(EngineOptions):
         assert getattr(eng, f.name) == getattr(cfg, f.name)
+
+
+def test_disable_pdl_turns_programmatic_dependent_launch_off():
+    assert parse_config(["--model_dir", "/m"]).pdl
+    assert not parse_config(["--model_dir", "/m", "--disable_pdl"]).pdl
