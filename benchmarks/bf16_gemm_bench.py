@@ -21,7 +21,8 @@ import torch
 
 from benchmarks.fp8_gemm_bench import DEVICE, SHAPES, Case, Shape, cell, label, summarize
 from language.kernels.precompile import compile_only
-from language.kernels.skinny_gemm import SkinnyConfig, skinny_gemm, sm_count
+from language.kernels.skinny_gemm import skinny_gemm
+from language.kernels.skinny_launches import SkinnyConfig, sm_count
 
 LM_HEAD = ("lm_head", 152064, 3584)  # Qwen2-VL's vocabulary: `kernels.linear` runs it too, not in the x28 sum
 

@@ -6,7 +6,7 @@ best of a grid (output columns per program x columns per step x swapped product 
 Each cell: microseconds per call and the weights' bytes per second as a share of the H100 SXM's 3.35 TB/s (each
 call reads another layer's weights, the calls replayed in one CUDA graph, so that none is served from L2). `quant`:
 the quantizer alone (what fusing it would save at most). Per M, `x28`: the step's four linears times 28 layers, in
-ms. The last lines: the best launch per (shape, M), as `SkinnyConfig`s for skinny_gemm.default_config, and the
+ms. The last lines: the best launch per (shape, M), as `SkinnyConfig`s for skinny_launches.py's measured table, and the
 largest difference of the best launch from the torch reference of the same quantized arithmetic.
 
     python benchmarks/fp8_gemm_bench.py [--rep 10] [--batches 8,16,32,64]
@@ -24,7 +24,7 @@ from triton.testing import do_bench_cudagraph
 from language.kernels.fp8_quant import quantize_fp8
 from language.kernels.fp8_skinny import fp8_skinny_gemm
 from language.kernels.precompile import compile_only
-from language.kernels.skinny_gemm import SkinnyConfig, default_config, sm_count, split_for
+from language.kernels.skinny_launches import SkinnyConfig, default_config, sm_count, split_for
 from language.quant.fp8 import fp8_linear_ref, quantize_weight
 
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
@@ -178,7 +178,7 @@ def summarize(cases: list[Case], totals: dict[int, list[float]], sms: int, items
     difference from the reference."""
     for m, total in totals.items():
         print(f"{'x28':<8}{m:>3} " + " ".join(f"{t * LAYERS / 1e3:>13.3f} ms" for t in total))
-    print(f"best launches (skinny_gemm.default_config's table, itemsize {itemsize}):")
+    print(f"best launches (skinny_launches.py's measured table, itemsize {itemsize}):")
     for case in cases:
         dflt = default_config(case.m, case.shape.n, case.shape.k, sms, itemsize)
         print(f"  ({case.m}, {case.shape.n}, {case.shape.k}): {case.best()!r},  # default {label(dflt)}")

@@ -28,9 +28,10 @@ from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul as _gelu_tanh_and_mul_triton
 from language.kernels.silu_mul import silu_and_mul as _silu_and_mul_triton
 from language.kernels.skinny_gemm import skinny_gemm
+from language.kernels.skinny_launches import launch_for
 
-# The most rows bf16/fp16 linears run through the weight-streaming GEMM (skinny_gemm.py) rather than cuBLAS's,
-# whose wide tiles leave most SMs idle on a few rows (benchmarks/bf16_gemm_bench.py).
+# The most rows bf16/fp16 linears may run through the weight-streaming GEMM (skinny_gemm.py) rather than cuBLAS's,
+# whose wide tiles leave most SMs idle on a few rows: where skinny_launches.py measured it faster.
 SKINNY_MAX_ROWS = 64
 
 
@@ -77,8 +78,8 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2 to SKINNY_MAX_ROWS rows of bf16/fp16 on CUDA (decode batches): the weight-streaming GEMM reads the weights
-    faster than cuBLAS does."""
+    """2 to SKINNY_MAX_ROWS rows of bf16/fp16 on CUDA (decode batches) of a weight shape at whose row count the
+    weight-streaming GEMM measured faster than cuBLAS (skinny_launches.launch_for)."""
     return (
         x.is_cuda
         and x.dim() == 2
@@ -86,6 +87,7 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and x.dtype == weight.dtype
         and x.dtype in HALF_DTYPES
+        and launch_for(x.shape[0], weight.shape[0], weight.shape[1], weight.element_size()) is not None
     )
 
 

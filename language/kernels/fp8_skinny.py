@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from language.kernels.fp8_gemv import check_fp8_linear_operands
-from language.kernels.skinny_gemm import SkinnyConfig, launch_skinny
+from language.kernels.skinny_gemm import launch_skinny
+from language.kernels.skinny_launches import SkinnyConfig
 
 
 def fp8_skinny_gemm(

@@ -17,9 +17,6 @@ first."""
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -34,55 +31,9 @@ from language.kernels.launch_utils import (
     pdl_launch,
     pow2_at_least,
 )
+from language.kernels.skinny_launches import SkinnyConfig, block_m_for, default_config, launch_for, sm_count
 
-MAX_BLOCK_M = 64  # rows per program: more rows are more programs, each reading the same weights again (from L2)
-_STEP_BYTES = 256  # a weight row's bytes per reduction step (128 where K is not a multiple of it)
 _REDUCE_BLOCK = 512  # outputs per program of the split-K reduction
-_H100_SMS = 132  # the SM count assumed where there is no CUDA device (the interpreter)
-
-
-class SkinnyConfig(NamedTuple):
-    """A launch: output columns per program, reduction columns per step, reduction slices (1: no split), warps,
-    pipeline stages, and whether the tensor-core product is taken as w @ x^T (the weights as the MMA's A operand,
-    so BLOCK_N, not the padded M, is its 64-row side)."""
-
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
-    swap_ab: bool = False
-
-
-@functools.lru_cache(maxsize=8)
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _H100_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=1024)  # an eager step asks once per linear
-def default_config(m: int, n: int, k: int, sms: int = _H100_SMS, itemsize: int = 1) -> SkinnyConfig:
-    """64-wide output slices, 256-byte steps of each weight row (128 where K is not a multiple of 256 bytes: 256
-    FP8 or 128 bf16 columns), 4 warps, 4 stages, and the reduction split by `split_for`. A first guess from the
-    shapes' arithmetic: benchmarks/fp8_gemm_bench.py and bf16_gemm_bench.py print the measured best per (shape, M).
-    itemsize: the weights' bytes per element (1: FP8, 2: bf16/fp16)."""
-    block_n = 64
-    step_bytes = _STEP_BYTES if (k * itemsize) % _STEP_BYTES == 0 else _STEP_BYTES // 2
-    block_k = min(step_bytes // itemsize, pow2_at_least(k, 32))
-    return SkinnyConfig(block_n, block_k, split_for(m, n, k, block_n, block_k, sms), num_warps=4, num_stages=4)
-
-
-def split_for(m: int, n: int, k: int, block_n: int, block_k: int, sms: int = _H100_SMS) -> int:
-    """Reduction slices for about two programs per SM, keeping at least 4 steps a slice (a slice's pipeline fills
-    and drains once)."""
-    tiles = cdiv(m, block_m_for(m)) * cdiv(n, block_n)
-    return max(1, min(cdiv(2 * sms, tiles), cdiv(k, block_k) // 4))
-
-
-def block_m_for(m: int) -> int:
-    """M padded to the tensor cores' 16 rows, then to a power of two, up to MAX_BLOCK_M."""
-    return min(MAX_BLOCK_M, pow2_at_least(m, 16))
 
 
 @triton.jit
@@ -238,8 +189,8 @@ def launch_skinny(
     config: SkinnyConfig | None,
 ) -> torch.Tensor:
     """The launch behind skinny_gemm and fp8_skinny_gemm, on their checked operands: scaled where the scales are
-    given (both or neither); the split-K workspace and its reduction where the config splits (default:
-    `default_config`)."""
+    given (both or neither); the split-K workspace and its reduction where the config splits (default: the measured
+    launch, else `default_config`: skinny_launches.py)."""
     (m, k), num_out, device = x.shape, weight.shape[0], x.device
     if out is None:
         out = torch.empty((m, num_out), dtype=out_dtype, device=device)
@@ -247,7 +198,8 @@ def launch_skinny(
     assert k >= 1, "weight: empty reduction dimension"
     if m == 0 or num_out == 0:
         return out
-    config = config or default_config(m, num_out, k, sm_count(device), weight.element_size())
+    sms, itemsize = sm_count(device), weight.element_size()
+    config = config or launch_for(m, num_out, k, itemsize, sms) or default_config(m, num_out, k, sms, itemsize)
     block_m, block_k = block_m_for(m), config.block_k
     assert block_k >= 32 and block_k == pow2_at_least(block_k, 32), f"block_k {block_k}: a power of two >= 32"
     steps = cdiv(k, block_k)

@@ -50,12 +50,13 @@ def test_cuda_tensors_take_the_triton_path():
 @pytest.mark.parametrize("rows", [2, 17, kernels.SKINNY_MAX_ROWS, kernels.SKINNY_MAX_ROWS + 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_linear_streams_the_weights_for_decode_batches(rows, dtype):
-    """2 to SKINNY_MAX_ROWS rows of bf16/fp16 go through the weight-streaming GEMM (its sums, bit for bit), more
-    through cuBLAS; both within an ulp of the fp32 sum. fp32 partials (`linear_fp32`) take the same path."""
+    """2 to SKINNY_MAX_ROWS rows of bf16/fp16 of a shape where the weight-streaming GEMM measured faster (Qwen2-VL-7B's
+    down projection) go through it (its sums, bit for bit), more through cuBLAS; both within an ulp of the fp32 sum.
+    fp32 partials (`linear_fp32`) take the same path."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, 3584, device="cuda", generator=gen).to(dtype)
-    weight = (torch.randn(4608, 3584, device="cuda", generator=gen) / 60).to(dtype)
-    bias = torch.randn(4608, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(rows, 18944, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(3584, 18944, device="cuda", generator=gen) / 140).to(dtype)
+    bias = torch.randn(3584, device="cuda", generator=gen).to(dtype)
     streamed = rows <= kernels.SKINNY_MAX_ROWS
     assert kernels.skinny_applies(x, weight) == streamed
     expected = kernels.skinny_gemm(x, weight, bias) if streamed else torch.nn.functional.linear(x, weight, bias)
@@ -66,6 +67,17 @@ def test_linear_streams_the_weights_for_decode_batches(rows, dtype):
     if streamed:
         assert torch.equal(partial, kernels.skinny_gemm(x, weight, out_dtype=torch.float32))
     torch.testing.assert_close(partial, x.float() @ weight.float().T, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_linear_keeps_cublas_where_it_measured_faster():
+    """Qwen2-VL-7B's qkv projection at 16 rows: cuBLAS streamed it faster on the H100, so `kernels.linear` is
+    F.linear there, bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    x = torch.randn(16, 3584, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(4608, 3584, device="cuda", generator=gen) / 60).bfloat16()
+    assert not kernels.skinny_applies(x, weight)
+    assert torch.equal(kernels.linear(x, weight), torch.nn.functional.linear(x, weight))
 
 
 def test_cpu_linear_is_torchs():

@@ -7,7 +7,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, assert_written_and_close, poisoned, randn, strided_view
 
-from language.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_gemm
+from language.kernels.skinny_gemm import skinny_gemm
+from language.kernels.skinny_launches import SkinnyConfig, default_config, launch_for
 
 # The kernel's fp32 sum of the same exact products in another order, then one rounding: about an ulp apart.
 SKINNY_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -71,3 +72,16 @@ def test_skinny_gemm_checks_its_operands():
         skinny_gemm(x, torch.zeros(8, 64, device=DEVICE, dtype=torch.float16))
     with pytest.raises(AssertionError, match="weight: shape"):
         skinny_gemm(x, torch.zeros(8, 32, device=DEVICE, dtype=torch.bfloat16))
+
+
+def test_launch_for_takes_the_measured_table_then_the_first_guess():
+    """Measured shapes take their bucket's launch (None: cuBLAS was faster); an unmeasured FP8 shape takes the
+    first guess, an unmeasured bf16 one keeps cuBLAS; more rows than the largest bucket never stream."""
+    assert launch_for(16, 4608, 3584, itemsize=2) is None  # bf16 qkv: cuBLAS measured faster
+    assert launch_for(16, 3584, 3584, itemsize=2) == launch_for(9, 3584, 3584, itemsize=2)  # one bucket: 9-16 rows
+    assert launch_for(16, 3584, 3584, itemsize=2) is not None and launch_for(17, 3584, 3584, itemsize=2) is None
+    assert launch_for(64, 3584, 18944, itemsize=2) == SkinnyConfig(32, 64, 3, 4, 5)
+    assert launch_for(64, 3584, 18944, itemsize=1) == SkinnyConfig(64, 128, 5, 4, 4, swap_ab=True)
+    assert launch_for(8, 512, 256, itemsize=2) is None
+    assert launch_for(8, 512, 256, itemsize=1) == default_config(8, 512, 256, itemsize=1)
+    assert launch_for(65, 3584, 18944, itemsize=1) is None
