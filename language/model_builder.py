@@ -68,7 +68,7 @@ def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = Non
         swap_linears(model, scheme, quantize=True)
     if scheme is not None:
         logger.info("decoder linear layers: %s", scheme.describe())
-    if scheme is not None and not scheme.prequantized:  # a published FP8 checkpoint's head stays as published
+    if scheme is not None and not scheme.prequantized and cfg.quant_lm_head:  # a published one's head stays as is
         quantize_lm_head(model)
         logger.info("LM head: FP8 e4m3 per vocabulary row, quantized at load")
     if device.type == "cuda":

@@ -141,13 +141,18 @@ def check_fp8_head(model, table: torch.Tensor) -> None:
     torch.testing.assert_close(head(x), fp8_linear_ref(x, q, scales), rtol=1e-5, atol=1e-5)
 
 
-def test_fp8w8a8_quantized_at_load_follows_hf(bf16_dir, hf_model, cases):
-    llm = LLM(bf16_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=16)
+@pytest.mark.parametrize("quant_lm_head", [False, True], ids=["bf16_head", "fp8_head"])
+def test_fp8w8a8_quantized_at_load_follows_hf(bf16_dir, hf_model, cases, quant_lm_head):
+    llm = LLM(bf16_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=16,
+              quant_lm_head=quant_lm_head)  # fmt: skip
     model = llm.engine.runner.model
     layer = model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
     assert layer.mlp.down_proj.weight_scale.shape == (layer.mlp.down_proj.out_features, 1)
-    check_fp8_head(model, checkpoint_tensor(bf16_dir, "lm_head.weight"))  # untied: the head's own weight
+    if quant_lm_head:
+        check_fp8_head(model, checkpoint_tensor(bf16_dir, "lm_head.weight"))  # untied: the head's own weight
+    else:  # the default: the head as written
+        assert torch.equal(model.lm_head.weight, checkpoint_tensor(bf16_dir, "lm_head.weight"))
     assert model.embed_tokens.weight.dtype == torch.float32
     agreed = _check_follows_hf(llm, hf_model, cases)
     print("tokens agreed before the first divergence:", agreed)
