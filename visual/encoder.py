@@ -22,7 +22,7 @@ from visual.image_decode import BadImage
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualResult
 from visual.models.base import ImageInput
 from visual.preprocess import PreprocessPool
-from visual.shm_segments import write_embedding
+from visual.spare_segments import SpareSegments
 from visual.staging import HostStaging, in_parallel
 from visual.stats import VisionStats
 from visual.tower_turn import TowerTurn
@@ -59,6 +59,7 @@ class VisualEncoder:
         self._preprocessing: deque[tuple[str, float, Future[ImageInput]]] = deque()  # in arrival order
         self._wake = threading.Event()  # set when a job arrives or an image finishes preprocessing
         self._embeds = HostStaging()  # pinned on CUDA: the batch's embeddings on their way to shared memory
+        self._segments = SpareSegments(shm_prefix)  # where they go: segments made ahead, so a write is a memcpy
         self.stats = VisionStats()
         self.images_encoded = 0
 
@@ -151,9 +152,9 @@ class VisualEncoder:
                         raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
                 host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
             encoded = time.perf_counter()
-            # host -> shm: a memcpy per image, into pages that fault in as they are written
+            # host -> shm: a memcpy per image (into a spare segment's populated pages, where one fits)
             keys = [key for key, _, _ in batch]
-            in_parallel(lambda pair: write_embedding(self.shm_prefix, *pair), zip(keys, host, strict=True))
+            in_parallel(lambda pair: self._segments.write(*pair), zip(keys, host, strict=True))
         except Exception as e:  # the model or the shared memory failed: these keys fail, the process goes on
             logger.exception("encoding %d images failed", len(batch))
             self.stats.failed += len(batch)
@@ -182,8 +183,9 @@ class VisualEncoder:
 
     def warm_up(self, embeds: list[torch.Tensor]) -> None:
         """A warm-up batch's embeddings through the copy back to the host, dropped there: sizes the pinned staging
-        buffer for a full batch before the first one is served."""
-        self._to_host(embeds)
+        buffer for a full batch before the first one is served, and has spare segments made for entries of their
+        size."""
+        self._segments.expect(self._to_host(embeds))
 
     def _to_host(self, embeds: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device embeddings -> host tensors: one non-blocking copy into the pinned staging buffer when they are
@@ -209,6 +211,7 @@ class VisualEncoder:
             self.pool.drop(fut)
         self._preprocessing.clear()
         self.pool.shutdown()
+        self._segments.close()
 
 
 def consecutive_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
