@@ -163,9 +163,11 @@ class VisualEncoder:
         if logger.isEnabledFor(logging.DEBUG):  # a timeline of the batches, beside the router's `step timing`
             tokens = sum(image.num_tokens for _, _, image in batch)
             patches = sum(image.tower_rows for _, _, image in batch)
+            decode_ms = max(image.decode_s for _, _, image in batch) * 1e3  # the slowest image's, in its worker
+            preprocess_ms = max(image.preprocess_s for _, _, image in batch) * 1e3
             logger.debug("tower batch: start=%.4f encoded=%.4f done=%.4f images=%d tokens=%d patches=%d "
-                         "first_arrived=%.4f", start, encoded, done, len(batch), tokens, patches,
-                         min(arrived))  # fmt: skip
+                         "first_arrived=%.4f decode_ms=%.1f preprocess_ms=%.1f", start, encoded, done, len(batch),
+                         tokens, patches, min(arrived), decode_ms, preprocess_ms)  # fmt: skip
         self.images_encoded += len(batch)
         self.stats.add_batch(
             tower_s=encoded - start,

@@ -3,9 +3,9 @@
 A segment is a 64-byte header (magic, dtype, shape) followed by the raw [num_tokens, hidden] tensor, so a reader
 needs only the key. The visual process writes segments (`create_mapped`, or a spare made ahead and renamed:
 `visual.spare_segments`), the router maps them as tensor views (no copy), the index owner unlinks evicted ones,
-and the server's parent unlinks every segment with its prefix at stop (the names are all it needs, so this works after a child crashed). Reading and unlinking go through
-`_posixshmem`, the module SharedMemory itself is built on, because a SharedMemory object insists on closing its
-mapping itself, while here a tensor outlives it.
+and the server's parent unlinks every segment with its prefix at stop (the names are all it needs, so this works
+after a child crashed). Reading and unlinking go through `_posixshmem`, the module SharedMemory itself is built on,
+because a SharedMemory object insists on closing its mapping itself, while here a tensor outlives it.
 
 A new segment's pages are allocated when it is created (`reserve`), not when first written: on a full /dev/shm
 (a container's 64 MB default) ftruncate succeeds anyway, and the first write to a page the tmpfs cannot supply kills
