@@ -60,9 +60,11 @@ class _Spare:
 class SpareSegments:
     """`write` from any thread (the encoder's copy threads); `close` once, from the owner."""
 
-    def __init__(self, prefix: str, count: int = 4):
+    def __init__(self, prefix: str, count: int = 4, tag: str = _SPARE):
+        """tag: the spares are named `<prefix><tag><n>` (another user of spares in the same process takes its own)."""
         self.prefix = prefix
         self.count = count
+        self.tag = tag
         self.taken = 0  # writes that found a spare (for tests and logs)
         self._lock = threading.Lock()
         self._spares: list[_Spare] = []
@@ -72,7 +74,7 @@ class SpareSegments:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
-        unlink_all(prefix + _SPARE)  # the spares of a visual process that died before us
+        unlink_all(prefix + tag)  # the spares of a visual process that died before us
 
     def write(self, key: str, embeds: torch.Tensor) -> None:
         """`embeds` [num_tokens, hidden] (any device) into the segment of `key`, replacing any segment of that name."""
@@ -89,6 +91,21 @@ class SpareSegments:
             raise
         finally:
             self._retire(spare)
+
+    def stage(self, data: bytes) -> str | None:
+        """`data` copied into a spare, whose name is returned (None: no spare fits; the caller sends `data` another
+        way). The caller owns that segment from here on and unlinks it when its reader is done."""
+        spare = self._take(len(data))
+        if spare is None:
+            return None
+        try:
+            spare.mapping[: len(data)] = data
+        except BaseException:
+            unlink_segment(spare.name)
+            raise
+        finally:
+            self._retire(spare)
+        return spare.name
 
     def expect(self, embeds: list[torch.Tensor]) -> None:
         """Make spares for entries like these (a warm-up batch's) now, before the first image is written."""
@@ -164,7 +181,7 @@ class SpareSegments:
                 return
 
     def _wanted_size(self) -> int | None:
-        """The size of the next spare to make, or None while there are enough (or no room, or nothing written)."""
+        """The size of the next spare to make, or None while there are enough (or no room, or nothing taken)."""
         with self._lock:
             if self._closed or len(self._spares) >= self.count or not self._recent:
                 return None
@@ -174,7 +191,7 @@ class SpareSegments:
         return size
 
     def _make(self, size: int) -> _Spare | None:
-        name = f"{self.prefix}{_SPARE}{next(self._numbers)}"
+        name = f"{self.prefix}{self.tag}{next(self._numbers)}"
         try:
             return _Spare(name, create_mapped(name, size, populate=True), size)
         except OSError as e:  # /dev/shm filled up meanwhile: writes go the old way until there is room again

@@ -170,7 +170,7 @@ def check_idle(server) -> None:
     server.wait_metric("mmserve_embed_cache_items_in_use", lambda v: v == 0)
     segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{server.proc.pid}_")]
     assert not [n for n in segments if "_px" in n], segments
-    entries = [n for n in segments if "_spare" not in n]
+    entries = [n for n in segments if "spare" not in n]
     assert len(entries) == server.metrics()["mmserve_embed_cache_items"], segments
 
 
