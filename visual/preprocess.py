@@ -301,7 +301,7 @@ class PreprocessPool:
                 unlink_segment(staged.name)
             raise
         if staged is not None:  # the worker has read it (or never will): done, failed or cancelled
-            future.add_done_callback(lambda _: unlink_segment(staged.name))
+            future.add_done_callback(lambda _: self._inputs.unlink_later(staged.name))
         return future
 
     def _stage(self, data: bytes) -> SharedBytes | None:
