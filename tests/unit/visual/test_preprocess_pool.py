@@ -118,7 +118,7 @@ def test_large_files_reach_their_worker_through_a_spare_segment(tmp_path):
     pool = PreprocessPool.of_preprocessor(Pixels(), num_workers=1, shm_prefix=prefix)
     try:
         pool.wait_started()
-        pixels = [torch.randint(0, 256, (300 + i, 400, 3), dtype=torch.uint8) for i in range(3)]
+        pixels = [torch.randint(0, 256, (600 + i, 700, 3), dtype=torch.uint8) for i in range(3)]
         files = [_png(p) for p in pixels]
         assert all(len(f) >= STAGE_MIN_BYTES for f in files)
         for i, (data, expected) in enumerate(zip(files, pixels, strict=True)):
