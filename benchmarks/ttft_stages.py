@@ -18,6 +18,17 @@ the server). Per burst of at least --min_requests requests, the median, 10th and
 
 and, over the burst's window, the router's host time per prompt step (from the previous step's read-back to the
 launch returning), which the device waits through.
+
+    python benchmarks/ttft_stages.py SERVER_LOG --single
+
+One request at a time instead (the sequential loads one_336, one_896), each with its image's way through the visual
+process (the `tower batch` line whose first image arrived during the request), in order: read+parse; load+hash (the
+image's header and cache key); to visual (the encode job's hop to the visual process); decode and preprocess (in a
+pool worker); pool hand-off (the rest of the wait for the tower: the pool's queue, the pixels' segment, the wake-up);
+tower (upload, tower and projector, back to host memory); write (into the shared-memory cache); back to router
+(EncodeDone to the HTTP process, which then sends the request to the router); router (the prefill and the first
+token's way out of the router); and server total, from the HTTP handler's start. The medians over the requests, then
+each request's line.
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmar
 from benchmarks.log_timeline import debug_fields  # noqa: E402
 
 STAGES = ("start", "read+parse", "image+prompt", "encode wait", "router", "first token")
+SINGLE_STAGES = ("read+parse", "load+hash", "to visual", "decode", "preprocess", "pool hand-off", "tower", "write",
+                 "back to router", "router", "server total")  # fmt: skip
 
 
 def requests_and_steps(lines) -> tuple[dict[str, dict[str, float]], list[tuple[float, float, int]]]:
@@ -46,6 +59,7 @@ def requests_and_steps(lines) -> tuple[dict[str, dict[str, float]], list[tuple[f
         if "image request timing:" in line:
             r = reqs[f["rid"]]
             r["image+prompt"] = (float(f["load_hash_ms"]) + float(f["prompt_ms"])) / 1e3
+            r["load+hash"] = float(f["load_hash_ms"]) / 1e3
             r["encode wait"] = float(f["encode_wait_ms"]) / 1e3
         elif "request timing:" in line and "start" in f:
             r = reqs[f["rid"]]
@@ -54,6 +68,7 @@ def requests_and_steps(lines) -> tuple[dict[str, dict[str, float]], list[tuple[f
         elif "router timing:" in line:
             r = reqs[f["rid"]]
             r["router"] = float(f["first_token_ms"]) / 1e3
+            r["router_arrived"] = float(f["arrived"])
             r["first_token_at"] = float(f["arrived"]) + r["router"]
         elif "step timing:" in line:
             steps.append((float(f["launched"]), float(f["collected"]), int(f["prefill_tokens"])))
@@ -93,6 +108,51 @@ def prompt_step_host_gaps(steps: list[tuple[float, float, int]], since: float, u
     return gaps
 
 
+def tower_batches(lines) -> list[dict[str, float]]:
+    """The visual process's batches: start, encoded, done, first_arrived (s), decode_ms and preprocess_ms."""
+    out = []
+    for line in lines:
+        f = debug_fields(line)
+        if f is not None and "tower batch:" in line:
+            out.append({k: float(f[k]) for k in ("start", "encoded", "done", "first_arrived", "decode_ms",
+                                                  "preprocess_ms") if k in f})  # fmt: skip
+    return out
+
+
+def single_request_stages(req: dict[str, float], towers: list[dict[str, float]]) -> dict[str, float]:
+    """One lone request's stages (s), in order (see the module's docstring); the visual ones only if a tower batch
+    took its image (a cached image takes none)."""
+    stages = {"read+parse": req["read+parse"]}
+    if "load+hash" in req:
+        stages["load+hash"] = req["load+hash"]
+    end = req.get("router_arrived", req["first_token_at"])
+    batch = next((t for t in towers if req["http_start"] <= t["first_arrived"] <= end), None)
+    if batch is not None and "decode_ms" in batch:
+        sent = req["http_start"] + req["read+parse"] + req.get("load+hash", 0.0)
+        decode, preprocess = batch["decode_ms"] / 1e3, batch["preprocess_ms"] / 1e3
+        stages["to visual"] = batch["first_arrived"] - sent
+        stages["decode"], stages["preprocess"] = decode, preprocess
+        stages["pool hand-off"] = batch["start"] - batch["first_arrived"] - decode - preprocess
+        stages["tower"] = batch["encoded"] - batch["start"]
+        stages["write"] = batch["done"] - batch["encoded"]
+        stages["back to router"] = end - batch["done"]
+    stages["router"] = req["router"]
+    stages["server total"] = req["first_token_at"] - req["http_start"]
+    return stages
+
+
+def print_single(reqs: dict[str, dict[str, float]], towers: list[dict[str, float]]) -> None:
+    rows = [single_request_stages(r, towers) for r in sorted(reqs.values(), key=lambda r: r["http_start"])]
+    if not rows:
+        return
+    names = [n for n in SINGLE_STAGES if any(n in row for row in rows)]
+    print("stage (ms)      " + " ".join(f"{n:>14s}" for n in names))
+    medians = [statistics.median([row[n] for row in rows if n in row]) * 1e3 for n in names]
+    print(f"median of {len(rows):<5d} " + " ".join(f"{m:14.1f}" for m in medians))
+    for row in rows:
+        print(" " * 16 + " ".join(f"{row[n] * 1e3:14.1f}" if n in row else " " * 14 for n in names))
+
+
 def _quantiles(values: list[float]) -> str:
     v = sorted(values)
     pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
@@ -103,9 +163,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log")
     ap.add_argument("--min_requests", type=int, default=16)
+    ap.add_argument("--single", action="store_true", help="requests sent one at a time: each one's stages")
     args = ap.parse_args()
     with open(args.log, errors="replace") as f:
-        reqs, steps = requests_and_steps(f)
+        lines = f.readlines()
+    reqs, steps = requests_and_steps(lines)
+    if args.single:
+        print_single(reqs, tower_batches(lines))
+        return
     for burst in bursts(reqs):
         if len(burst) < args.min_requests:
             continue

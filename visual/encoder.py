@@ -22,7 +22,7 @@ from visual.image_decode import BadImage
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualResult
 from visual.models.base import ImageInput
 from visual.preprocess import PreprocessPool
-from visual.shm_segments import write_embedding
+from visual.spare_segments import SpareSegments
 from visual.staging import HostStaging, in_parallel
 from visual.stats import VisionStats
 from visual.tower_turn import TowerTurn
@@ -59,6 +59,7 @@ class VisualEncoder:
         self._preprocessing: deque[tuple[str, float, Future[ImageInput]]] = deque()  # in arrival order
         self._wake = threading.Event()  # set when a job arrives or an image finishes preprocessing
         self._embeds = HostStaging()  # pinned on CUDA: the batch's embeddings on their way to shared memory
+        self._segments = SpareSegments(shm_prefix)  # where they go: segments made ahead, so a write is a memcpy
         self.stats = VisionStats()
         self.images_encoded = 0
 
@@ -151,9 +152,9 @@ class VisualEncoder:
                         raise RuntimeError(f"{emb.shape[0]} embeddings for an image of {image.num_tokens} tokens")
                 host = self._to_host(embeds)  # each [num_tokens, hidden] in (pinned) host memory
             encoded = time.perf_counter()
-            # host -> shm: a memcpy per image, into pages that fault in as they are written
+            # host -> shm: a memcpy per image (into a spare segment's populated pages, where one fits)
             keys = [key for key, _, _ in batch]
-            in_parallel(lambda pair: write_embedding(self.shm_prefix, *pair), zip(keys, host, strict=True))
+            in_parallel(lambda pair: self._segments.write(*pair), zip(keys, host, strict=True))
         except Exception as e:  # the model or the shared memory failed: these keys fail, the process goes on
             logger.exception("encoding %d images failed", len(batch))
             self.stats.failed += len(batch)
@@ -162,9 +163,11 @@ class VisualEncoder:
         if logger.isEnabledFor(logging.DEBUG):  # a timeline of the batches, beside the router's `step timing`
             tokens = sum(image.num_tokens for _, _, image in batch)
             patches = sum(image.tower_rows for _, _, image in batch)
+            decode_ms = max(image.decode_s for _, _, image in batch) * 1e3  # the slowest image's, in its worker
+            preprocess_ms = max(image.preprocess_s for _, _, image in batch) * 1e3
             logger.debug("tower batch: start=%.4f encoded=%.4f done=%.4f images=%d tokens=%d patches=%d "
-                         "first_arrived=%.4f", start, encoded, done, len(batch), tokens, patches,
-                         min(arrived))  # fmt: skip
+                         "first_arrived=%.4f decode_ms=%.1f preprocess_ms=%.1f", start, encoded, done, len(batch),
+                         tokens, patches, min(arrived), decode_ms, preprocess_ms)  # fmt: skip
         self.images_encoded += len(batch)
         self.stats.add_batch(
             tower_s=encoded - start,
@@ -182,8 +185,9 @@ class VisualEncoder:
 
     def warm_up(self, embeds: list[torch.Tensor]) -> None:
         """A warm-up batch's embeddings through the copy back to the host, dropped there: sizes the pinned staging
-        buffer for a full batch before the first one is served."""
-        self._to_host(embeds)
+        buffer for a full batch before the first one is served, and has spare segments made for entries of their
+        size."""
+        self._segments.expect(self._to_host(embeds))
 
     def _to_host(self, embeds: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device embeddings -> host tensors: one non-blocking copy into the pinned staging buffer when they are
@@ -209,6 +213,7 @@ class VisualEncoder:
             self.pool.drop(fut)
         self._preprocessing.clear()
         self.pool.shutdown()
+        self._segments.close()
 
 
 def consecutive_view(parts: list[torch.Tensor]) -> torch.Tensor | None:

@@ -37,8 +37,17 @@ from visual.hf_imports import skip_docstring_generation
 from visual.image_decode import BadImage, open_image
 from visual.models.base import ImageInput
 from visual.pids import pid_alive
-from visual.shared_pixels import SharedPixels, discard, share_tensor, take_tensor
+from visual.shared_pixels import (
+    STAGE_MIN_BYTES,
+    SharedBytes,
+    SharedPixels,
+    discard,
+    read_bytes,
+    share_tensor,
+    take_tensor,
+)
 from visual.shm_segments import list_segments, unlink_segment
+from visual.spare_segments import SpareSegments
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +163,12 @@ def decode_video_and_preprocess(data: bytes, sampling: dict, preprocessor=None) 
     return out
 
 
-def _worker_task(data: bytes, shm_prefix: str, video: dict | None = None, options: dict | None = None) -> ImageInput:
+def _worker_task(
+    data: bytes | SharedBytes, shm_prefix: str, video: dict | None = None, options: dict | None = None
+) -> ImageInput:
     """In a worker process: the model input, its pixels left in a shared-memory segment."""
+    if isinstance(data, SharedBytes):
+        data = read_bytes(data)
     if video is None:
         out = decode_and_preprocess(data, None, options)
     else:
@@ -215,6 +228,7 @@ class PreprocessPool:
         # The server's prefix, so that its stop removes any pixel segment left behind.
         self._shm_prefix = shm_prefix or f"mmsv_px_{secrets.token_hex(4)}_"
         self._pickled = pickle.dumps(preprocessor)  # the preprocessor is unpickled after the worker's imports
+        self._inputs: SpareSegments | None = SpareSegments(self._shm_prefix, count=2, tag="inspare")
         self._num_workers = num_workers
         self._handoff = _Handoff(_fork_server_context().Barrier(num_workers))
         self._executor: Executor = self._process_pool()
@@ -250,6 +264,7 @@ class PreprocessPool:
         self._starting = []
         self._submitter = None
         self._handoff = None
+        self._inputs = None  # threads read the bytes where they are
 
     def wait_started(self, timeout_s: float = _START_TIMEOUT_S) -> None:
         """Block until every worker has started and warmed up (raises what a worker's start raised)."""
@@ -274,11 +289,27 @@ class PreprocessPool:
             if video is not None:
                 return self._executor.submit(decode_video_and_preprocess, data, video, self._video_preprocessor)
             return self._executor.submit(decode_and_preprocess, data, self._preprocessor, options)
+        staged = self._stage(data)
         try:
-            return self._executor.submit(_worker_task, data, self._shm_prefix, video, options)
-        except BrokenProcessPool:  # a worker died: what the pool held has failed; a new pool takes this image
-            self._replace_broken_pool()
-            return self._executor.submit(_worker_task, data, self._shm_prefix, video, options)
+            try:
+                future = self._executor.submit(_worker_task, staged or data, self._shm_prefix, video, options)
+            except BrokenProcessPool:  # a worker died: what the pool held has failed; a new pool takes this image
+                self._replace_broken_pool()
+                future = self._executor.submit(_worker_task, staged or data, self._shm_prefix, video, options)
+        except BaseException:
+            if staged is not None:
+                unlink_segment(staged.name)
+            raise
+        if staged is not None:  # the worker has read it (or never will): done, failed or cancelled
+            future.add_done_callback(lambda _: self._inputs.unlink_later(staged.name))
+        return future
+
+    def _stage(self, data: bytes) -> SharedBytes | None:
+        """A large file into a spare segment for its worker (see visual.shared_pixels), or None: through the pipe."""
+        if len(data) < STAGE_MIN_BYTES:
+            return None
+        name = self._inputs.stage(data)
+        return SharedBytes(name, len(data)) if name is not None else None
 
     def _replace_broken_pool(self) -> None:
         """The broken executor has already stopped its other workers and failed their futures; its workers here
@@ -318,5 +349,7 @@ class PreprocessPool:
         if self._submitter is not None:
             self._submitter.join()  # its submits must not meet a pool already shut down
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._inputs is not None:
+            self._inputs.close()
         self._let_go_of_the_barrier()
         gc.collect()

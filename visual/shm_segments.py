@@ -1,11 +1,11 @@
 """Embeddings in POSIX shared memory, one segment per cache entry, named `<prefix><key>`.
 
 A segment is a 64-byte header (magic, dtype, shape) followed by the raw [num_tokens, hidden] tensor, so a reader
-needs only the key. The visual process writes segments (`create_mapped`), the router maps them as
-tensor views (no copy), the index owner unlinks evicted ones, and the server's parent unlinks every segment with its
-prefix at stop (the names are all it needs, so this works after a child crashed). Reading and unlinking go through
-`_posixshmem`, the module SharedMemory itself is built on, because a SharedMemory object insists on closing its
-mapping itself, while here a tensor outlives it.
+needs only the key. The visual process writes segments (`create_mapped`, or a spare made ahead and renamed:
+`visual.spare_segments`), the router maps them as tensor views (no copy), the index owner unlinks evicted ones,
+and the server's parent unlinks every segment with its prefix at stop (the names are all it needs, so this works
+after a child crashed). Reading and unlinking go through `_posixshmem`, the module SharedMemory itself is built on,
+because a SharedMemory object insists on closing its mapping itself, while here a tensor outlives it.
 
 A new segment's pages are allocated when it is created (`reserve`), not when first written: on a full /dev/shm
 (a container's 64 MB default) ftruncate succeeds anyway, and the first write to a page the tmpfs cannot supply kills
@@ -70,12 +70,13 @@ def reserve(fd: int, size: int) -> None:
         raise OSError(errno.ENOSPC, message) from None
 
 
-def create_mapped(name: str, size: int) -> mmap.mmap:
-    """A new segment of `size` bytes (allocated: see `reserve`), mapped; the name is removed again on any error."""
+def create_mapped(name: str, size: int, populate: bool = False) -> mmap.mmap:
+    """A new segment of `size` bytes (allocated: see `reserve`), mapped; the name is removed again on any error.
+    populate: its pages mapped now (MAP_POPULATE), so that writing them takes no page faults."""
     fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
     try:
         reserve(fd, size)
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0))
     except BaseException:
         unlink_segment(name)
         raise
@@ -92,6 +93,20 @@ def unlink_segment(name: str) -> bool:
     return True
 
 
+def publish_segment(name: str, new_name: str, size: int) -> None:
+    """Cut segment `name` to `size` bytes (its pages past that are freed) and rename it `new_name`, replacing any
+    segment of that name (mappings of the replaced one stay valid until closed): readers that open `new_name`
+    find it whole, never half-written."""
+    os.truncate(os.path.join(_SHM_DIR, name), size)
+    os.rename(os.path.join(_SHM_DIR, name), os.path.join(_SHM_DIR, new_name))
+
+
+def free_bytes() -> int:
+    """Room left in /dev/shm."""
+    st = os.statvfs(_SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
 def list_segments(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(_SHM_DIR) if n.startswith(prefix)) if os.path.isdir(_SHM_DIR) else []
 
@@ -101,29 +116,45 @@ def unlink_all(prefix: str) -> int:
     return sum(unlink_segment(name) for name in list_segments(prefix))
 
 
-def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
-    """Write `embeds` [num_tokens, hidden] (any device) into a new segment for `key`."""
+def embedding_nbytes(embeds: torch.Tensor) -> int:
+    """The size of `embeds`' segment (header + data); ValueError for a tensor a segment cannot hold."""
+    if embeds.dim() != 2 or _dtype_code(embeds) is None:
+        raise ValueError(f"expected a 2-D float16/bfloat16/float32 tensor, got {embeds.dtype} {tuple(embeds.shape)}")
+    return _DATA_OFFSET + embeds.numel() * embeds.element_size()
+
+
+def fill_embedding(mapping: mmap.mmap, embeds: torch.Tensor) -> None:
+    """Write the header and `embeds` [num_tokens, hidden] (any device) into a mapped segment of at least
+    `embedding_nbytes(embeds)` bytes."""
     import torch
 
-    code = _DTYPE_CODES.get(str(embeds.dtype).removeprefix("torch."))
-    if embeds.dim() != 2 or code is None:
-        raise ValueError(f"expected a 2-D float16/bfloat16/float32 tensor, got {embeds.dtype} {tuple(embeds.shape)}")
-    name = segment_name(prefix, key)
-    nbytes = embeds.numel() * embeds.element_size()
-    try:
-        mapping = create_mapped(name, _DATA_OFFSET + nbytes)
-    except FileExistsError:  # a stale segment of an entry that failed or was dropped mid-write: replace it
-        unlink_segment(name)
-        mapping = create_mapped(name, _DATA_OFFSET + nbytes)
     buf = memoryview(mapping)
     try:
-        buf[: _HEADER.size] = _HEADER.pack(_MAGIC, code, embeds.shape[0], embeds.shape[1])
+        buf[: _HEADER.size] = _HEADER.pack(_MAGIC, _dtype_code(embeds), embeds.shape[0], embeds.shape[1])
         dst = torch.frombuffer(buf, dtype=embeds.dtype, count=embeds.numel(), offset=_DATA_OFFSET)
         dst.view(embeds.shape).copy_(embeds)  # one copy, device -> shared memory
         del dst
     finally:
         buf.release()
+
+
+def write_embedding(prefix: str, key: str, embeds: torch.Tensor) -> None:
+    """Write `embeds` [num_tokens, hidden] (any device) into a new segment for `key`."""
+    name = segment_name(prefix, key)
+    nbytes = embedding_nbytes(embeds)
+    try:
+        mapping = create_mapped(name, nbytes)
+    except FileExistsError:  # a stale segment of an entry that failed or was dropped mid-write: replace it
+        unlink_segment(name)
+        mapping = create_mapped(name, nbytes)
+    try:
+        fill_embedding(mapping, embeds)
+    finally:
         mapping.close()
+
+
+def _dtype_code(embeds: torch.Tensor) -> int | None:
+    return _DTYPE_CODES.get(str(embeds.dtype).removeprefix("torch."))
 
 
 def read_embedding(prefix: str, key: str) -> torch.Tensor:

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.ttft_stages import burst_stages, bursts, prompt_step_host_gaps, requests_and_steps
+from benchmarks.ttft_stages import (
+    burst_stages,
+    bursts,
+    prompt_step_host_gaps,
+    requests_and_steps,
+    single_request_stages,
+    tower_batches,
+)
 
 
 def _request(rid: str, start: float, read: float, wait: float, arrived: float, first_ms: float) -> list[str]:
@@ -45,3 +52,19 @@ def test_stages_of_a_burst() -> None:
     assert stages["first token"] == pytest.approx([0.25, 0.45])  # arrival in the router + its first token
     # prompt steps only, each from the previous step's read-back: 100.27 -> 100.31
     assert prompt_step_host_gaps(steps, 100.0, 100.5) == pytest.approx([0.04])
+
+
+def test_stages_of_a_lone_request() -> None:
+    """Request c (HTTP start 105.0, read+parse 8 ms, load+hash 23.8 ms) and the tower batch that took its image."""
+    tower = (
+        "2026-11-23 09:05:26,101 visual DEBUG tower batch: start=105.060 encoded=105.080 done=105.085 images=1 "
+        "tokens=1024 patches=4096 first_arrived=105.0338 decode_ms=9.0 preprocess_ms=5.0"
+    )
+    earlier = tower.replace("first_arrived=105.0338", "first_arrived=100.01")  # burst a/b's batch
+    reqs, _ = requests_and_steps(LINES)
+    stages = single_request_stages(reqs["c"], tower_batches([earlier, tower]))
+    assert list(stages) == ["read+parse", "load+hash", "to visual", "decode", "preprocess", "pool hand-off", "tower",
+                            "write", "back to router", "router", "server total"]  # fmt: skip
+    expected = [0.008, 0.0238, 0.002, 0.009, 0.005, 0.0122, 0.02, 0.005, 0.015, 0.04, 0.14]
+    assert list(stages.values()) == pytest.approx(expected, abs=1e-6)
+    assert single_request_stages(reqs["c"], []).keys() == {"read+parse", "load+hash", "router", "server total"}

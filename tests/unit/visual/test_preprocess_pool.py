@@ -1,18 +1,23 @@
-"""The preprocessing pool's worker processes: `wait_started` returns only when every worker is up, and the pool's
-stop leaves no semaphore behind."""
+"""The preprocessing pool's worker processes: `wait_started` returns only when every worker is up, large files reach
+them through shared memory, and the pool's stop leaves no semaphore or segment behind."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 import textwrap
 import time
 
+import numpy as np
 import torch
+from PIL import Image
 
+from cache.shm_store import list_segments, new_prefix
 from visual.models.base import ImageInput
 from visual.preprocess import PreprocessPool
+from visual.shared_pixels import STAGE_MIN_BYTES
 
 
 class SlowToStart:
@@ -97,3 +102,45 @@ def test_the_fork_server_preload_imports_every_family_without_docstring_generati
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
+
+
+class Pixels:
+    """A preprocessor that returns the decoded image's pixels as they are."""
+
+    def __call__(self, image) -> ImageInput:
+        return ImageInput(torch.from_numpy(np.asarray(image).copy()), num_tokens=1)
+
+
+def test_large_files_reach_their_worker_through_a_spare_segment(tmp_path):
+    """A file over STAGE_MIN_BYTES is copied into a spare segment for its worker (not pickled through the pool's
+    pipe): the worker decodes the same bytes, and no staged segment outlives its image or the pool."""
+    prefix = new_prefix()
+    pool = PreprocessPool.of_preprocessor(Pixels(), num_workers=1, shm_prefix=prefix)
+    try:
+        pool.wait_started()
+        pixels = [torch.randint(0, 256, (600 + i, 700, 3), dtype=torch.uint8) for i in range(3)]
+        files = [_png(p) for p in pixels]
+        assert all(len(f) >= STAGE_MIN_BYTES for f in files)
+        for i, (data, expected) in enumerate(zip(files, pixels, strict=True)):
+            if i == 1:  # the first told the pool the size: spares are made for the next ones
+                _wait_for(lambda: len(list_segments(prefix + "inspare")) == 2)
+            image = PreprocessPool.collect(pool.submit(data))
+            assert torch.equal(image.pixel_values, expected)
+        assert pool._inputs.taken == 2  # the second and the third
+        _wait_for(lambda: len(list_segments(prefix)) == 2)  # the spares for the next: nothing else stays
+    finally:
+        pool.shutdown()
+    assert list_segments(prefix) == []
+
+
+def _png(pixels: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels.numpy()).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

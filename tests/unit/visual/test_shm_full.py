@@ -80,3 +80,24 @@ def test_embeddings_that_do_not_fit_raise_enospc_and_leave_no_segment():
         """
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_spare_segments_never_take_the_room_of_a_small_shm():
+    """A 1 MiB /dev/shm has no room for 8 spares' worth: none is made, and writes go on the old way."""
+    done = in_small_shm(
+        """
+        import os, time, torch
+        from visual.shm_segments import read_embedding
+        from visual.spare_segments import SpareSegments
+        segments = SpareSegments("mmsv_test_", count=2)
+        small = torch.randn(16, 32)
+        segments.expect([small])
+        segments.write("a", small)
+        time.sleep(0.5)  # the refill thread had its chance
+        assert [n for n in os.listdir("/dev/shm") if "spare" in n] == [] and segments.taken == 0
+        assert torch.equal(read_embedding("mmsv_test_", "a"), small)
+        segments.close()
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
