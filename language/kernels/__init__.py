@@ -28,11 +28,7 @@ from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul as _gelu_tanh_and_mul_triton
 from language.kernels.silu_mul import silu_and_mul as _silu_and_mul_triton
 from language.kernels.skinny_gemm import skinny_gemm
-from language.kernels.skinny_launches import launch_for
-
-# The most rows bf16/fp16 linears may run through the weight-streaming GEMM (skinny_gemm.py) rather than cuBLAS's,
-# whose wide tiles leave most SMs idle on a few rows: where skinny_launches.py measured it faster.
-SKINNY_MAX_ROWS = 64
+from language.kernels.skinny_launches import SKINNY_MAX_ROWS, launch_for
 
 
 def _dispatch(triton_fn: Callable, reference_fn: Callable) -> Callable:

@@ -23,6 +23,7 @@ MAX_BLOCK_M = 64  # rows per program: more rows are more programs, each reading 
 _STEP_BYTES = 256  # a weight row's bytes per reduction step (128 where K is not a multiple of it)
 _H100_SMS = 132  # the SM count assumed where there is no CUDA device (the interpreter)
 _M_BUCKETS = (8, 16, 32, 64)  # the measured row counts: a launch measured at M serves every M' <= M above the last
+SKINNY_MAX_ROWS = _M_BUCKETS[-1]  # the most rows a measured launch serves: more go to cuBLAS(Lt)
 
 
 class SkinnyConfig(NamedTuple):
@@ -61,7 +62,7 @@ _MEASURED: dict[tuple[int, int, int], tuple[SkinnyConfig | None, ...]] = {
 def launch_for(m: int, n: int, k: int, itemsize: int, sms: int = _H100_SMS) -> SkinnyConfig | None:
     """The launch for m rows of an [n, k] weight of `itemsize` bytes an element: the measured one where the table
     has the shape (None where cuBLAS measured faster), else default_config for FP8 and None (cuBLAS) for bf16/fp16.
-    m above the largest bucket: None."""
+    m above SKINNY_MAX_ROWS: None."""
     bucket = next((i for i, top in enumerate(_M_BUCKETS) if m <= top), None)
     if bucket is None:
         return None

@@ -15,6 +15,7 @@ from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import fp8_gemv, fp8_gemv_fused, group_size
 from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 from language.kernels.fp8_skinny import fp8_skinny_gemm
+from language.kernels.skinny_launches import SKINNY_MAX_ROWS
 
 __all__ = [
     "FP8_DTYPE",
@@ -25,10 +26,6 @@ __all__ = [
     "quantize_weight",
     "weight_scales",
 ]
-
-# The most rows per-channel FP8 linears run through our weight-streaming GEMM (language/kernels/fp8_skinny.py)
-# rather than cuBLASLt's, whose large tiles leave most SMs idle on a few rows (benchmarks/fp8_gemm_bench.py).
-SKINNY_MAX_ROWS = 64
 
 
 def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

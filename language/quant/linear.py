@@ -8,7 +8,7 @@ down_proj) keeps every output row, so its scales stay whole (quantized at load: 
 all ranks' columns), and its partial sums are reduced in fp32 and rounded once, as `RowParallelLinear`'s. Its
 activations are quantized per token over this rank's columns (a scale over the whole row would cost a collective per
 layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding and
-norms stay in the model's dtype; the LM head is quantized apart (language/quant/head.py)."""
+norms stay in the model's dtype; the LM head only with --quant_lm_head (language/quant/head.py)."""
 
 from __future__ import annotations
 

@@ -12,9 +12,8 @@ from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_fused
 from language.kernels.fp8_quant import FP8_DTYPE, quantize_fp8
 from language.kernels.fp8_skinny import fp8_skinny_gemm
-from language.kernels.skinny_launches import SkinnyConfig, default_config
+from language.kernels.skinny_launches import SKINNY_MAX_ROWS, SkinnyConfig, default_config
 from language.quant.fp8 import (
-    SKINNY_MAX_ROWS,
     dequantize,
     expand_block_scales,
     fp8_linear,
