@@ -59,6 +59,7 @@ _MEASURED: dict[tuple[int, int, int], tuple[SkinnyConfig | None, ...]] = {
 }
 
 
+@functools.lru_cache(maxsize=1024)  # asked twice per linear of an eager step: by the dispatch and the launch
 def launch_for(m: int, n: int, k: int, itemsize: int, sms: int = _H100_SMS) -> SkinnyConfig | None:
     """The launch for m rows of an [n, k] weight of `itemsize` bytes an element: the measured one where the table
     has the shape (None where cuBLAS measured faster), else default_config for FP8 and None (cuBLAS) for bf16/fp16.
