@@ -113,11 +113,12 @@ def main() -> None:
         default=EngineConfig.piecewise_cuda_graph_max_tokens,
         help="steps of up to this many tokens replay piecewise graphs (the server's flag); 0: eager",
     )
+    ap.add_argument("--quant_type", default="none", help="the engine's --quant_type (fp8w8a8: FP8 linears)")
     args = ap.parse_args()
     cfg = EngineConfig(
         model_dir=args.model_dir, max_total_token_num=200_000, load_format="dummy", device=args.device,
         prefix_cache=False,  # every prompt prefilled in full (the prompts here repeat)
-        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
+        piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens, quant_type=args.quant_type,
     )  # fmt: skip
     core = EngineCore(cfg)
     _running(core, args.decode, 1000)
