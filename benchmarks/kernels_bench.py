@@ -1,10 +1,12 @@
 """Micro-benchmarks of the attention kernels against torch SDPA on equivalent dense tensors (H100, 7B shapes), and
 of the batch-1 GEMV against cuBLAS.
 
-Usage: python benchmarks/kernels_bench.py [--sweep] [--only prefill|decode|elementwise|gemv] [--baseline DIR]
+Usage: python benchmarks/kernels_bench.py [--sweep] [--only prefill|decode|decode_split|elementwise|gemv]
+       [--baseline DIR]
 The prefill table (bf16, the serving loads' prompt shapes, Qwen2-VL-7B and LLaVA-7B heads) compares with SDPA's
 flash backend; --baseline DIR adds a column for an older prefill kernel kept in DIR (old_prefill_attention.py).
---sweep also times alternative tile configurations (to fill the launchers' tables)."""
+--sweep also times alternative tile configurations (to fill the launchers' tables). decode_split times decode
+attention's split-K variants (decode_split_bench.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
+from benchmarks.decode_split_bench import bench_decode_split
 from language.kernels import (
     decode_attention,
     gelu_tanh_and_mul,
@@ -322,7 +325,7 @@ def load_baseline(directory: str | None):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--only", choices=("prefill", "decode", "elementwise", "gemv"))
+    parser.add_argument("--only", choices=("prefill", "decode", "decode_split", "elementwise", "gemv"))
     parser.add_argument("--baseline", help="folder holding an older old_prefill_attention.py to time beside ours")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
@@ -341,6 +344,8 @@ def main() -> None:
             bench_decode_mixed(batch, lo, hi)
         if args.sweep:
             sweep_decode()
+    if args.only in (None, "decode_split"):
+        bench_decode_split()
     if args.only in (None, "elementwise"):
         bench_elementwise()
     if args.only in (None, "gemv"):

@@ -1,9 +1,13 @@
-"""Split-K flash decoding: one query per sequence attends to its cached tokens. Stage 1 runs one program per
-(sequence, KV head, key chunk), all query heads of the KV head's group together (each K/V row is read once), and
-writes a partial softmax; stage 2 merges the chunks. Each sequence splits its own keys evenly over the chunks, so a
-short sequence in a graph captured for long ones still spreads over the whole grid. The grid depends only on tensor
-shapes and `max_seq_len`, the chunk count is a runtime integer (no recompilation per batch size), and nothing reads
-GPU values on the host, so the whole call can be captured in a CUDA graph."""
+"""Split-K flash decoding: one query per sequence attends to its cached tokens. One kernel runs one program per
+(sequence, KV head, key chunk), all query heads of the KV head's group together (each K/V row is read once). A
+sequence whose keys fit one chunk writes its output directly; otherwise each chunk writes a partial softmax, and the
+last chunk of the (sequence, KV head) to finish merges them all (an arrival counter per pair), in chunk order, so the
+result does not depend on which chunk arrives last. The counters return to zero as each merge starts, so a captured
+graph replays with them zeroed. Each sequence splits its own keys evenly over its chunks, so a short sequence in a
+graph captured for long ones still spreads over the grid. The grid depends only on tensor shapes and `max_seq_len`,
+the chunk count is a runtime integer (no recompilation per batch size), and nothing reads GPU values on the host,
+so the whole call can be captured in a CUDA graph. (`_FUSED_MERGE = False` merges in a second kernel instead: the
+two-launch form, kept to time beside the fused one.)"""
 
 from __future__ import annotations
 
@@ -29,15 +33,18 @@ from language.kernels.launch_utils import (
     pow2_at_least,
 )
 
-_MAX_CHUNKS = 64  # stage 2 merges all chunks of a head in one tile
+_MAX_CHUNKS = 64  # the two-launch merge kernel merges all chunks of a head in one tile
 _PROGRAMS_PER_SM = 4  # enough programs in flight to cover HBM latency
+_MIN_CHUNK = 64  # keys: a sequence splits into chunks of at least this many (a short one takes fewer chunks)
+_FUSED_MERGE = True  # the last chunk to finish merges (one launch); False: a second, merge kernel
+_MERGE_TILE = 1024  # elements of the fused merge's [group, chunks, head dim] tile: few registers
 _FP8_PER_HEAD = tl.constexpr(KV_FP8_PER_HEAD)
 
 
-# The chunk count is not specialized, and stage 2's tile is the largest chunk count, so that decode-graph capture
-# (one chunk count per batch size) compiles each stage once rather than once per value class: minutes of start-up on
-# a machine whose Triton cache is cold.
-@triton.jit(do_not_specialize=["num_chunks"])
+# The chunk count is not specialized, and the merge's tiles do not depend on it, so that decode-graph capture (one
+# chunk count per batch size) compiles each kernel once rather than once per value class: minutes of start-up on a
+# machine whose Triton cache is cold.
+@triton.jit(do_not_specialize=["num_chunks", "min_chunk"])
 def _decode_partial_kernel(
     q_ptr,  # [B, Hq, D]
     k_cache_ptr,  # [S, Hk, D]
@@ -45,9 +52,10 @@ def _decode_partial_kernel(
     req_to_token_ptr,  # [R, L]
     b_req_idx_ptr,  # [B]
     b_seq_len_ptr,  # [B]
-    out_ptr,  # [B, Hq, D] contiguous (written only when SINGLE_CHUNK)
+    out_ptr,  # [B, Hq, D] contiguous
     part_out_ptr,  # [B, Hq, C, D] fp32: each chunk's normalised output (unless SINGLE_CHUNK)
     part_lse_ptr,  # [B, Hq, C] fp32: each chunk's base-2 log-sum-exp
+    arrivals_ptr,  # [>= B * Hk] int32, zero between launches: chunks of each (sequence, KV head) done (FUSED_MERGE)
     qk_scale,
     window,  # a sliding-window layer's window (read when WINDOWED): the last `window` keys only
     stride_q_b,
@@ -60,14 +68,18 @@ def _decode_partial_kernel(
     k_scale_ptr,  # int8: [S, Hk]; fp8: [Hk]; unquantized: unused (kv_quant.py)
     v_scale_ptr,
     stride_scale_slot,
-    num_chunks,  # chunks per sequence (the grid's third axis)
+    num_chunks,  # the most chunks a sequence takes (the grid's third axis)
+    min_chunk,  # keys: the shortest chunk worth its own program
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SINGLE_CHUNK: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # GROUP padded to a dot-friendly size
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MERGE_G: tl.constexpr,  # GROUP padded to a power of two (the fused merge's tile)
+    MERGE_C: tl.constexpr,  # chunks the fused merge reads at a time
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -81,10 +93,10 @@ def _decode_partial_kernel(
     chunk = tl.program_id(2)
     seq_len = tl.load(b_seq_len_ptr + seq)
     first = _first_key(seq_len, window, WINDOWED)
-    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len - first, num_chunks), BLOCK_N), 1) * BLOCK_N  # its share
-    start = first + chunk * chunk_len
-    if (start >= seq_len) & (chunk > 0):  # chunks past this sequence's end; stage 2 never reads them
+    chunk_len, used = _chunking(seq_len - first, num_chunks, min_chunk, BLOCK_N)
+    if chunk >= used:  # chunks past this sequence's share; nothing reads them
         return
+    start = first + chunk * chunk_len
     end = tl.minimum(seq_len, start + chunk_len)
     req = tl.load(b_req_idx_ptr + seq).to(tl.int64)
 
@@ -114,13 +126,23 @@ def _decode_partial_kernel(
         acc = acc * tl.load(v_scale_ptr + kv_head)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty sequence yields zeros, as the reference does
     store_mask = g_mask[:, None] & d_mask[None, :]
+    out_rows = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
     if SINGLE_CHUNK:
-        out_rows = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
         tl.store(out_ptr + out_rows, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
+        # A sequence whose keys fit one chunk writes its output; others their partials (masks, not branches: one
+        # tile conversion for both stores)
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + out_rows, o.to(out_ptr.dtype.element_ty), mask=store_mask & (used == 1))
         part_rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_chunks + chunk  # [BLOCK_H]
-        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=store_mask)
-        tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=g_mask)
+        part_mask = g_mask & (used > 1)
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], o, mask=part_mask[:, None] & d_mask)
+        tl.store(part_lse_ptr + part_rows, m_i + tl.log2(l_safe), mask=part_mask)
+        if FUSED_MERGE and used > 1:
+            _merge_if_last(
+                part_out_ptr, part_lse_ptr, out_ptr, arrivals_ptr + seq * tl.num_programs(1) + kv_head, seq, kv_head,
+                used, num_chunks, NUM_HEADS, GROUP, HEAD_DIM, MERGE_G, MERGE_C, BLOCK_D, EVEN_D,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -133,7 +155,65 @@ def _first_key(seq_len, window, WINDOWED: tl.constexpr):
     return first
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
+@triton.jit
+def _chunking(keys, num_chunks, min_chunk, BLOCK_N: tl.constexpr):
+    """How a sequence of `keys` keys splits -> (chunk length, chunks used): at most num_chunks chunks of at least
+    min_chunk keys (at least one chunk, for an empty sequence too), equal to within a key tile."""
+    tiles = tl.maximum(tl.cdiv(tl.cdiv(keys, num_chunks), BLOCK_N), tl.cdiv(min_chunk, BLOCK_N))
+    used = tl.maximum(tl.cdiv(keys, tl.maximum(tiles, 1) * BLOCK_N), 1)  # <= num_chunks
+    return tl.maximum(tl.cdiv(tl.cdiv(keys, used), BLOCK_N), 1) * BLOCK_N, used  # spread evenly over those
+
+
+@triton.jit
+def _merge_if_last(
+    part_out_ptr, part_lse_ptr, out_ptr, arrivals_ptr, seq, kv_head, used, num_chunks,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_C: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+):  # fmt: skip
+    """Count this chunk in; the (sequence, KV head)'s last chunk to arrive merges every chunk's partials, read back
+    in chunk order (the same sums whichever chunk arrives last), writes the output and zeroes the counter."""
+    # Every thread's partial stores before the counter's release; the acquire makes the other chunks' visible.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == used - 1:
+        tl.store(arrivals_ptr, 0)  # for the next launch: nothing else touches it in this one
+        offs_g = tl.arange(0, MERGE_G)
+        g_mask = offs_g < GROUP
+        heads = kv_head * GROUP + offs_g
+        rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_chunks  # [MERGE_G]: each head's chunk 0
+        offs_c = tl.arange(0, MERGE_C)
+        offs_d = tl.arange(0, BLOCK_D)
+        m = tl.full([MERGE_G], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([MERGE_G], dtype=tl.float32)
+        acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+        for c0 in range(0, used, MERGE_C):
+            gc = rows[:, None] + (c0 + offs_c)[None, :]  # [MERGE_G, MERGE_C]
+            gc_mask = g_mask[:, None] & ((c0 + offs_c) < used)[None, :]
+            # .cg: from L2, where the other programs' stores are, not from this SM's (incoherent) L1
+            lse = tl.load(part_lse_ptr + gc, mask=gc_mask, other=float("-inf"), cache_modifier=".cg")
+            part_mask = gc_mask[:, :, None]
+            if not EVEN_D:
+                part_mask = part_mask & (offs_d < HEAD_DIM)[None, None, :]
+            parts = tl.load(
+                part_out_ptr + gc[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                mask=part_mask,
+                other=0.0,
+                cache_modifier=".cg",
+            )  # [MERGE_G, MERGE_C, BLOCK_D]
+            m_new = tl.maximum(m, tl.max(lse, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded heads: no chunk
+            alpha = tl.exp2(m - m_use)
+            weights = tl.exp2(lse - m_use[:, None])  # [MERGE_G, MERGE_C]
+            total = total * alpha + tl.sum(weights, 1)
+            acc = acc * alpha[:, None] + tl.sum(parts * weights[:, :, None], 1)
+            m = m_new
+        merged = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        out_rows = (seq.to(tl.int64) * NUM_HEADS + heads[:, None]) * HEAD_DIM + offs_d[None, :]
+        out_mask = g_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(out_ptr + out_rows, merged.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_chunks", "min_chunk"])
 def _decode_merge_kernel(
     part_out_ptr,  # [B, Hq, C, D] fp32
     part_lse_ptr,  # [B, Hq, C] fp32
@@ -141,6 +221,7 @@ def _decode_merge_kernel(
     out_ptr,  # [B, Hq, D] contiguous
     window,
     num_chunks,
+    min_chunk,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the partial kernel's key tile (chunk lengths are multiples of it)
@@ -153,9 +234,9 @@ def _decode_merge_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(b_seq_len_ptr + seq)
-    keys = seq_len - _first_key(seq_len, window, WINDOWED)
-    chunk_len = tl.maximum(tl.cdiv(tl.cdiv(keys, num_chunks), BLOCK_N), 1) * BLOCK_N
-    used_chunks = tl.maximum(tl.minimum(tl.cdiv(keys, chunk_len), num_chunks), 1)
+    _, used_chunks = _chunking(seq_len - _first_key(seq_len, window, WINDOWED), num_chunks, min_chunk, BLOCK_N)
+    if used_chunks == 1:  # the partial kernel wrote this sequence's output
+        return
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     c_mask = offs_c < used_chunks
@@ -168,11 +249,8 @@ def _decode_merge_kernel(
         other=0.0,
     )  # [BLOCK_C, BLOCK_D]
     lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no chunk at all (empty sequence)
-    weights = tl.exp2(lse - lse_max)
-    total = tl.sum(weights, 0)
-    total = tl.where(total == 0.0, 1.0, total)
-    merged = tl.sum(parts * weights[:, None], 0) / total
+    weights = tl.exp2(lse - lse_max)  # two chunks or more, each of at least one key: lse_max is finite
+    merged = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
     tl.store(out_ptr + (seq * NUM_HEADS + head) * HEAD_DIM + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -189,6 +267,24 @@ def decode_split(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.
     target = _PROGRAMS_PER_SM * multiprocessor_count(device)
     wanted = cdiv(target, max(batch * num_kv_heads, 1))
     return max(1, min(wanted, cdiv(max_seq_len, block_n), _MAX_CHUNKS))
+
+
+_arrival_buffers: dict[torch.device, torch.Tensor] = {}
+_retired_buffers: list[torch.Tensor] = []  # outgrown, but captured graphs may still count in them
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` int32 counters on `device`, zero whenever no launch is running (each merge re-zeroes its
+    own). Allocated outside graph capture (the warm-up run before a capture sizes them), and never freed."""
+    counters = _arrival_buffers.get(device)
+    if counters is None or counters.numel() < count:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
+            "decode attention's arrival counters must be sized before graph capture: run the same shapes eagerly first"
+        )
+        if counters is not None:
+            _retired_buffers.append(counters)
+        counters = _arrival_buffers[device] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 def decode_attention(
@@ -238,27 +334,31 @@ def decode_attention(
 
     group = num_heads // num_kv_heads
     num_chunks = decode_split(batch, num_kv_heads, keys, device)
-    single = num_chunks == 1
+    single, fused = num_chunks == 1, _FUSED_MERGE
     # Scratch for the partial results; under graph capture these come from the graph's private pool.
     parts = 1 if single else num_chunks
     part_out = torch.empty((batch, num_heads, parts, head_dim), dtype=torch.float32, device=device)
     part_lse = torch.empty((batch, num_heads, parts), dtype=torch.float32, device=device)
+    arrivals = arrival_counters(device, batch * num_kv_heads) if fused and not single else part_lse  # else unused
     block_d = pow2_at_least(head_dim, 16)
+    merge_g = pow2_at_least(group)
+    config = _launch_config()
     _decode_partial_kernel[(batch, num_kv_heads, num_chunks)](
-        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse,
+        q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len, out, part_out, part_lse, arrivals,
         scale * LOG2E, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,  # unused when plain
-        num_kv_heads, num_chunks,
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single,
-        BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        num_kv_heads, num_chunks, _MIN_CHUNK,
+        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single, FUSED_MERGE=fused,
+        BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, MERGE_G=merge_g,
+        MERGE_C=max(1, min(_MAX_CHUNKS, _MERGE_TILE // (merge_g * block_d))), EVEN_D=block_d == head_dim,
         DOT_PRECISION=dot_precision(q.dtype), DOT_FP32=dot_in_fp32(q.dtype), WINDOWED=window > 0, KV_QUANT=kv_quant,
-        **_launch_config(), **pdl_launch(device),
+        **config, **pdl_launch(device),
     )  # fmt: skip
-    if not single:
+    if not single and not fused:
         _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, b_seq_len, out, window, num_chunks,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=_launch_config()["BLOCK_N"],
+            part_out, part_lse, b_seq_len, out, window, num_chunks, _MIN_CHUNK,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=config["BLOCK_N"],
             BLOCK_C=_MAX_CHUNKS, BLOCK_D=block_d, WINDOWED=window > 0, num_warps=4, **pdl_launch(device),
         )  # fmt: skip
     return out
