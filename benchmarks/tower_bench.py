@@ -13,10 +13,14 @@ For each tower shape (random weights from mmserve/testing/checkpoints/qwen2_vl.p
 3. throughput, images/s, of both paths for 64 images at 336 px and 16 at 896 px (ours: the workers' uint8 images ->
    embeddings, the processor's float steps on the device; HF's: the processor's patches on the host -> embeddings);
 4. on CUDA, one image alone (`--lone`, 336 and 896 px: one request's tower), ms per `encode` call, median, eager
-   against the replay of its CUDA graph (`visual/tower_graphs.py`), the two checked bit-equal.
+   against the replay of its CUDA graph (`visual/tower_graphs.py`), the two checked bit-equal;
+5. with `--attention_configs`, on CUDA, our attention kernel under other launches (tiles, warps, stages) against
+   today's, on the 896 px x 4 and 336 px x 16 shapes, each checked against per-image SDPA there and on a ragged
+   batch (partial tiles); the fastest correct launch per shape is printed last.
 Prints one JSON line per measurement; exits non-zero if a check fails.
 
     python benchmarks/tower_bench.py --shapes 7b --loads "" --lone 336,896   # the lone-image latencies only
+    python benchmarks/tower_bench.py --shapes 7b --loads "" --lone "" --attention_configs candidates,128x128x8x3
 """
 
 from __future__ import annotations
@@ -39,7 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmar
 
 from mmserve.testing.checkpoints.qwen2_vl import CLIP_MEAN, CLIP_STD, qwen2_vl_config, vision_tensor_specs  # noqa: E402
 from mmserve.testing.checkpoints.writer import make_tensor  # noqa: E402
-from visual.kernels.varlen_attention import head_dim_parts, varlen_attention  # noqa: E402
+from visual.kernels.varlen_attention import (  # noqa: E402
+    CANDIDATES,
+    AttentionConfig,
+    head_dim_parts,
+    varlen_attention,
+    varlen_attention_ref,
+)
 from visual.models.base import ImageInput  # noqa: E402
 from visual.models.packed_attention import (  # noqa: E402
     call_varlen,
@@ -148,6 +158,66 @@ def attention_timings(device: torch.device, dtype: torch.dtype, heads: int, head
     return rows
 
 
+def parse_attention_configs(specs: str) -> list[AttentionConfig]:
+    """`candidates` (the kernel module's list) and/or block_m x block_n x warps x stages specs, comma-separated."""
+    configs: list[AttentionConfig] = []
+    for spec in filter(None, specs.split(",")):
+        configs.extend(CANDIDATES if spec == "candidates" else [AttentionConfig.parse(spec)])
+    return configs
+
+
+def _launch_row(fn: Callable[[], torch.Tensor], ref: torch.Tensor, flops: int, iters: int, device) -> dict:
+    """One launch's check against the reference and its time; a launch that fails to compile or run is reported."""
+    try:
+        row = close(fn(), ref)
+        ms = images_per_s(fn, 1, iters, device) ** -1 * 1e3
+    except Exception as e:  # e.g. out of shared memory or registers for these tiles: not a candidate
+        return {"ok": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {**row, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9)}
+
+
+def attention_config_sweep(
+    configs: list[AttentionConfig], device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, iters: int
+) -> tuple[list[dict], bool]:
+    """Our kernel under each launch against today's (config None) on the timed shapes: rows, and whether every
+    launch that ran matched per-image SDPA (on the timed shapes, and on the ragged batch of CHECK_SIDES)."""
+    rows, ok, scale = [], True, head_dim**-0.5
+    ragged = pack_index([(1, h // PATCH, w // PATCH) for w, h in CHECK_SIDES], MERGE).cu_seqlens.to(device)
+    shapes = [(int(ragged[-1]), ragged, int((ragged[1:] - ragged[:-1]).max()), "ragged")]
+    for length, images in ATTENTION_TIMINGS:
+        cu = torch.arange(0, (images + 1) * length, length, dtype=torch.int32, device=device)
+        shapes.append((length * images, cu, length, f"{length}x{images}"))
+    for tokens, cu, max_len, name in shapes:
+        g = torch.Generator(device=device).manual_seed(tokens)
+        q, k, v = (torch.randn(tokens, heads, head_dim, device=device, dtype=dtype, generator=g) for _ in "qkv")
+        ref = varlen_attention_ref(q, k, v, cu, scale)
+        flops = 4 * int(((cu[1:] - cu[:-1]) ** 2).sum()) * heads * head_dim
+        today_ms = None
+        for config in [None, *configs]:
+            fn = lambda: varlen_attention(q, k, v, cu, max_len, scale, config)  # noqa: E731, B023 - called right here
+            row = {
+                "attention config": str(config or "today"),
+                "shape": name,
+                **_launch_row(fn, ref, flops, iters, device),
+            }
+            if config is None:
+                today_ms = row.get("ms")
+            elif today_ms and "ms" in row:
+                row["speedup"] = round(today_ms / row["ms"], 3)
+            ok &= row["ok"] is not False
+            rows.append(row)
+    return rows, ok
+
+
+def best_launches(rows: list[dict]) -> dict[str, str]:
+    """Per timed shape, the fastest launch whose output matched (today's included), as the kernel would name it."""
+    best = {}
+    for shape in {r["shape"] for r in rows if r["shape"] != "ragged"}:
+        timed = [r for r in rows if r["shape"] == shape and r["ok"] and "ms" in r]
+        best[shape] = min(timed, key=lambda r: r["ms"])["attention config"] if timed else None
+    return best
+
+
 def images_per_s(fn: Callable[[], object], images: int, iters: int, device: torch.device) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(2):  # warm-up: kernels, allocator, pinned buffers
@@ -193,7 +263,13 @@ def lone_image(ours: Qwen2VLVisionModel, side: int, iters: int) -> dict:
 
 
 def bench_shape(
-    shape: str, dtype: torch.dtype, device: torch.device, loads: list[tuple[int, ...]], iters: int, lone: list[int]
+    shape: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    loads: list[tuple[int, ...]],
+    iters: int,
+    lone: list[int],
+    attention_configs: list[AttentionConfig] = (),
 ) -> bool:
     """Checks and timings of one tower shape; True if the checks passed."""
     ours, hf = build_towers(shape, dtype, device)
@@ -210,6 +286,14 @@ def bench_shape(
     if device.type == "cuda" and head_dim_parts(vc.embed_dim // vc.num_heads) is not None:
         for row in attention_timings(device, dtype, vc.num_heads, vc.embed_dim // vc.num_heads, iters):
             print(json.dumps({"shape": shape, "attention": "flash vs ours", **row}))
+    sweep_ok = True
+    if attention_configs and device.type == "cuda" and head_dim_parts(vc.embed_dim // vc.num_heads) is not None:
+        rows, sweep_ok = attention_config_sweep(
+            attention_configs, device, dtype, vc.num_heads, vc.embed_dim // vc.num_heads, iters * 8
+        )
+        for row in rows:
+            print(json.dumps({"tower": shape, **row}))
+        print(json.dumps({"tower": shape, "fastest correct launch": best_launches(rows), "all_matched": sweep_ok}))
     for side, batch in loads:
         imgs = random_images(ours, [(side, side)] * batch, seed=side)
         inputs = hf_inputs(ours, imgs)
@@ -223,7 +307,7 @@ def bench_shape(
         print(json.dumps({"shape": shape, "lone image": "eager vs CUDA graph", **row}))
         lone_ok &= row["ok"]
     # On CUDA the check must have run the varlen kernel, not the fallback.
-    towers_ok = all(check["ok"] for check in tower_checks) and lone_ok
+    towers_ok = all(check["ok"] for check in tower_checks) and lone_ok and sweep_ok
     return kernel_check["ok"] and towers_ok and (kernel_check["varlen"] or device.type != "cuda")
 
 
@@ -235,17 +319,25 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cpu only smoke-tests this script (the fallback path, fp32)")
     ap.add_argument("--loads", default="336x64,896x16", help="side x images per timed batch")
     ap.add_argument("--lone", default="336,896", help="sides of the lone images timed eager vs CUDA graph (CUDA)")
+    ap.add_argument(
+        "--attention_configs",
+        default="",
+        help="launches of our attention kernel to time against today's (CUDA): `candidates` (the kernel module's "
+        "list) and/or BLOCK_MxBLOCK_NxWARPSxSTAGES, comma-separated",
+    )
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
     loads = [tuple(int(x) for x in load.split("x")) for load in args.loads.split(",") if load]
+    attention_configs = parse_attention_configs(args.attention_configs)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(json.dumps({"torch": torch.__version__, "varlen_attn": torch_varlen_attn() is not None, "device": name}))
     ok = True
     for shape in args.shapes.split(","):
-        ok &= bench_shape(shape, dtype, device, loads, args.iters, [int(x) for x in args.lone.split(",") if x])
+        lone = [int(x) for x in args.lone.split(",") if x]
+        ok &= bench_shape(shape, dtype, device, loads, args.iters, lone, attention_configs)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(json.dumps({"all_checks_passed": bool(ok)}))

@@ -7,6 +7,8 @@ import torch
 from kernel_cases import ATTENTION_TOL, DEVICE, assert_written_and_close, dtype_params, randn, strided_view
 
 from visual.kernels.varlen_attention import (
+    CANDIDATES,
+    AttentionConfig,
     head_dim_parts,
     varlen_attention,
     varlen_attention_ref,
@@ -28,6 +30,26 @@ def test_matches_per_image_sdpa(dtype, lengths, heads, head_dim):
     got = varlen_attention(q, k, v, cu, max(lengths), scale)
     assert got.shape == q.shape and got.is_contiguous()
     assert_written_and_close(got, varlen_attention_ref(q, k, v, cu, scale), ATTENTION_TOL)
+
+
+@pytest.mark.parametrize("config", CANDIDATES, ids=str)
+def test_every_candidate_launch_matches_per_image_sdpa(config):
+    """The launches the tower bench times (any may become the default): images shorter than a query tile, ones that
+    end inside a key tile and ones that fill whole tiles, in one batch."""
+    lengths, heads, head_dim = [5, 70, 128, 200], 2, 80
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (randn(sum(lengths), heads, head_dim, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    cu, scale = _cu(lengths), head_dim**-0.5
+    got = varlen_attention(q, k, v, cu, max(lengths), scale, config)
+    assert_written_and_close(got, varlen_attention_ref(q, k, v, cu, scale), ATTENTION_TOL)
+
+
+def test_attention_config_spec():
+    assert AttentionConfig.parse("128x64x8x3") == AttentionConfig(128, 64, 8, 3)
+    assert str(AttentionConfig.parse("256x64x8x2")) == "256x64x8x2"
+    with pytest.raises(AssertionError, match="block_n must be a power of two"):
+        q = torch.zeros(4, 1, 80, device=DEVICE)
+        varlen_attention(q, q, q, _cu([4]), 4, 1.0, AttentionConfig(16, 48, 4, 1))
 
 
 def test_images_do_not_see_each_other_and_strides_are_read():

@@ -1,12 +1,13 @@
-"""The vision towers' kernels (`visual/kernels`): the fused qkv split + 2-D rotary and QuickGELU against their torch
-references, and the references against transformers' own arithmetic, bit for bit."""
+"""The vision towers' kernels (`visual/kernels`): the fused qkv split + 2-D rotary, QuickGELU and the residual add +
+LayerNorm against their torch references, and the references against transformers' own arithmetic, bit for bit."""
 
 import pytest
 import torch
-from kernel_cases import DEVICE, ELEMENTWISE_TOL, assert_written_and_close, dtype_params, randn
+from kernel_cases import DEVICE, ELEMENTWISE_TOL, assert_written_and_close, dtype_params, randn, strided_view
 from transformers.activations import QuickGELUActivation
 from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
 
+from visual.kernels.add_layer_norm import add_layer_norm, add_layer_norm_ref
 from visual.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
 from visual.kernels.quick_gelu import quick_gelu, quick_gelu_ref
 
@@ -68,3 +69,46 @@ def test_quick_gelu_matches_reference(dtype, shape):
 def test_quick_gelu_reference_is_transformers_activation():
     x = torch.randn(64, 33, generator=torch.Generator().manual_seed(2)) * 5
     assert torch.equal(quick_gelu_ref(x), QuickGELUActivation()(x))
+
+
+@dtype_params
+@pytest.mark.parametrize("rows, width", [(1, 16), (37, 80), (6, 1280), (3, 1152)])
+def test_add_layer_norm_matches_reference(dtype, rows, width):
+    """h is torch's add, bit for bit; the norm within a unit of the last place (fp32 statistics either way). x comes
+    as a strided view (a residual sliced out of a wider buffer); widths that are not powers of two leave lanes
+    masked."""
+    gen = torch.Generator().manual_seed(rows * width)
+    x, y = (randn(rows, width, dtype=dtype, generator=gen) * 3 for _ in range(2))
+    weight, bias = randn(width, dtype=dtype, generator=gen), randn(width, dtype=dtype, generator=gen)
+    h, out = add_layer_norm(strided_view(x), y, weight, bias, 1e-6)
+    want_h, want_out = add_layer_norm_ref(x, y, weight, bias, 1e-6)
+    assert h.is_contiguous() and out.is_contiguous() and out.dtype == dtype
+    if DEVICE.type == "cuda" or dtype != torch.bfloat16:  # the interpreter truncates to bf16 where CUDA rounds
+        assert torch.equal(h, want_h)
+    assert_written_and_close(h, want_h, ELEMENTWISE_TOL)
+    assert_written_and_close(out, want_out, ELEMENTWISE_TOL)
+
+
+def test_add_layer_norm_normalises_large_offsets():
+    """Rows whose mean dwarfs their spread (the residual stream of a deep tower): the statistics must be of the
+    rounded h, centred before squaring: E[h^2] - E[h]^2 in fp32 would be ~3 % off here. Both sides' sums run in
+    different orders, so they agree to ~1e-4 at this offset, not to fp32's last place."""
+    gen = torch.Generator().manual_seed(4)
+    x = randn(4, 96, dtype=torch.float32, generator=gen) + 1000.0
+    y = randn(4, 96, dtype=torch.float32, generator=gen)
+    weight, bias = torch.ones(96, device=DEVICE), torch.zeros(96, device=DEVICE)
+    _, out = add_layer_norm(x, y, weight, bias, 1e-6)
+    torch.testing.assert_close(out, add_layer_norm_ref(x, y, weight, bias, 1e-6)[1], atol=1e-3, rtol=1e-3)
+
+
+def test_add_layer_norm_checks_its_operands():
+    x = torch.zeros(3, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    with pytest.raises(AssertionError, match="one \\[rows, width\\] shape"):
+        add_layer_norm(x, x[:2], w, w, 1e-6)
+    with pytest.raises(AssertionError, match="weight and bias"):
+        add_layer_norm(x, x, w[:4], w, 1e-6)
+    with pytest.raises(AssertionError, match="rows must be contiguous"):
+        add_layer_norm(x.t().contiguous().t(), x, w, w, 1e-6)
+    with pytest.raises(AssertionError, match="dtype|is torch"):
+        add_layer_norm(x, x.half(), w, w, 1e-6)

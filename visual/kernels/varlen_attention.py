@@ -14,6 +14,7 @@ image) and their scores are masked.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -155,14 +156,41 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the compiled kernel: the best of the configurations swept at 896 px
-# and within 5 % of the best at 336 px (docs/performance-history.md, "The towers' attention"). One config for every
-# batch, so the tower's warm-up compiles the only variant there is (the strides, (heads * head_dim, head_dim), are
-# fixed per tower). The interpreter takes small tiles, so the tests cross several key tiles and a partial one per image.
+class AttentionConfig(NamedTuple):
+    """The kernel's launch: its tiles (BLOCK_M query rows, BLOCK_N keys a step), warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def parse(cls, spec: str) -> AttentionConfig:
+        """block_m x block_n x warps x stages, e.g. `128x64x8x3`."""
+        return cls(*(int(x) for x in spec.split("x")))
+
+    def __str__(self) -> str:
+        return "x".join(str(x) for x in self)
+
+
+# The compiled kernel's launch: the best of the configurations swept at 896 px and within 5 % of the best at 336 px
+# (docs/performance-history.md, "The towers' attention"). One config for every batch, so the tower's warm-up compiles
+# the only variant there is (the strides, (heads * head_dim, head_dim), are fixed per tower). The interpreter takes
+# small tiles, so the tests cross several key tiles and a partial one per image.
 KEY_TILE = 64
 QUERY_TILE = 128
-_CONFIG = (QUERY_TILE, KEY_TILE, 8, 3)
-_INTERPRET_CONFIG = (16, 16, 4, 1)
+_CONFIG = AttentionConfig(QUERY_TILE, KEY_TILE, 8, 3)
+_INTERPRET_CONFIG = AttentionConfig(16, 16, 4, 1)
+# Launches `benchmarks/tower_bench.py --attention_configs candidates` times against _CONFIG on 4 x 4096 and 16 x 576
+# rows (896 and 336 px), to be timed on an H100: a fourth stage; 64-row query tiles (16 x 576 rows fill 5 of 128-row
+# tiles to 90 %, 9 of 64 rows wholly), 3 and 4 stages; 256-row tiles on 8 warps (each K/V tile read for twice the
+# rows: 80 KiB of shared memory at 2 stages); 4 warps on 128 rows; 32-key steps on 4 warps. (The key loop
+# warp-specialized by `tl.range(warp_specialize=True)` compiled for sm_90 to the same PTX, Triton 3.8: not a
+# candidate.)
+CANDIDATES = tuple(
+    AttentionConfig.parse(spec)
+    for spec in ("128x64x8x4", "64x64x4x3", "64x64x4x4", "256x64x8x2", "128x64x4x3", "128x32x4x4")
+)
 
 
 def varlen_attention(
@@ -172,6 +200,7 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,  # [images + 1] int32, on q's device: image i owns rows cu[i]:cu[i+1]
     max_seqlen: int,  # the longest image (sizes the grid; passed in so that nothing syncs)
     scale: float,
+    config: AttentionConfig | None = None,  # None: the tuned one (benchmarks/tower_bench.py times others)
 ) -> torch.Tensor:  # [T, H, D] contiguous, q's dtype
     """Each image's rows attend to that image's rows (no causal mask), as `varlen_attention_ref`."""
     assert q.dim() == 3 and k.shape == q.shape and v.shape == q.shape, (
@@ -194,7 +223,10 @@ def varlen_attention(
     images = cu_seqlens.shape[0] - 1
     if tokens == 0 or images == 0 or max_seqlen == 0:
         return out
-    block_m, block_n, warps, stages = _INTERPRET_CONFIG if _interpreting() else _CONFIG
+    if config is not None:
+        for name, tile in (("block_m", config.block_m), ("block_n", config.block_n)):
+            assert tile >= 16 and tile & (tile - 1) == 0, f"{name} must be a power of two >= 16, got {tile}"
+    block_m, block_n, warps, stages = config or (_INTERPRET_CONFIG if _interpreting() else _CONFIG)
     grid = (triton.cdiv(max_seqlen, block_m), images, heads)
     _varlen_attention_kernel[grid](
         q, k, v, out, cu_seqlens, scale * LOG2E,

@@ -7,7 +7,9 @@ parameters and their names:
   to 96; 1.3-1.5x its speed on an H100) for head dims that split so, unless `--vit_att_backend sdpa` asks for
   torch's flash kernel (`packed_attention`), which also takes the rest; then the output projection;
 - `QuickGELU` replaces the MLP's QuickGELU (Qwen2-VL) with one kernel;
-- `LinearPatchEmbed` runs the patch embedding's Conv3d, whose kernel equals its stride, as the GEMM it is.
+- `LinearPatchEmbed` runs the patch embedding's Conv3d, whose kernel equals its stride, as the GEMM it is;
+- in the LayerNorm towers (Qwen2-VL, Qwen3-VL) each residual add runs fused with the norm after it
+  (`visual/models/fused_norms.py`).
 
 On CPU each falls back to transformers' own arithmetic, so the CPU tests compare with HF bit for bit.
 """
@@ -21,6 +23,7 @@ from transformers.activations import QuickGELUActivation
 from visual import kernels
 from visual.attention_backend import our_kernel_allowed
 from visual.kernels.varlen_attention import QUERY_TILE, head_dim_parts
+from visual.models.fused_norms import use_fused_norms
 from visual.models.packed_attention import (
     call_varlen,
     can_use_varlen,
@@ -108,3 +111,4 @@ def use_fused_layers(tower: torch.nn.Module) -> None:
     one_per_patch = isinstance(proj, torch.nn.Conv3d) and proj.kernel_size == proj.stride and not any(proj.padding)
     if one_per_patch:
         tower.patch_embed = LinearPatchEmbed(tower.patch_embed)
+    use_fused_norms(tower)

@@ -1,6 +1,7 @@
 """Qwen2-VL's packed vision attention: the host-built index equals transformers' own, the tower with our layers
-equals HF's eager and sdpa towers, each block's attention gets the whole batch in one call, and the varlen kernel is
-called right whatever its signature (checked on CPU against a reference varlen attention)."""
+equals HF's eager and sdpa towers, each block's attention gets the whole batch in one call, each residual add runs
+fused with the norm after it, and the varlen kernel is called right whatever its signature (checked on CPU against a
+reference varlen attention)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
 from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+from visual import kernels
 from visual.attention_backend import set_vit_att_backend, vit_att_backend
 from visual.models.fused_layers import LinearPatchEmbed, PackedVisionAttention, QuickGELU
+from visual.models.fused_norms import AddNormBlock, HandoffLayerNorm
 from visual.models.packed_attention import call_varlen, can_use_varlen, dense_attention, pack_index, sdpa_per_segment
 from visual.models.qwen2_vl import Qwen2VLVisionModel
 from visual.staging import HostStaging
@@ -63,6 +66,8 @@ def test_packed_tower_equals_hf(model_dir: str, attn: str) -> None:
     assert all(isinstance(b.attn, PackedVisionAttention) for b in vision.tower.blocks)
     assert all(isinstance(b.mlp.act, QuickGELU) for b in vision.tower.blocks)
     assert isinstance(vision.tower.patch_embed, LinearPatchEmbed)
+    assert all(isinstance(b, AddNormBlock) for b in vision.tower.blocks)
+    assert isinstance(vision.tower.merger.ln_q, HandoffLayerNorm)
     pils = [_image(w, h, i) for i, (w, h) in enumerate(SIZES)]
     images = [vision.preprocess(pil) for pil in pils]
     assert len({im.grid_thw for im in images}) == len(images)
@@ -92,6 +97,32 @@ def test_each_block_attends_the_whole_batch_once(model_dir: str) -> None:
     index = pack_index([im.grid_thw for im in images], vision.merge_size)
     patches = sum(im.patches for im in images)
     assert calls == [(patches, index.cu_seqlens.tolist(), index.max_seqlen)] * len(vision.tower.blocks)
+
+
+def test_each_residual_add_runs_with_the_norm_after_it(model_dir: str, monkeypatch) -> None:
+    """Every add but none is fused: two fused add + norm calls per block, the only standalone norm the first block's
+    `norm1`, and the merger normalises nothing itself but takes the last block's fused output."""
+    vision = Qwen2VLVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    tower = vision.tower
+    fused_outputs: list[torch.Tensor] = []
+
+    def counted(*args, **kwargs):
+        h, normed = fused(*args, **kwargs)
+        fused_outputs.append(normed)
+        return h, normed
+
+    fused = kernels.add_layer_norm
+    monkeypatch.setattr(kernels, "add_layer_norm", counted)
+    norm_calls: list[str] = []
+    for i, block in enumerate(tower.blocks):
+        for name in ("norm1", "norm2"):
+            getattr(block, name).register_forward_hook(lambda *_, n=f"{i}.{name}": norm_calls.append(n))
+    merger_norm: list[torch.Tensor] = []
+    tower.merger.ln_q.register_forward_hook(lambda _m, _a, out: merger_norm.append(out))
+    vision.encode([vision.preprocess(_image(w, h, i)) for i, (w, h) in enumerate(SIZES)])
+    assert len(fused_outputs) == 2 * len(tower.blocks)
+    assert norm_calls == ["0.norm1"]
+    assert len(merger_norm) == 1 and merger_norm[0].data_ptr() == fused_outputs[-1].data_ptr()  # not recomputed
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None) -> torch.Tensor:
