@@ -91,6 +91,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled batch size")
     ap.add_argument("--quant_type", default="none", help="the engine's --quant_type (fp8w8a8: FP8 linears)")
     ap.add_argument(
+        "--disable_fp8_fused_quant", action="store_true", help="the engine's: each FP8 linear quantizes its own input"
+    )
+    ap.add_argument(
         "--pdl", default="on", help="programmatic dependent launch: on, off, or on,off (one engine after the other)"
     )
     args = ap.parse_args()
@@ -113,7 +116,8 @@ def bench_engine(args: argparse.Namespace, pdl: bool) -> list[str]:
     """One engine with PDL on or off: its table rows (and profiles, printed), then the engine freed."""
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig(model_dir=args.model_dir, max_total_token_num=80_000, running_max_req_size=128,
-                                   quant_type=args.quant_type, pdl=pdl))  # fmt: skip
+                                   quant_type=args.quant_type, pdl=pdl,
+                                   fp8_fused_quant=not args.disable_fp8_fused_quant))  # fmt: skip
     print(f"engine (PDL {'on' if pdl else 'off'}) up in {time.perf_counter() - t0:.0f} s")
     weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())
     floor = weight_bytes / COPY_BANDWIDTH * 1e3

@@ -114,11 +114,15 @@ def main() -> None:
         help="steps of up to this many tokens replay piecewise graphs (the server's flag); 0: eager",
     )
     ap.add_argument("--quant_type", default="none", help="the engine's --quant_type (fp8w8a8: FP8 linears)")
+    ap.add_argument(
+        "--disable_fp8_fused_quant", action="store_true", help="the engine's: each FP8 linear quantizes its own input"
+    )
     args = ap.parse_args()
     cfg = EngineConfig(
         model_dir=args.model_dir, max_total_token_num=200_000, load_format="dummy", device=args.device,
         prefix_cache=False,  # every prompt prefilled in full (the prompts here repeat)
         piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens, quant_type=args.quant_type,
+        fp8_fused_quant=not args.disable_fp8_fused_quant,
     )  # fmt: skip
     core = EngineCore(cfg)
     _running(core, args.decode, 1000)

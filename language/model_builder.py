@@ -56,7 +56,7 @@ def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = Non
     # An FP8 checkpoint's tensors load into FP8 layers; bf16 weights (and dummy ones) are quantized once loaded.
     load_fp8 = scheme is not None and scheme.prequantized and cfg.load_format != "dummy"
     if load_fp8:
-        swap_linears(model, scheme, quantize=False)
+        swap_linears(model, scheme, quantize=False, fused_quant=cfg.fp8_fused_quant)
     if cfg.load_format == "dummy":
         # vLLM's --load_format dummy: the random init the layers were built with (on the device), no files read.
         logger.warning("--load_format dummy: serving RANDOM weights (for benchmarks; the text is gibberish)")
@@ -65,7 +65,7 @@ def load_model(cfg: EngineConfig, device: torch.device, tp: TPGroup | None = Non
         weights = iter_weights(cfg.model_dir, keep=wanted, device=device, take=model.shard_tensor)
         model.load_weights(progress(weights, count_weights(cfg.model_dir, wanted), "loading weights", logger))
     if scheme is not None and not load_fp8:
-        swap_linears(model, scheme, quantize=True)
+        swap_linears(model, scheme, quantize=True, fused_quant=cfg.fp8_fused_quant)
     if scheme is not None:
         logger.info("decoder linear layers: %s", scheme.describe())
     if scheme is not None and not scheme.prequantized and cfg.quant_lm_head:  # a published one's head stays as is

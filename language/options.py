@@ -90,6 +90,15 @@ class EngineOptions:
         "with --quant_type fp8w8a8: the LM head in FP8 too (e4m3 per vocabulary row), faster batch-1 decode at a "
         "measured cost in fidelity",
     )
+    # On by default: the norms and gated activations write the per-token FP8 linears' inputs quantized, so no
+    # quantizer launch re-reads them (language/quant/linear.py); off, each linear quantizes its bf16 input itself.
+    fp8_fused_quant: bool = option(
+        True,
+        _MODEL,
+        "with per-token FP8 activations (--quant_type fp8w8a8, FP8-dynamic checkpoints): let each FP8 linear "
+        "quantize its input itself instead of the norm or activation before it (the same values, one launch more)",
+        flag="disable_fp8_fused_quant",
+    )
     output_constraint_mode: str = option(
         "xgrammar",
         _MODEL,

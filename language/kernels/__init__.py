@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from language.kernels import reference
 from language.kernels.decode_attention import decode_attention as _decode_attention_triton
 from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
+from language.kernels.fp8_quant import QuantizedRows
 from language.kernels.gemma_norm import gemma_norm_add_norm as _gemma_norm_add_norm_triton
 from language.kernels.gemma_norm import gemma_rms_norm as _gemma_rms_norm_triton
 from language.kernels.gemv import gemv
@@ -21,12 +22,16 @@ from language.kernels.kv_store import store_kv as _store_kv_triton
 from language.kernels.launch_utils import HALF_DTYPES
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from language.kernels.rms_norm import add_rms_norm as _add_rms_norm_triton
+from language.kernels.rms_norm import add_rms_norm_fp8 as _add_rms_norm_fp8_triton
 from language.kernels.rms_norm import rms_norm as _rms_norm_triton
+from language.kernels.rms_norm import rms_norm_fp8 as _rms_norm_fp8_triton
 from language.kernels.rotary import apply_rotary as _apply_rotary_triton
 from language.kernels.rotary import mrope_cos_sin as _mrope_cos_sin_triton
 from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul as _gelu_tanh_and_mul_triton
+from language.kernels.silu_mul import gelu_tanh_and_mul_fp8 as _gelu_tanh_and_mul_fp8_triton
 from language.kernels.silu_mul import silu_and_mul as _silu_and_mul_triton
+from language.kernels.silu_mul import silu_and_mul_fp8 as _silu_and_mul_fp8_triton
 from language.kernels.skinny_gemm import skinny_gemm
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS, launch_for
 
@@ -59,6 +64,11 @@ gemma_rms_norm = _dispatch(_gemma_rms_norm_triton, reference.gemma_rms_norm_ref)
 gemma_norm_add_norm = _dispatch(_gemma_norm_add_norm_triton, reference.gemma_norm_add_norm_ref)
 silu_and_mul = _dispatch(_silu_and_mul_triton, reference.silu_and_mul_ref)
 gelu_tanh_and_mul = _dispatch(_gelu_tanh_and_mul_triton, reference.gelu_tanh_and_mul_ref)
+# The same, writing their rows quantized per token for an FP8 linear (fp8_quant.QuantizedRows).
+rms_norm_fp8 = _dispatch(_rms_norm_fp8_triton, reference.rms_norm_fp8_ref)
+add_rms_norm_fp8 = _dispatch(_add_rms_norm_fp8_triton, reference.add_rms_norm_fp8_ref)
+silu_and_mul_fp8 = _dispatch(_silu_and_mul_fp8_triton, reference.silu_and_mul_fp8_ref)
+gelu_tanh_and_mul_fp8 = _dispatch(_gelu_tanh_and_mul_fp8_triton, reference.gelu_tanh_and_mul_fp8_ref)
 rotary_cos_sin = _dispatch(_rotary_cos_sin_triton, reference.rotary_cos_sin_ref)
 mrope_cos_sin = _dispatch(_mrope_cos_sin_triton, reference.mrope_cos_sin_ref)
 apply_rotary = _dispatch(_apply_rotary_triton, reference.apply_rotary_ref)
@@ -99,10 +109,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 __all__ = [
     "SKINNY_MAX_ROWS",
+    "QuantizedRows",
     "add_rms_norm",
+    "add_rms_norm_fp8",
     "apply_rotary",
     "decode_attention",
     "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_fp8",
     "gemma_norm_add_norm",
     "gemma_rms_norm",
     "gemv",
@@ -112,8 +125,10 @@ __all__ = [
     "prefill_attention",
     "qk_rms_norm",
     "rms_norm",
+    "rms_norm_fp8",
     "rotary_cos_sin",
     "silu_and_mul",
+    "silu_and_mul_fp8",
     "skinny_applies",
     "skinny_gemm",
     "splice_embeddings",

@@ -5,9 +5,12 @@ block-wise FP8 checkpoints.
 
 One program per (row, group): a pass over the group for its maximum, a second to scale and store. Both read the
 row from L2 on the second pass. The batch-1 FP8 GEMV (fp8_gemv.py) quantizes its row itself with the same two
-functions (`e4m3_scale`, `quantize_e4m3`), so a decode step pays no launch for its activations."""
+functions (`e4m3_scale`, `quantize_e4m3`), and so do the kernels that produce the FP8 linears' inputs (the norms of
+rms_norm.py, the gated activations of silu_mul.py: `QuantizedRows`), so that no launch re-reads what they wrote."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,6 +32,15 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero group: its values quantize to 0 whatever the scale
 _MAX_BLOCK = 4096  # a 3584-wide row in one step; rows of 18944 (Qwen2-VL-7B's down input) in five
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per token for an FP8 linear: q [M, K] e4m3 (contiguous) with scales [M, 1]
+    fp32 (x ~= q * scale), standing for rows of `dtype`, which the linear's output takes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 @triton.jit
@@ -77,6 +89,21 @@ def e4m3_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
 def quantize_e4m3(x, scale, FP8_MAX: tl.constexpr):
     """x (fp32) / scale rounded to e4m3's values, in fp32 (exact in e4m3): IEEE division, as torch's."""
     return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+
+
+@triton.jit
+def store_quantized_row(v, q_row_ptr, s_ptr, offs, mask, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Quantize one whole row held in registers (v fp32, 0 where masked off) as _quantize_kernel does with one group:
+    its scale to s_ptr, its e4m3 values to q_row_ptr + offs."""
+    scale = e4m3_scale(tl.max(tl.abs(v), 0), FP8_MAX, MIN_SCALE)
+    tl.store(s_ptr, scale)
+    tl.store(q_row_ptr + offs, quantize_e4m3(v, scale, FP8_MAX).to(q_row_ptr.dtype.element_ty), mask=mask)
+
+
+def empty_quantized_rows(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> QuantizedRows:
+    """The outputs a producer kernel quantizes into: [rows, k] e4m3 and [rows, 1] fp32 scales."""
+    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=device)
+    return QuantizedRows(q, torch.empty((rows, 1), dtype=torch.float32, device=device), dtype)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 the weight stream of skinny_gemm.py on e4m3 operands (half the bf16 weights' bytes).
 
 The scales multiply each output once, after the reduction: out[m, n] = (sum_k x_q[m, k] * w_q[n, k]) * x_scale[m]
-* w_scale[n] (+ bias[n]). The activations are quantized by quantize_fp8 (one launch) beforehand: quantizing here
+* w_scale[n] (+ bias[n]). The activations come quantized: by the norm or gated activation that produced them
+(fp8_quant.QuantizedRows), else by quantize_fp8 (one launch) beforehand: quantizing here
 would need every program to read its rows' whole width for their maxima, 64 x K x 2 bytes from L2 per program at
 M = 64 (~0.5 MB for K = 3584), more than the program's share of weights."""
 

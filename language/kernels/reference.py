@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from language.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, QuantizedRows
 from language.kernels.kv_quant import FP8_MAX, INT8_MAX
 
 
@@ -50,6 +51,43 @@ def add_rms_norm_ref(
     """-> (rms_norm_ref(residual + x), residual + x): HF's residual add, then the next sublayer's pre-norm."""
     summed = residual + x
     return rms_norm_ref(summed, weight, eps), summed
+
+
+def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8's reference: x [M, K] -> (q [M, K] e4m3, scales [M, ceil(K / group)] fp32), per row (group
+    None) or per row and `group` columns."""
+    m, k = x.shape
+    group = group or k
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scales = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, G]
+    q = (padded / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, groups * group)[:, :k], scales
+
+
+def quantized_rows_ref(x: torch.Tensor) -> QuantizedRows:
+    """x [M, K] quantized per row, as the FP8 linears' producers write it."""
+    q, scale = quantize_rows_ref(x)
+    return QuantizedRows(q, scale, x.dtype)
+
+
+def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> QuantizedRows:
+    return quantized_rows_ref(rms_norm_ref(x, weight, eps))
+
+
+def add_rms_norm_fp8_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[QuantizedRows, torch.Tensor]:
+    normed, summed = add_rms_norm_ref(x, residual, weight, eps)
+    return quantized_rows_ref(normed), summed
+
+
+def silu_and_mul_fp8_ref(x: torch.Tensor) -> QuantizedRows:
+    return quantized_rows_ref(silu_and_mul_ref(x))
+
+
+def gelu_tanh_and_mul_fp8_ref(x: torch.Tensor) -> QuantizedRows:
+    return quantized_rows_ref(gelu_tanh_and_mul_ref(x))
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -81,8 +81,11 @@ class Gemma3Attention(Attention):
 
 
 class GeluMLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.gelu_tanh_and_mul(self.gate_up_proj(x)))
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows:
+        """[gate | up] -> gelu_tanh(gate) * up, quantized per token where down_proj asks for it so."""
+        if self.down_proj.wants_quantized_rows:
+            return kernels.gelu_tanh_and_mul_fp8(gate_up)
+        return kernels.gelu_tanh_and_mul(gate_up)
 
 
 class Gemma3DecoderLayer(DecoderLayer):

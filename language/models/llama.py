@@ -49,12 +49,18 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_slots: torch.Tensor, kv: KVCache
+        self,
+        x: torch.Tensor | kernels.QuantizedRows,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out_slots: torch.Tensor,
+        kv: KVCache,
     ) -> torch.Tensor:
-        """x [n, hidden] -> q [n, Hq, D], rotated; the rotated k and v are stored at out_slots [n]. Everything
-        here is dense over the rows: piecewise graphs capture it (language/piecewise_graphs.py)."""
-        n = x.shape[0]
+        """x [n, hidden] (or quantized, for an FP8 qkv_proj) -> q [n, Hq, D], rotated; the rotated k and v are
+        stored at out_slots [n]. Everything here is dense over the rows: piecewise graphs capture it
+        (language/piecewise_graphs.py)."""
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        n = qkv.shape[0]
         qk = self.rotated_qk(qkv, cos, sin)  # [n, Hq + Hk, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
@@ -106,8 +112,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * shard.intermediate, bias=False)  # [gate | up]
         self.down_proj = RowParallelLinear(shard.intermediate, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | kernels.QuantizedRows) -> torch.Tensor:
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows:
+        """[gate | up] -> silu(gate) * up, quantized per token where down_proj asks for it so."""
+        if self.down_proj.wants_quantized_rows:
+            return kernels.silu_and_mul_fp8(gate_up)
+        return kernels.silu_and_mul(gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -144,16 +156,22 @@ class DecoderLayer(nn.Module):
         h, residual = self.attention_input(x, residual)
         return self.self_attn.project(h, cos, sin, out_slots, kv), residual
 
-    def attention_input(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the attention's normalised input, the residual stream): `residual + x` and the norm fused."""
+    def attention_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor | kernels.QuantizedRows, torch.Tensor]:
+        """-> (the attention's normalised input, the residual stream): `residual + x` and the norm fused; the input
+        quantized per token where the q/k/v projection asks for it so."""
+        norm, quantized = self.input_layernorm, self.self_attn.qkv_proj.wants_quantized_rows
         if residual is None:
-            return self.input_layernorm(x), x
-        return kernels.add_rms_norm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            return (kernels.rms_norm_fp8(x, norm.weight, norm.eps) if quantized else norm(x)), x
+        add_norm = kernels.add_rms_norm_fp8 if quantized else kernels.add_rms_norm
+        return add_norm(x, residual, norm.weight, norm.eps)
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attn [n, Hq, D], residual [n, hidden] -> (this layer's MLP output, the stream before it)."""
         norm = self.post_attention_layernorm
-        h, residual = kernels.add_rms_norm(self.self_attn.output(attn), residual, norm.weight, norm.eps)
+        add_norm = kernels.add_rms_norm_fp8 if self.mlp.gate_up_proj.wants_quantized_rows else kernels.add_rms_norm
+        h, residual = add_norm(self.self_attn.output(attn), residual, norm.weight, norm.eps)
         return self.mlp(h), residual
 
 

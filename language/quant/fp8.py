@@ -5,7 +5,9 @@ arithmetic (the dequantized values multiplied in fp32), so the engine runs quant
 Scales multiply: x ~= q * scale. A weight's scales are [N, G] fp32: G = 1 per output channel (quantized at load,
 `--quant_type fp8w8a8`, and compressed-tensors' FP8-dynamic checkpoints), or one per 128 columns (block-wise
 checkpoints: each 128x128 block's scale repeated over its rows, `expand_block_scales`). Activations are quantized
-per token, dynamically, in the weight's groups: one scale per row, or per row and 128 columns."""
+per token, dynamically, in the weight's groups: one scale per row, or per row and 128 columns. Per-channel weights
+also take rows quantized per token by the kernel that produced them (`QuantizedRows`: the norms and gated
+activations of language/kernels), the same values the linear would have quantized, without re-reading them."""
 
 from __future__ import annotations
 
@@ -13,30 +15,21 @@ import torch
 
 from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import fp8_gemv, fp8_gemv_fused, group_size
-from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
+from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows, quantize_fp8
 from language.kernels.fp8_skinny import fp8_skinny_gemm
+from language.kernels.reference import quantize_rows_ref
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS
 
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "QuantizedRows",
     "expand_block_scales",
     "fp8_linear",
     "fp8_linear_ref",
     "quantize_weight",
     "weight_scales",
 ]
-
-
-def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference of `quantize_fp8`: x [M, K] -> (q [M, K] e4m3, scales [M, ceil(K / group)] fp32)."""
-    m, k = x.shape
-    group = group or k
-    groups = -(-k // group)
-    padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    scales = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, G]
-    q = (padded / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(m, groups * group)[:, :k], scales
 
 
 def quantize_weight(weight: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,34 +61,42 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear_ref(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """The quantized arithmetic in torch: x [n, K] quantized as the kernels do, both operands dequantized to fp32
-    and multiplied -> [n, N] in out_dtype (default x's)."""
-    group = _activation_group(x.shape[-1], weight_scale.shape[1])
-    x_q, x_scale = quantize_rows_ref(x, group)
+    """The quantized arithmetic in torch: x [n, K] quantized as the kernels do (or given quantized), both operands
+    dequantized to fp32 and multiplied -> [n, N] in out_dtype (default x's)."""
+    if isinstance(x, QuantizedRows):
+        x_q, x_scale, x_dtype = x
+    else:
+        x_q, x_scale = quantize_rows_ref(x, _activation_group(x.shape[-1], weight_scale.shape[1]))
+        x_dtype = x.dtype
     y = dequantize(x_q, x_scale) @ dequantize(weight, weight_scale).T
     if bias is not None:
         y = y + bias.float()
-    return y.to(out_dtype or x.dtype)
+    return y.to(out_dtype or x_dtype)
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [n, K] @ dequantized weight [N, K].T (+ bias) -> [n, N] in out_dtype (default x's): x quantized per token
-    (in the weight's column groups), then the FP8 GEMM. On CUDA, one row: per-channel weights through the FP8 GEMV
-    that quantizes the row itself (one launch), grouped ones through the quantizer and the GEMV; more rows:
-    per-channel weights through our weight-streaming GEMM up to SKINNY_MAX_ROWS rows, cuBLASLt's row-wise scaled
-    GEMM beyond, grouped ones through our block-scaled kernel."""
+    (in the weight's column groups; or given so, for per-channel weights), then the FP8 GEMM. On CUDA, one row:
+    per-channel weights through the FP8 GEMV (which quantizes a float row itself: one launch), grouped ones through
+    the quantizer and the GEMV; more rows: per-channel weights through our weight-streaming GEMM up to
+    SKINNY_MAX_ROWS rows, cuBLASLt's row-wise scaled GEMM beyond, grouped ones through our block-scaled kernel."""
+    if isinstance(x, QuantizedRows):
+        assert weight_scale.shape[1] == 1, "rows quantized per token need per-channel weight scales"
+        if not x.q.is_cuda:
+            return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
+        return _quantized_linear(x.q, x.scale, weight, weight_scale, bias, out_dtype or x.dtype)
     out_dtype = out_dtype or x.dtype
     if not x.is_cuda:
         return fp8_linear_ref(x, weight, weight_scale, bias, out_dtype)
@@ -103,11 +104,24 @@ def fp8_linear(
     if x.shape[0] == 1 and groups == 1:
         return fp8_gemv_fused(x, weight, weight_scale, bias, out_dtype=out_dtype)
     x_q, x_scale = quantize_fp8(x, _activation_group(x.shape[1], groups))
-    if x.shape[0] == 1:  # grouped scales: fusing measured 1.9x slower on an H100 (benchmarks/fp8_gemv_bench.py)
+    return _quantized_linear(x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def _quantized_linear(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The FP8 GEMM of quantized rows on CUDA, by row count and the weight's scale groups."""
+    groups = weight_scale.shape[1]
+    if x_q.shape[0] == 1:  # grouped scales: fusing measured 1.9x slower on an H100 (benchmarks/fp8_gemv_bench.py)
         return fp8_gemv(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
-    if groups == 1 and x.shape[0] <= SKINNY_MAX_ROWS:
+    if groups == 1 and x_q.shape[0] <= SKINNY_MAX_ROWS:
         return fp8_skinny_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
-    if groups > 1 or x.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt wants both dims in 16s
+    if groups > 1 or x_q.shape[1] % 16 or weight.shape[0] % 16:  # cuBLASLt wants both dims in 16s
         return fp8_gemm(x_q, x_scale, weight, weight_scale, bias, out_dtype=out_dtype)
     return _rowwise_scaled_mm(x_q, x_scale, weight, weight_scale, bias, out_dtype)
 
@@ -121,11 +135,14 @@ def _rowwise_scaled_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """cuBLASLt's FP8 GEMM with a scale per row of x and per row of the weight. It writes bf16 only with row-wise
-    scales: an fp32 result (the row-parallel partial sums) is its bf16 output widened."""
+    scales: an fp32 result (the row-parallel partial sums) is its bf16 output widened. A bf16 bias is added in its
+    epilogue (torch takes a bias with row-wise scales in the output's dtype, bf16 or fp16), so added to the fp32 sum
+    before the one rounding, as the reference adds it; another dtype's bias, after."""
+    fused_bias = bias if bias is not None and bias.dtype == torch.bfloat16 else None
     y = torch._scaled_mm(
-        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=torch.bfloat16
+        x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=fused_bias, out_dtype=torch.bfloat16
     )  # [n, N]
-    if bias is not None:
+    if bias is not None and fused_bias is None:
         y = y + bias
     return y if y.dtype == out_dtype else y.to(out_dtype)
 

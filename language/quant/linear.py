@@ -8,7 +8,11 @@ down_proj) keeps every output row, so its scales stay whole (quantized at load: 
 all ranks' columns), and its partial sums are reduced in fp32 and rounded once, as `RowParallelLinear`'s. Its
 activations are quantized per token over this rank's columns (a scale over the whole row would cost a collective per
 layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding and
-norms stay in the model's dtype; the LM head only with --quant_lm_head (language/quant/head.py)."""
+norms stay in the model's dtype; the LM head only with --quant_lm_head (language/quant/head.py).
+
+A per-channel layer says it `wants_quantized_rows`: the model then has the norm or gated activation before it write
+its input quantized per token (`QuantizedRows`), the values the layer would quantize itself, so no kernel re-reads
+them (unless --disable_fp8_fused_quant). Block-wise layers quantize per 128 columns themselves."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from torch import nn
 
 from language.parallel.group import TPGroup
 from language.parallel.layers import Linear, RowParallelLinear
-from language.quant.fp8 import FP8_DTYPE, fp8_linear, quantize_weight, weight_scales
+from language.quant.fp8 import FP8_DTYPE, QuantizedRows, fp8_linear, quantize_weight, weight_scales
 from language.quant.scheme import QuantScheme
 
 
@@ -29,9 +33,12 @@ class Fp8Linear(nn.Module):
         scheme: QuantScheme,
         bias: torch.Tensor | None = None,
         tp: TPGroup | None = None,
+        fused_quant: bool = True,
     ) -> None:
-        """tp: the group of a row-parallel layer (None: a column-parallel or unsharded one)."""
+        """tp: the group of a row-parallel layer (None: a column-parallel or unsharded one). fused_quant: ask for
+        inputs quantized by their producer where the scheme quantizes them per token."""
         super().__init__()
+        self.wants_quantized_rows = fused_quant and scheme.block is None
         self.in_features, self.out_features = in_features, out_features
         self.scale_name = scheme.scale_name
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
@@ -44,39 +51,45 @@ class Fp8Linear(nn.Module):
     def scales(self) -> torch.Tensor:
         return self._parameters[self.scale_name]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x [..., K] in the model's dtype, or rows [n, K] quantized per token -> [..., N] / [n, N]."""
+        if isinstance(x, QuantizedRows):
+            return self._linear(x, x.dtype)
         rows = x.reshape(-1, x.shape[-1])  # [n, K]
+        return self._linear(rows, x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _linear(self, rows: torch.Tensor | QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
         if self.tp is None or not self.tp.enabled:
-            out = fp8_linear(rows, self.weight, self.scales, self.bias)
-        else:  # this rank's columns' partial sums, reduced in fp32 and rounded once
-            partial = fp8_linear(rows, self.weight, self.scales, out_dtype=torch.float32)
-            out = self.tp.all_reduce(partial).to(x.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+            return fp8_linear(rows, self.weight, self.scales, self.bias)
+        # this rank's columns' partial sums, reduced in fp32 and rounded once
+        partial = fp8_linear(rows, self.weight, self.scales, out_dtype=torch.float32)
+        return self.tp.all_reduce(partial).to(dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scales={tuple(self.scales.shape)}"
 
 
-def swap_linears(model: nn.Module, scheme: QuantScheme, quantize: bool) -> int:
+def swap_linears(model: nn.Module, scheme: QuantScheme, quantize: bool, fused_quant: bool = True) -> int:
     """Replace every linear of the decoder layers (q/k/v, o, gate/up, down; not lm_head) by an Fp8Linear, in place.
     quantize: from the loaded weights (per output channel, repeated over the scheme's column groups: random weights
     of a block-wise scheme, --load_format dummy); else empty, for an FP8 checkpoint's tensors to load into. Each
-    bf16 weight is dropped as its layer is swapped. Returns how many were swapped."""
+    bf16 weight is dropped as its layer is swapped. fused_quant: Fp8Linear's. Returns how many were swapped."""
     swapped = 0
     for layer in model.layers:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) not in (Linear, RowParallelLinear):
                     continue
-                setattr(parent, name, _fp8_of(child, scheme, quantize))
+                setattr(parent, name, _fp8_of(child, scheme, quantize, fused_quant))
                 swapped += 1
     return swapped
 
 
-def _fp8_of(linear: Linear, scheme: QuantScheme, quantize: bool) -> Fp8Linear:
+def _fp8_of(linear: Linear, scheme: QuantScheme, quantize: bool, fused_quant: bool) -> Fp8Linear:
     weight = linear.weight
     with torch.device(weight.device):
-        fp8 = Fp8Linear(linear.in_features, linear.out_features, scheme, linear.bias, getattr(linear, "tp", None))
+        tp = getattr(linear, "tp", None)
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, scheme, linear.bias, tp, fused_quant)
     if quantize:
         scales = weight_scales(weight.detach())
         if fp8.tp is not None:  # a row-parallel shard: each row's scale over the whole row, as at tp=1

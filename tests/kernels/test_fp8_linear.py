@@ -10,7 +10,7 @@ from kernel_cases import DEVICE, poisoned
 
 from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import GemvConfig, fp8_gemv, fp8_gemv_fused
-from language.kernels.fp8_quant import FP8_DTYPE, quantize_fp8
+from language.kernels.fp8_quant import FP8_DTYPE, QuantizedRows, quantize_fp8
 from language.kernels.fp8_skinny import fp8_skinny_gemm
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS, SkinnyConfig, default_config
 from language.quant.fp8 import (
@@ -123,6 +123,25 @@ def test_fp8_linear_follows_the_reference_on_each_path(m, out_dtype):
     assert got.dtype == expected.dtype
     atol, rtol = FP8_GEMM_TOL[torch.bfloat16]  # cuBLASLt's bf16 out, widened, for fp32 above SKINNY_MAX_ROWS
     torch.testing.assert_close(got.cpu(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["x_dtype", "fp32"])
+@pytest.mark.parametrize("m", [1, 8, SKINNY_MAX_ROWS + 1])
+def test_fp8_linear_takes_rows_its_producer_quantized(m, out_dtype):
+    """Rows quantized per token beforehand (by a norm or activation kernel): on each path (the GEMV of a quantized
+    row, the weight-streaming GEMM, cuBLASLt with the bias in its epilogue) the result of the float rows, bit for
+    bit, in the rows' dtype by default."""
+    x, _, _, w_q, w_scale = _operands(m, 96, 320, None, seed=m + 1)
+    x, w_q, w_scale, bias = _to(DEVICE, x.to(torch.bfloat16), w_q, w_scale, torch.randn(96).to(torch.bfloat16))
+    got = fp8_linear(QuantizedRows(*quantize_fp8(x), x.dtype), w_q, w_scale, bias, out_dtype)
+    assert torch.equal(got, fp8_linear(x, w_q, w_scale, bias, out_dtype))
+    assert got.dtype == (out_dtype or x.dtype)
+
+
+def test_fp8_linear_takes_quantized_rows_for_per_channel_weights_only():
+    _, x_q, x_scale, w_q, w_scale = _operands(2, 130, 256, 128, seed=5)
+    with pytest.raises(AssertionError, match="per-channel"):
+        fp8_linear(QuantizedRows(x_q, x_scale[:, :1], torch.bfloat16), w_q, w_scale)
 
 
 def test_fp8_skinny_gemm_takes_per_channel_scales_only():
