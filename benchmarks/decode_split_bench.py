@@ -19,15 +19,18 @@ decode_module = importlib.import_module("language.kernels.decode_attention")  # 
 
 HBM_GBPS = 3350  # H100 SXM
 TABLE_WIDTH = 8192  # the slot table's width, as a decode graph sees it (max_seq_len unknown on the host)
-# (label, fused merge, shortest chunk in keys, programs per SM); the first is the reference for max|diff|
+# (label, most chunks merged by the last chunk (0: always a merge kernel), shortest chunk in keys, programs per SM);
+# the first is the reference for max|diff|
+_ALWAYS = decode_module._MAX_CHUNKS
 VARIANTS = (
-    ("two launches", False, 64, 4),
-    ("fused", True, 64, 4),
-    ("fused, chunks >= 128", True, 128, 4),
-    ("fused, chunks >= 256", True, 256, 4),
-    ("fused, chunks >= 512", True, 512, 4),
-    ("fused, 2 programs/SM", True, 64, 2),
-    ("fused, 8 programs/SM", True, 64, 8),
+    ("two launches", 0, 64, 4),
+    ("default", decode_module._FUSED_MERGE_MAX_CHUNKS, 64, 4),
+    ("fused", _ALWAYS, 64, 4),
+    ("fused, chunks >= 128", _ALWAYS, 128, 4),
+    ("fused, chunks >= 256", _ALWAYS, 256, 4),
+    ("fused, chunks >= 512", _ALWAYS, 512, 4),
+    ("fused, 2 programs/SM", _ALWAYS, 64, 2),
+    ("fused, 8 programs/SM", _ALWAYS, 64, 8),
 )
 # (model, query heads, KV heads, head dim, batches)
 SHAPES = (
@@ -50,8 +53,9 @@ def decode_inputs(batch: int, seq_len: int, num_heads: int, num_kv_heads: int, h
     return q, k_cache, v_cache, req_to_token, b_req_idx, b_seq_len
 
 
-def set_variant(fused: bool, min_chunk: int, programs_per_sm: int) -> None:
-    decode_module._FUSED_MERGE, decode_module._MIN_CHUNK = fused, min_chunk
+def set_variant(fused_max_chunks: int, min_chunk: int, programs_per_sm: int) -> None:
+    decode_module._FUSED_MERGE_MAX_CHUNKS = fused_max_chunks
+    decode_module._MIN_CHUNK = min_chunk
     decode_module._PROGRAMS_PER_SM = programs_per_sm
 
 
@@ -61,8 +65,8 @@ def bench_case(model: str, batch: int, seq_len: int, num_heads: int, num_kv_head
     run = lambda: decode_module.decode_attention(*args, head_dim**-0.5, out=out)  # noqa: E731
     nbytes = 2 * batch * seq_len * num_kv_heads * head_dim * 2 + 2 * out.numel() * 2  # K and V, q and out
     reference = None
-    for label, fused, min_chunk, per_sm in VARIANTS:
-        set_variant(fused, min_chunk, per_sm)
+    for label, fused_max_chunks, min_chunk, per_sm in VARIANTS:
+        set_variant(fused_max_chunks, min_chunk, per_sm)
         chunks = decode_module.decode_split(batch, num_kv_heads, TABLE_WIDTH, out.device)
         result = run().clone()  # eager first: compiles, and sizes the arrival counters before the capture
         reference = result if reference is None else reference
@@ -77,7 +81,7 @@ def bench_case(model: str, batch: int, seq_len: int, num_heads: int, num_kv_head
 
 
 def bench_decode_split() -> None:
-    defaults = decode_module._FUSED_MERGE, decode_module._MIN_CHUNK, decode_module._PROGRAMS_PER_SM
+    defaults = decode_module._FUSED_MERGE_MAX_CHUNKS, decode_module._MIN_CHUNK, decode_module._PROGRAMS_PER_SM
     sms = multiprocessor_count(torch.device("cuda"))
     print(f"\ndecode attention split-K variants, bf16, graph-replayed, {sms} SMs")
     print("| shape | batch | context | variant | grid chunks | us | GB/s | of 3.35 TB/s | max|diff| |")

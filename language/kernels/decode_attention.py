@@ -6,8 +6,8 @@ result does not depend on which chunk arrives last. The counters return to zero 
 graph replays with them zeroed. Each sequence splits its own keys evenly over its chunks, so a short sequence in a
 graph captured for long ones still spreads over the grid. The grid depends only on tensor shapes and `max_seq_len`,
 the chunk count is a runtime integer (no recompilation per batch size), and nothing reads GPU values on the host,
-so the whole call can be captured in a CUDA graph. (`_FUSED_MERGE = False` merges in a second kernel instead: the
-two-launch form, kept to time beside the fused one.)"""
+so the whole call can be captured in a CUDA graph. (Beyond `_FUSED_MERGE_MAX_CHUNKS` chunks a second kernel merges
+instead, in parallel.)"""
 
 from __future__ import annotations
 
@@ -36,7 +36,11 @@ from language.kernels.launch_utils import (
 _MAX_CHUNKS = 64  # the two-launch merge kernel merges all chunks of a head in one tile
 _PROGRAMS_PER_SM = 4  # enough programs in flight to cover HBM latency
 _MIN_CHUNK = 64  # keys: a sequence splits into chunks of at least this many (a short one takes fewer chunks)
-_FUSED_MERGE = True  # the last chunk to finish merges (one launch); False: a second, merge kernel
+# Up to this many chunks the last chunk to finish merges (one launch); beyond, a second, merge kernel merges in
+# parallel. On an H100 (kernels_bench --only decode_split, Qwen2-VL-7B's heads) the fused merge won at batch 64 (3
+# chunks: 18.4 against 25.2 us a layer at 300 keys) and lost at batch 16 and 1 (9 and 64 chunks of 1200 keys: 21.2
+# against 17.8 us, 10.3 against 6.2 us), where one program reading every chunk back is the slow part.
+_FUSED_MERGE_MAX_CHUNKS = 4
 _MERGE_TILE = 1024  # elements of the fused merge's [group, chunks, head dim] tile: few registers
 _FP8_PER_HEAD = tl.constexpr(KV_FP8_PER_HEAD)
 
@@ -334,7 +338,7 @@ def decode_attention(
 
     group = num_heads // num_kv_heads
     num_chunks = decode_split(batch, num_kv_heads, keys, device)
-    single, fused = num_chunks == 1, _FUSED_MERGE
+    single, fused = num_chunks == 1, num_chunks <= _FUSED_MERGE_MAX_CHUNKS
     # Scratch for the partial results; under graph capture these come from the graph's private pool.
     parts = 1 if single else num_chunks
     part_out = torch.empty((batch, num_heads, parts, head_dim), dtype=torch.float32, device=device)

@@ -83,7 +83,7 @@ class Gemma3Attention(Attention):
 class GeluMLP(MLP):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows:
         """[gate | up] -> gelu_tanh(gate) * up, quantized per token where down_proj asks for it so."""
-        if self.down_proj.wants_quantized_rows:
+        if self.down_proj.wants_quantized_rows(gate_up.shape[0]):
             return kernels.gelu_tanh_and_mul_fp8(gate_up)
         return kernels.gelu_tanh_and_mul(gate_up)
 

@@ -117,7 +117,7 @@ class MLP(nn.Module):
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows:
         """[gate | up] -> silu(gate) * up, quantized per token where down_proj asks for it so."""
-        if self.down_proj.wants_quantized_rows:
+        if self.down_proj.wants_quantized_rows(gate_up.shape[0]):
             return kernels.silu_and_mul_fp8(gate_up)
         return kernels.silu_and_mul(gate_up)
 
@@ -161,7 +161,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor | kernels.QuantizedRows, torch.Tensor]:
         """-> (the attention's normalised input, the residual stream): `residual + x` and the norm fused; the input
         quantized per token where the q/k/v projection asks for it so."""
-        norm, quantized = self.input_layernorm, self.self_attn.qkv_proj.wants_quantized_rows
+        norm, quantized = self.input_layernorm, self.self_attn.qkv_proj.wants_quantized_rows(x.shape[0])
         if residual is None:
             return (kernels.rms_norm_fp8(x, norm.weight, norm.eps) if quantized else norm(x)), x
         add_norm = kernels.add_rms_norm_fp8 if quantized else kernels.add_rms_norm
@@ -170,7 +170,8 @@ class DecoderLayer(nn.Module):
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attn [n, Hq, D], residual [n, hidden] -> (this layer's MLP output, the stream before it)."""
         norm = self.post_attention_layernorm
-        add_norm = kernels.add_rms_norm_fp8 if self.mlp.gate_up_proj.wants_quantized_rows else kernels.add_rms_norm
+        quantized = self.mlp.gate_up_proj.wants_quantized_rows(attn.shape[0])
+        add_norm = kernels.add_rms_norm_fp8 if quantized else kernels.add_rms_norm
         h, residual = add_norm(self.self_attn.output(attn), residual, norm.weight, norm.eps)
         return self.mlp(h), residual
 

@@ -39,9 +39,10 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """nn.Linear through `kernels.linear` (same parameters and names)."""
 
-    # Whether the layer takes its input quantized per token (an FP8 linear's QuantizedRows, language/quant/linear.py);
-    # a layer in the model's dtype takes the rows as they are.
-    wants_quantized_rows = False
+    def wants_quantized_rows(self, rows: int) -> bool:
+        """Whether the layer takes `rows` rows of input quantized per token (an FP8 linear's QuantizedRows,
+        language/quant/linear.py); a layer in the model's dtype takes the rows as they are."""
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)

@@ -101,7 +101,7 @@ def merge_mode(monkeypatch):
     """Sets the launcher's merge (fused into the last chunk, or a second kernel) and shortest chunk."""
 
     def use(fused: bool, min_chunk: int | None = None) -> None:
-        monkeypatch.setattr(decode_module, "_FUSED_MERGE", fused)
+        monkeypatch.setattr(decode_module, "_FUSED_MERGE_MAX_CHUNKS", decode_module._MAX_CHUNKS if fused else 0)
         if min_chunk is not None:
             monkeypatch.setattr(decode_module, "_MIN_CHUNK", min_chunk)
 
