@@ -33,11 +33,6 @@ from language.kernels.launch_utils import (
 )
 from language.kernels.skinny_launches import SkinnyConfig, block_m_for, default_config, launch_for, sm_count
 
-# K elements the FP8 tensor cores sum in their reduced-precision accumulator before the sum is added to the fp32 one
-# (DeepSeek-V3's promotion interval). 128 took the 28 layers' linears at 64 rows from 3.43 to 3.04 ms on an H100
-# (up to 0.5 % of the largest output off the per-MMA promotion's; no change at 8-16 rows, where the products are not
-# wgmma's); 0 promotes every MMA's result.
-FP8_IMPRECISE_ACC = 128
 _REDUCE_BLOCK = 512  # outputs per program of the split-K reduction
 
 
@@ -45,14 +40,14 @@ _REDUCE_BLOCK = 512  # outputs per program of the split-K reduction
 def _partial_product(
     x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_start, k_stop,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """sum over k in [k_start, k_stop) of x[m, k] * w[n, k] -> [BLOCK_M, BLOCK_N] fp32 (unscaled).
 
-    IMPRECISE_ACC (max_num_imprecise_acc): on sm_90 Triton otherwise lets the FP8 tensor cores accumulate the whole
-    reduction in their reduced-precision accumulator (~14 mantissa bits), which lands percents off the reference
-    where a sum cancels; with it, each IMPRECISE_ACC columns' sum is added to a full fp32 accumulator. bf16/fp16
-    products accumulate in fp32 either way (Triton ignores the argument)."""
+    max_num_imprecise_acc=0: on sm_90 Triton otherwise lets the FP8 tensor cores accumulate the whole reduction in
+    their reduced-precision accumulator (~14 mantissa bits), which lands percents off the reference where a sum
+    cancels; with 0 each MMA's result is added to a full fp32 accumulator (the kernel is bound by the weights'
+    bytes, not by those adds). bf16/fp16 products accumulate in fp32 either way (Triton ignores the argument)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the swapped product's (dead code otherwise)
     for k0 in range(k_start, k_stop, BLOCK_K):
@@ -66,9 +61,9 @@ def _partial_product(
         if DOT_FP32:  # the interpreter's bf16 dot (launch_utils.dot_in_fp32); exact: bf16 products fit fp32
             x, w = x.to(tl.float32), w.to(tl.float32)
         if SWAP_AB:
-            acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=IMPRECISE_ACC)
+            acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=0)
         else:
-            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=IMPRECISE_ACC)
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=0)
     if SWAP_AB:
         acc = tl.trans(acc_t)
     return acc
@@ -100,7 +95,6 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # At the top: the pipelined loop below loads weights and activations together.
@@ -118,9 +112,8 @@ def _skinny_kernel(
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = _partial_product(
-        x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_start, k_stop,
-        EVEN_K, SWAP_AB, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, IMPRECISE_ACC,
-    )  # fmt: skip
+        x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_start, k_stop, EVEN_K, SWAP_AB, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if SCALED:
@@ -221,7 +214,6 @@ def launch_skinny(
         x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), out.stride(0),
         SCALED=scaled, SPLIT_K=split_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         SWAP_AB=config.swap_ab, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        IMPRECISE_ACC=min(FP8_IMPRECISE_ACC, block_k),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split_k > 1:
