@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from language.kernels import reference
 from language.kernels.decode_attention import decode_attention as _decode_attention_triton
 from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
-from language.kernels.fp8_quant import QuantizedRows
+from language.kernels.fp8_quant import InputForm, MeasuredRows, QuantizedRows
 from language.kernels.gemma_norm import gemma_norm_add_norm as _gemma_norm_add_norm_triton
 from language.kernels.gemma_norm import gemma_rms_norm as _gemma_rms_norm_triton
 from language.kernels.gemv import gemv
@@ -23,15 +23,19 @@ from language.kernels.launch_utils import HALF_DTYPES
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from language.kernels.rms_norm import add_rms_norm as _add_rms_norm_triton
 from language.kernels.rms_norm import add_rms_norm_fp8 as _add_rms_norm_fp8_triton
+from language.kernels.rms_norm import add_rms_norm_measured as _add_rms_norm_measured_triton
 from language.kernels.rms_norm import rms_norm as _rms_norm_triton
 from language.kernels.rms_norm import rms_norm_fp8 as _rms_norm_fp8_triton
+from language.kernels.rms_norm import rms_norm_measured as _rms_norm_measured_triton
 from language.kernels.rotary import apply_rotary as _apply_rotary_triton
 from language.kernels.rotary import mrope_cos_sin as _mrope_cos_sin_triton
 from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul as _gelu_tanh_and_mul_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul_fp8 as _gelu_tanh_and_mul_fp8_triton
+from language.kernels.silu_mul import gelu_tanh_and_mul_measured as _gelu_tanh_and_mul_measured_triton
 from language.kernels.silu_mul import silu_and_mul as _silu_and_mul_triton
 from language.kernels.silu_mul import silu_and_mul_fp8 as _silu_and_mul_fp8_triton
+from language.kernels.silu_mul import silu_and_mul_measured as _silu_and_mul_measured_triton
 from language.kernels.skinny_gemm import skinny_gemm
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS, launch_for
 
@@ -69,6 +73,28 @@ rms_norm_fp8 = _dispatch(_rms_norm_fp8_triton, reference.rms_norm_fp8_ref)
 add_rms_norm_fp8 = _dispatch(_add_rms_norm_fp8_triton, reference.add_rms_norm_fp8_ref)
 silu_and_mul_fp8 = _dispatch(_silu_and_mul_fp8_triton, reference.silu_and_mul_fp8_ref)
 gelu_tanh_and_mul_fp8 = _dispatch(_gelu_tanh_and_mul_fp8_triton, reference.gelu_tanh_and_mul_fp8_ref)
+# The same, writing their rows with each row's largest magnitude for a batch-1 FP8 GEMV (fp8_quant.MeasuredRows).
+rms_norm_measured = _dispatch(_rms_norm_measured_triton, reference.rms_norm_measured_ref)
+add_rms_norm_measured = _dispatch(_add_rms_norm_measured_triton, reference.add_rms_norm_measured_ref)
+silu_and_mul_measured = _dispatch(_silu_and_mul_measured_triton, reference.silu_and_mul_measured_ref)
+gelu_tanh_and_mul_measured = _dispatch(_gelu_tanh_and_mul_measured_triton, reference.gelu_tanh_and_mul_measured_ref)
+# The kernel before a linear, by the form the linear takes its rows in (InputForm).
+RMS_NORM_FOR = {InputForm.QUANTIZED: rms_norm_fp8, InputForm.MEASURED: rms_norm_measured}  # PLAIN: the RMSNorm module
+ADD_RMS_NORM_FOR = {
+    InputForm.PLAIN: add_rms_norm,
+    InputForm.QUANTIZED: add_rms_norm_fp8,
+    InputForm.MEASURED: add_rms_norm_measured,
+}
+SILU_AND_MUL_FOR = {
+    InputForm.PLAIN: silu_and_mul,
+    InputForm.QUANTIZED: silu_and_mul_fp8,
+    InputForm.MEASURED: silu_and_mul_measured,
+}
+GELU_TANH_AND_MUL_FOR = {
+    InputForm.PLAIN: gelu_tanh_and_mul,
+    InputForm.QUANTIZED: gelu_tanh_and_mul_fp8,
+    InputForm.MEASURED: gelu_tanh_and_mul_measured,
+}
 rotary_cos_sin = _dispatch(_rotary_cos_sin_triton, reference.rotary_cos_sin_ref)
 mrope_cos_sin = _dispatch(_mrope_cos_sin_triton, reference.mrope_cos_sin_ref)
 apply_rotary = _dispatch(_apply_rotary_triton, reference.apply_rotary_ref)
@@ -108,14 +134,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 __all__ = [
+    "ADD_RMS_NORM_FOR",
+    "GELU_TANH_AND_MUL_FOR",
+    "RMS_NORM_FOR",
+    "SILU_AND_MUL_FOR",
     "SKINNY_MAX_ROWS",
+    "InputForm",
+    "MeasuredRows",
     "QuantizedRows",
     "add_rms_norm",
     "add_rms_norm_fp8",
+    "add_rms_norm_measured",
     "apply_rotary",
     "decode_attention",
     "gelu_tanh_and_mul",
     "gelu_tanh_and_mul_fp8",
+    "gelu_tanh_and_mul_measured",
     "gemma_norm_add_norm",
     "gemma_rms_norm",
     "gemv",
@@ -126,9 +160,11 @@ __all__ = [
     "qk_rms_norm",
     "rms_norm",
     "rms_norm_fp8",
+    "rms_norm_measured",
     "rotary_cos_sin",
     "silu_and_mul",
     "silu_and_mul_fp8",
+    "silu_and_mul_measured",
     "skinny_applies",
     "skinny_gemm",
     "splice_embeddings",

@@ -10,6 +10,7 @@ rms_norm.py, the gated activations of silu_mul.py: `QuantizedRows`), so that no 
 
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import torch
@@ -41,6 +42,25 @@ class QuantizedRows(NamedTuple):
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+
+
+class InputForm(enum.Enum):
+    """The rows a linear layer takes from the kernel before it (`input_form(rows)`): in the model's dtype, quantized
+    per token (`QuantizedRows`), or with each row's largest magnitude measured (`MeasuredRows`)."""
+
+    PLAIN = "plain"
+    QUANTIZED = "quantized"
+    MEASURED = "measured"
+
+
+class MeasuredRows(NamedTuple):
+    """Activations with each row's largest magnitude measured by the kernel that wrote them, for an FP8 GEMV that
+    quantizes the row as it streams its weights: x [M, K] in the model's dtype and amax [M, P] fp32, the maxima of
+    |x| over P column blocks (a row's is their maximum). The GEMV's programs then skip the pass over the whole row
+    that its scale would otherwise take, each of them, before their first product."""
+
+    x: torch.Tensor
+    amax: torch.Tensor
 
 
 @triton.jit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from language.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, QuantizedRows
+from language.kernels.fp8_quant import FP8_DTYPE, MIN_SCALE, MeasuredRows, QuantizedRows
 from language.kernels.kv_quant import FP8_MAX, INT8_MAX
 
 
@@ -88,6 +88,30 @@ def silu_and_mul_fp8_ref(x: torch.Tensor) -> QuantizedRows:
 
 def gelu_tanh_and_mul_fp8_ref(x: torch.Tensor) -> QuantizedRows:
     return quantized_rows_ref(gelu_tanh_and_mul_ref(x))
+
+
+def measured_rows_ref(x: torch.Tensor) -> MeasuredRows:
+    """x [M, K] with each row's largest magnitude [M, 1], as the FP8 GEMV's producers write it."""
+    return MeasuredRows(x, x.abs().amax(dim=1, keepdim=True).float())
+
+
+def rms_norm_measured_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> MeasuredRows:
+    return measured_rows_ref(rms_norm_ref(x, weight, eps))
+
+
+def add_rms_norm_measured_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[MeasuredRows, torch.Tensor]:
+    normed, summed = add_rms_norm_ref(x, residual, weight, eps)
+    return measured_rows_ref(normed), summed
+
+
+def silu_and_mul_measured_ref(x: torch.Tensor) -> MeasuredRows:
+    return measured_rows_ref(silu_and_mul_ref(x))
+
+
+def gelu_tanh_and_mul_measured_ref(x: torch.Tensor) -> MeasuredRows:
+    return measured_rows_ref(gelu_tanh_and_mul_ref(x))
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

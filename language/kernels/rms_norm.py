@@ -11,7 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.fp8_quant import FP8_MAX, MIN_SCALE, QuantizedRows, empty_quantized_rows, store_quantized_row
+from language.kernels.fp8_quant import (
+    FP8_MAX,
+    MIN_SCALE,
+    MeasuredRows,
+    QuantizedRows,
+    empty_quantized_rows,
+    store_quantized_row,
+)
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
     check_device,
@@ -30,13 +37,14 @@ def _rms_norm_kernel(
     x_ptr,  # [N, H]
     weight_ptr,  # [H]
     out_ptr,  # [N, H]: in the output dtype, or e4m3 (QUANTIZE)
-    scale_ptr,  # [N] fp32 (QUANTIZE; else unused)
+    scale_ptr,  # [N] fp32: the scales (QUANTIZE), the rows' largest magnitudes (MEASURE); else unused
     stride_x,
     stride_out,
     hidden,
     eps,
     BLOCK_H: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    MEASURE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -52,21 +60,25 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _store_normed(
         weight * normed, out_ptr + row * stride_out, scale_ptr + row, offs, mask, x_ptr.dtype.element_ty,
-        QUANTIZE, FP8_MAX, MIN_SCALE,
+        QUANTIZE, MEASURE, FP8_MAX, MIN_SCALE,
     )  # fmt: skip
 
 
 @triton.jit
 def _store_normed(
-    y, out_row_ptr, scale_ptr, offs, mask, ROUND_TO: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
+    y, out_row_ptr, scale_ptr, offs, mask, ROUND_TO: tl.constexpr, QUANTIZE: tl.constexpr, MEASURE: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):  # fmt: skip
     """A normalised row y (fp32) to its output: rounded to the output dtype, or quantized from that rounding (the
-    values the unquantized launch would write, ROUND_TO: the output dtype)."""
+    values the unquantized launch would write, ROUND_TO: the output dtype); MEASURE: rounded, and its largest
+    magnitude to scale_ptr."""
     if QUANTIZE:
         store_quantized_row(y.to(ROUND_TO).to(tl.float32), out_row_ptr, scale_ptr, offs, mask, FP8_MAX, MIN_SCALE)
     else:
-        tl.store(out_row_ptr + offs, y.to(out_row_ptr.dtype.element_ty), mask=mask)
+        rounded = y.to(out_row_ptr.dtype.element_ty)
+        tl.store(out_row_ptr + offs, rounded, mask=mask)
+        if MEASURE:  # masked columns hold 0 (the weight loads 0 there)
+            tl.store(scale_ptr, tl.max(tl.abs(rounded.to(tl.float32)), 0))
 
 
 def row_launch_shape(hidden: int) -> tuple[int, int]:
@@ -96,8 +108,29 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Quantized
     return rows
 
 
+def rms_norm_measured(x: torch.Tensor, weight: torch.Tensor, eps: float) -> MeasuredRows:
+    """rms_norm(x, weight, eps) (weight in x's dtype) with each row's largest magnitude, for an FP8 GEMV."""
+    _check_norm_operands(x, weight, quantized=True)
+    rows = _empty_measured_rows(x)
+    _launch_rms_norm(x, weight.contiguous(), eps, rows.x, rows.amax, quantize=False, measure=True)
+    return rows
+
+
+def _empty_measured_rows(x: torch.Tensor) -> MeasuredRows:
+    rows = x.shape[0]
+    amax = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    return MeasuredRows(torch.empty(x.shape, dtype=x.dtype, device=x.device), amax)
+
+
 def _launch_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor, scales: torch.Tensor, *, quantize: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    quantize: bool,
+    measure: bool = False,
 ) -> None:
     num_rows, hidden = x.shape
     if num_rows == 0:
@@ -105,7 +138,7 @@ def _launch_rms_norm(
     block_h, num_warps = row_launch_shape(hidden)
     _rms_norm_kernel[(num_rows,)](
         x, weight, out, scales, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, QUANTIZE=quantize,
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=num_warps, **pdl_launch(x.device),
+        MEASURE=measure, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip
 
 
@@ -127,7 +160,7 @@ def _add_rms_norm_kernel(
     residual_ptr,  # [N, H]
     weight_ptr,  # [H]
     out_ptr,  # [N, H] normed: in the output dtype, or e4m3 (QUANTIZE)
-    scale_ptr,  # [N] fp32 (QUANTIZE; else unused)
+    scale_ptr,  # [N] fp32: the scales (QUANTIZE), the rows' largest magnitudes (MEASURE); else unused
     sum_ptr,  # [N, H] x + residual, the next residual
     stride_x,
     stride_res,
@@ -135,6 +168,7 @@ def _add_rms_norm_kernel(
     eps,
     BLOCK_H: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    MEASURE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -154,7 +188,7 @@ def _add_rms_norm_kernel(
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _store_normed(
         weight * normed, out_ptr + row * hidden, scale_ptr + row, offs, mask, sum_ptr.dtype.element_ty,
-        QUANTIZE, FP8_MAX, MIN_SCALE,
+        QUANTIZE, MEASURE, FP8_MAX, MIN_SCALE,
     )  # fmt: skip
 
 
@@ -181,6 +215,17 @@ def add_rms_norm_fp8(
     return rows, summed
 
 
+def add_rms_norm_measured(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[MeasuredRows, torch.Tensor]:
+    """add_rms_norm (weight in x's dtype) with each normalised row's largest magnitude, for an FP8 GEMV."""
+    device = _check_add_norm_operands(x, residual, weight, quantized=True)
+    rows = _empty_measured_rows(x)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=device)
+    _launch_add_rms_norm(x, residual, weight.contiguous(), eps, rows.x, rows.amax, summed, quantize=False, measure=True)
+    return rows, summed
+
+
 def _check_add_norm_operands(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, quantized: bool = False
 ) -> torch.device:
@@ -202,6 +247,7 @@ def _launch_add_rms_norm(
     summed: torch.Tensor,
     *,
     quantize: bool,
+    measure: bool = False,
 ) -> None:
     num_rows, hidden = x.shape
     if num_rows == 0:
@@ -209,6 +255,6 @@ def _launch_add_rms_norm(
     block_h, num_warps = row_launch_shape(hidden)
     _add_rms_norm_kernel[(num_rows,)](
         x, residual, weight, out, scales, summed, x.stride(0), residual.stride(0), hidden, eps,
-        BLOCK_H=block_h, QUANTIZE=quantize, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=num_warps,
-        **pdl_launch(x.device),
+        BLOCK_H=block_h, QUANTIZE=quantize, MEASURE=measure, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip

@@ -16,6 +16,7 @@ import triton.language as tl
 from language.kernels.fp8_quant import (
     FP8_MAX,
     MIN_SCALE,
+    MeasuredRows,
     QuantizedRows,
     e4m3_scale,
     empty_quantized_rows,
@@ -43,19 +44,24 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 def _act_and_mul_kernel(
     x_ptr,  # [N, 2I]
     out_ptr,  # [N, I]
+    amax_ptr,  # [N, cdiv(I, BLOCK)] fp32: each block's largest magnitude (MEASURE; else unused)
     stride_x,
     stride_out,
+    stride_amax,
     inter,
     BLOCK: tl.constexpr,
     GELU_TANH: tl.constexpr,
+    MEASURE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    product = _act_times_up(x_ptr + row * stride_x, offs, mask, inter, GELU_TANH)
-    tl.store(out_ptr + row * stride_out + offs, product.to(out_ptr.dtype.element_ty), mask=mask)
+    product = _act_times_up(x_ptr + row * stride_x, offs, mask, inter, GELU_TANH).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + offs, product, mask=mask)
+    if MEASURE:  # masked columns hold 0 (their loads give 0)
+        tl.store(amax_ptr + row * stride_amax + tl.program_id(1), tl.max(tl.abs(product.to(tl.float32)), 0))
 
 
 @triton.jit
@@ -153,7 +159,27 @@ def _check_gate_up(x: torch.Tensor) -> torch.device:
     return device
 
 
-def _act_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> torch.Tensor:
+def silu_and_mul_measured(x: torch.Tensor) -> MeasuredRows:
+    """silu_and_mul(x) with each row's largest magnitude (per 1024-column block), for an FP8 GEMV."""
+    return _act_and_mul_measured(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul_measured(x: torch.Tensor) -> MeasuredRows:
+    """gelu_tanh_and_mul(x) with each row's largest magnitude (per 1024-column block), for an FP8 GEMV."""
+    return _act_and_mul_measured(x, gelu_tanh=True)
+
+
+def _act_and_mul_measured(x: torch.Tensor, gelu_tanh: bool) -> MeasuredRows:
+    num_rows, inter = x.shape[0], x.shape[1] // 2
+    amax = torch.empty((num_rows, max(1, cdiv(inter, _BLOCK))), dtype=torch.float32, device=x.device)
+    if inter == 0:
+        amax.zero_()
+    return MeasuredRows(_act_and_mul(x, None, gelu_tanh, amax), amax)
+
+
+def _act_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool, amax: torch.Tensor | None = None
+) -> torch.Tensor:
     device = _check_gate_up(x)
     num_rows, inter = x.shape[0], x.shape[1] // 2
     if out is None:
@@ -163,7 +189,7 @@ def _act_and_mul(x: torch.Tensor, out: torch.Tensor | None, gelu_tanh: bool) -> 
         return out
     grid = (num_rows, cdiv(inter, _BLOCK))
     _act_and_mul_kernel[grid](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK, GELU_TANH=gelu_tanh, num_warps=4,
-        **pdl_launch(device),
+        x, out, out if amax is None else amax, x.stride(0), out.stride(0), 0 if amax is None else amax.stride(0),
+        inter, BLOCK=_BLOCK, GELU_TANH=gelu_tanh, MEASURE=amax is not None, num_warps=4, **pdl_launch(device),
     )  # fmt: skip
     return out

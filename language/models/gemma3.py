@@ -81,11 +81,9 @@ class Gemma3Attention(Attention):
 
 
 class GeluMLP(MLP):
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows:
-        """[gate | up] -> gelu_tanh(gate) * up, quantized per token where down_proj asks for it so."""
-        if self.down_proj.wants_quantized_rows(gate_up.shape[0]):
-            return kernels.gelu_tanh_and_mul_fp8(gate_up)
-        return kernels.gelu_tanh_and_mul(gate_up)
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows | kernels.MeasuredRows:
+        """[gate | up] -> gelu_tanh(gate) * up, in the form down_proj takes it."""
+        return kernels.GELU_TANH_AND_MUL_FOR[self.down_proj.input_form(gate_up.shape[0])](gate_up)
 
 
 class Gemma3DecoderLayer(DecoderLayer):

@@ -50,7 +50,7 @@ class Attention(nn.Module):
 
     def project(
         self,
-        x: torch.Tensor | kernels.QuantizedRows,
+        x: torch.Tensor | kernels.QuantizedRows | kernels.MeasuredRows,
         cos: torch.Tensor,
         sin: torch.Tensor,
         out_slots: torch.Tensor,
@@ -112,14 +112,12 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * shard.intermediate, bias=False)  # [gate | up]
         self.down_proj = RowParallelLinear(shard.intermediate, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor | kernels.QuantizedRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | kernels.QuantizedRows | kernels.MeasuredRows) -> torch.Tensor:
         return self.down_proj(self.activation(self.gate_up_proj(x)))
 
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows:
-        """[gate | up] -> silu(gate) * up, quantized per token where down_proj asks for it so."""
-        if self.down_proj.wants_quantized_rows(gate_up.shape[0]):
-            return kernels.silu_and_mul_fp8(gate_up)
-        return kernels.silu_and_mul(gate_up)
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor | kernels.QuantizedRows | kernels.MeasuredRows:
+        """[gate | up] -> silu(gate) * up, in the form down_proj takes it."""
+        return kernels.SILU_AND_MUL_FOR[self.down_proj.input_form(gate_up.shape[0])](gate_up)
 
 
 class DecoderLayer(nn.Module):
@@ -158,20 +156,20 @@ class DecoderLayer(nn.Module):
 
     def attention_input(
         self, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor | kernels.QuantizedRows, torch.Tensor]:
+    ) -> tuple[torch.Tensor | kernels.QuantizedRows | kernels.MeasuredRows, torch.Tensor]:
         """-> (the attention's normalised input, the residual stream): `residual + x` and the norm fused; the input
-        quantized per token where the q/k/v projection asks for it so."""
-        norm, quantized = self.input_layernorm, self.self_attn.qkv_proj.wants_quantized_rows(x.shape[0])
+        in the form the q/k/v projection takes it."""
+        norm, form = self.input_layernorm, self.self_attn.qkv_proj.input_form(x.shape[0])
+        if residual is None and form is kernels.InputForm.PLAIN:
+            return norm(x), x
         if residual is None:
-            return (kernels.rms_norm_fp8(x, norm.weight, norm.eps) if quantized else norm(x)), x
-        add_norm = kernels.add_rms_norm_fp8 if quantized else kernels.add_rms_norm
-        return add_norm(x, residual, norm.weight, norm.eps)
+            return kernels.RMS_NORM_FOR[form](x, norm.weight, norm.eps), x
+        return kernels.ADD_RMS_NORM_FOR[form](x, residual, norm.weight, norm.eps)
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attn [n, Hq, D], residual [n, hidden] -> (this layer's MLP output, the stream before it)."""
         norm = self.post_attention_layernorm
-        quantized = self.mlp.gate_up_proj.wants_quantized_rows(attn.shape[0])
-        add_norm = kernels.add_rms_norm_fp8 if quantized else kernels.add_rms_norm
+        add_norm = kernels.ADD_RMS_NORM_FOR[self.mlp.gate_up_proj.input_form(attn.shape[0])]
         h, residual = add_norm(self.self_attn.output(attn), residual, norm.weight, norm.eps)
         return self.mlp(h), residual
 

@@ -39,10 +39,10 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """nn.Linear through `kernels.linear` (same parameters and names)."""
 
-    def wants_quantized_rows(self, rows: int) -> bool:
-        """Whether the layer takes `rows` rows of input quantized per token (an FP8 linear's QuantizedRows,
-        language/quant/linear.py); a layer in the model's dtype takes the rows as they are."""
-        return False
+    def input_form(self, rows: int) -> kernels.InputForm:
+        """The form the layer takes `rows` rows of input in (an FP8 linear's, language/quant/linear.py); a layer in
+        the model's dtype takes the rows as they are."""
+        return kernels.InputForm.PLAIN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)

@@ -7,7 +7,9 @@ Scales multiply: x ~= q * scale. A weight's scales are [N, G] fp32: G = 1 per ou
 checkpoints: each 128x128 block's scale repeated over its rows, `expand_block_scales`). Activations are quantized
 per token, dynamically, in the weight's groups: one scale per row, or per row and 128 columns. Per-channel weights
 also take rows quantized per token by the kernel that produced them (`QuantizedRows`: the norms and gated
-activations of language/kernels), the same values the linear would have quantized, without re-reading them."""
+activations of language/kernels), the same values the linear would have quantized, without re-reading them, and a
+decode step's single row with its largest magnitude measured by its producer (`MeasuredRows`), which the batch-1
+GEMV quantizes as it streams the weights."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import fp8_gemv, fp8_gemv_fused, group_size
-from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, QuantizedRows, quantize_fp8
+from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, MeasuredRows, QuantizedRows, quantize_fp8
 from language.kernels.fp8_skinny import fp8_skinny_gemm
 from language.kernels.reference import quantize_rows_ref
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS
@@ -23,6 +25,7 @@ from language.kernels.skinny_launches import SKINNY_MAX_ROWS
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
+    "MeasuredRows",
     "QuantizedRows",
     "expand_block_scales",
     "fp8_linear",
@@ -81,17 +84,23 @@ def fp8_linear_ref(
 
 
 def fp8_linear(
-    x: torch.Tensor | QuantizedRows,
+    x: torch.Tensor | QuantizedRows | MeasuredRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [n, K] @ dequantized weight [N, K].T (+ bias) -> [n, N] in out_dtype (default x's): x quantized per token
-    (in the weight's column groups; or given so, for per-channel weights), then the FP8 GEMM. On CUDA, one row:
+    (in the weight's column groups; or given so, for per-channel weights; or with its rows' maxima), then the FP8
+    GEMM. On CUDA, one row:
     per-channel weights through the FP8 GEMV (which quantizes a float row itself: one launch), grouped ones through
     the quantizer and the GEMV; more rows: per-channel weights through our weight-streaming GEMM up to
     SKINNY_MAX_ROWS rows, cuBLASLt's row-wise scaled GEMM beyond, grouped ones through our block-scaled kernel."""
+    if isinstance(x, MeasuredRows):  # the producer measured the row's maximum: the GEMV skips its pass for it
+        measured = x.x.is_cuda and x.x.shape[0] == 1 and weight_scale.shape[1] == 1
+        if not measured:
+            return fp8_linear(x.x, weight, weight_scale, bias, out_dtype)
+        return fp8_gemv_fused(x.x, weight, weight_scale, bias, out_dtype=out_dtype or x.x.dtype, amax=x.amax)
     if isinstance(x, QuantizedRows):
         assert weight_scale.shape[1] == 1, "rows quantized per token need per-channel weight scales"
         if not x.q.is_cuda:

@@ -10,19 +10,21 @@ activations are quantized per token over this rank's columns (a scale over the w
 layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding and
 norms stay in the model's dtype; the LM head only with --quant_lm_head (language/quant/head.py).
 
-A per-channel layer says it `wants_quantized_rows` in prompt steps: the model then has the norm or gated activation
-before it write its input quantized per token (`QuantizedRows`), the values the layer would quantize itself, so no
-kernel re-reads them (unless --disable_fp8_fused_quant). Block-wise layers quantize per 128 columns themselves."""
+A per-channel layer says the `input_form` it takes: in prompt steps the model has the norm or gated activation before
+it write its input quantized per token (`QuantizedRows`), the values the layer would quantize itself, so no kernel
+re-reads them; at batch 1 the row with its largest magnitude (`MeasuredRows`); unless --disable_fp8_fused_quant.
+Block-wise layers quantize per 128 columns themselves."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from language.kernels.fp8_quant import InputForm
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS
 from language.parallel.group import TPGroup
 from language.parallel.layers import Linear, RowParallelLinear
-from language.quant.fp8 import FP8_DTYPE, QuantizedRows, fp8_linear, quantize_weight, weight_scales
+from language.quant.fp8 import FP8_DTYPE, MeasuredRows, QuantizedRows, fp8_linear, quantize_weight, weight_scales
 from language.quant.scheme import QuantScheme
 
 
@@ -48,24 +50,31 @@ class Fp8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.tp = tp
 
-    def wants_quantized_rows(self, rows: int) -> bool:
-        """Prompt steps only: at decode's 1-64 rows a producer's few programs cost what this layer's own quantization
-        did (H100, decode_bench: 3.94 against 3.96 ms at batch 1, 4.50 against 4.37 at 16, 5.98 against 5.99 at 64),
-        while a 1024-token step took 23.3 against 27.1 ms and a 4096-token one 76.4 against 78.2 ms."""
-        return self.fused_quant and rows > SKINNY_MAX_ROWS
+    def input_form(self, rows: int) -> InputForm:
+        """Prompt steps: rows quantized by their producer (a 1024-token step took 23.3 against 27.1 ms on an H100, a
+        4096-token one 76.4 against 78.2 ms). Batch 1: the row with its largest magnitude measured, so that the
+        GEMV's programs skip a pass over it each. 2-64 rows: as they are (producers that quantize measured level or
+        slower there: 4.50 against 4.37 ms a step at batch 16, 5.98 against 5.99 at 64)."""
+        if not self.fused_quant:
+            return InputForm.PLAIN
+        if rows > SKINNY_MAX_ROWS:
+            return InputForm.QUANTIZED
+        return InputForm.MEASURED if rows == 1 else InputForm.PLAIN
 
     @property
     def scales(self) -> torch.Tensor:
         return self._parameters[self.scale_name]
 
-    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        """x [..., K] in the model's dtype, or rows [n, K] quantized per token -> [..., N] / [n, N]."""
+    def forward(self, x: torch.Tensor | QuantizedRows | MeasuredRows) -> torch.Tensor:
+        """x [..., K] in the model's dtype, or rows [n, K] quantized per token or measured -> [..., N] / [n, N]."""
         if isinstance(x, QuantizedRows):
             return self._linear(x, x.dtype)
+        if isinstance(x, MeasuredRows):
+            return self._linear(x, x.x.dtype)
         rows = x.reshape(-1, x.shape[-1])  # [n, K]
         return self._linear(rows, x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _linear(self, rows: torch.Tensor | QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
+    def _linear(self, rows: torch.Tensor | QuantizedRows | MeasuredRows, dtype: torch.dtype) -> torch.Tensor:
         if self.tp is None or not self.tp.enabled:
             return fp8_linear(rows, self.weight, self.scales, self.bias)
         # this rank's columns' partial sums, reduced in fp32 and rounded once

@@ -20,7 +20,7 @@ import transformers
 from packaging.version import Version
 from transformers import AutoProcessor, AutoTokenizer, Gemma3ForConditionalGeneration, InternVLForConditionalGeneration
 
-from language.kernels import QuantizedRows
+from language.kernels import MeasuredRows, QuantizedRows
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS
 from language.models.llama import DecoderLayer
 from language.request import MultimodalItem
@@ -167,21 +167,23 @@ def check_layers_hold_their_weights(fp8: LLM, unquantized: LLM) -> None:
 def test_fused_fp8_quant_keeps_the_greedy_tokens(model_dir, cases):
     """The norms and gated activations writing the FP8 linears' inputs quantized (the default) against each linear
     quantizing its own (--disable_fp8_fused_quant): the same greedy tokens (the same e4m3 values and scales; q/k/v's
-    bias on InternVL's Qwen2). The fused engine's layers do hand their linears quantized rows in prompt steps (never
-    at decode's rows): Llama's layer at both norms, Gemma 3's (whose own norms stay unfused) at its GELU."""
+    bias on InternVL's Qwen2). The fused engine's layers do hand their linears quantized rows in prompt steps, and
+    a lone decode row with its largest magnitude measured: Llama's layer at both norms, Gemma 3's (whose own norms
+    stay unfused) at its GELU."""
     fused = LLM(model_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=256)
     unfused = LLM(model_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=256,
                   fp8_fused_quant=False)  # fmt: skip
     for llm, quantized in ((fused, True), (unfused, False)):
         layer = llm.engine.runner.model.layers[1]
-        for rows in (SKINNY_MAX_ROWS + 1, SKINNY_MAX_ROWS):  # a prompt step's, a decode step's (never quantized)
+        # a prompt step's rows (quantized), a decode batch's (as they are), one decode row (measured)
+        for rows, form in ((SKINNY_MAX_ROWS + 1, QuantizedRows), (SKINNY_MAX_ROWS, torch.Tensor), (1, MeasuredRows)):
             x = torch.randn(rows, layer.mlp.gate_up_proj.in_features, dtype=layer.input_layernorm.weight.dtype)
             gate_up = torch.randn(rows, layer.mlp.gate_up_proj.out_features, dtype=x.dtype)
-            want = quantized and rows > SKINNY_MAX_ROWS
-            assert isinstance(layer.mlp.activation(gate_up), QuantizedRows) == want
+            want = form if quantized else torch.Tensor
+            assert type(layer.mlp.activation(gate_up)) is want
             if type(layer).attention_input is DecoderLayer.attention_input:
-                assert isinstance(layer.attention_input(x, x)[0], QuantizedRows) == want
-                assert isinstance(layer.attention_input(x, None)[0], QuantizedRows) == want
+                assert type(layer.attention_input(x, x)[0]) is want
+                assert type(layer.attention_input(x, None)[0]) is want
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompts, items = [p for p, _, _ in cases], [i for _, i, _ in cases]
     prompts, items = [*prompts, list(range(3, 3 + 2 * SKINNY_MAX_ROWS))], [*items, []]  # a prompt step of > 64 rows

@@ -1,0 +1,82 @@
+"""The kernels that write a batch-1 FP8 GEMV's input with each row's largest magnitude (`MeasuredRows`): the norms
+and the gated activations write what their plain launches write, bit for bit, and maxima whose largest is the row's
+largest magnitude; the GEMV given those maxima gives, bit for bit, what it gives finding the maximum itself (the
+same scale, so the same e4m3 values). Rows of several blocks: the gated activations measure per 1024 columns."""
+
+import pytest
+import torch
+from kernel_cases import DEVICE, strided_view
+
+from language.kernels import reference
+from language.kernels.fp8_gemv import fp8_gemv_fused
+from language.kernels.rms_norm import add_rms_norm, add_rms_norm_measured, rms_norm, rms_norm_measured
+from language.kernels.silu_mul import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_measured,
+    silu_and_mul,
+    silu_and_mul_measured,
+)
+from language.quant.fp8 import MeasuredRows, fp8_linear, quantize_weight
+
+DTYPES = [torch.bfloat16, torch.float32]
+ROWS_AND_WIDTHS = [(1, 64), (1, 3000), (4, 1000)]  # 3000 gated columns: three 1024-column blocks, the last partial
+
+
+def _rows(rows: int, width: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width, generator=gen) * 2).to(dtype).to(DEVICE)
+
+
+def _assert_measured(got: MeasuredRows, plain: torch.Tensor) -> None:
+    assert torch.equal(got.x, plain)
+    assert got.amax.dtype == torch.float32 and got.amax.shape[0] == plain.shape[0]
+    assert torch.equal(got.amax.amax(dim=1), plain.float().abs().amax(dim=1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, hidden", ROWS_AND_WIDTHS)
+def test_norms_measure_their_rows(dtype, rows, hidden):
+    x = strided_view(_rows(rows, hidden, hidden, dtype))
+    residual = _rows(rows, hidden, hidden + 1, dtype)
+    weight = _rows(1, hidden, 3, dtype)[0]
+    _assert_measured(rms_norm_measured(x, weight, 1e-6), rms_norm(x, weight, 1e-6))
+    got, summed = add_rms_norm_measured(x, residual, weight, 1e-6)
+    normed, want_summed = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, want_summed)
+    _assert_measured(got, normed)
+    ref, _ = reference.add_rms_norm_measured_ref(x.cpu(), residual.cpu(), weight.cpu(), 1e-6)
+    torch.testing.assert_close(ref.amax, got.amax.amax(dim=1, keepdim=True).cpu(), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, inter", ROWS_AND_WIDTHS)
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_gated_activations_measure_their_rows(dtype, rows, inter, gelu):
+    x = strided_view(_rows(rows, 2 * inter, inter, dtype), pad=8)
+    measured, plain = (gelu_tanh_and_mul_measured, gelu_tanh_and_mul) if gelu else (silu_and_mul_measured, silu_and_mul)
+    got = measured(x)
+    assert got.amax.shape == (rows, -(-inter // 1024))
+    _assert_measured(got, plain(x))
+
+
+@pytest.mark.parametrize("k", [64, 3000])
+def test_the_gemv_given_the_maximum_equals_the_gemv_finding_it(k):
+    """The kernel (with a bias), and fp8_linear as the decoder calls it (on CPU: the reference, which ignores the
+    maxima)."""
+    gate_up = _rows(1, 2 * k, k, torch.bfloat16)
+    weight, scales = quantize_weight(_rows(96, k, k + 7, torch.float32) * 0.05)
+    bias = _rows(1, 96, 5, torch.bfloat16)[0]
+    row = silu_and_mul_measured(gate_up)
+    want = fp8_gemv_fused(row.x, weight, scales, bias)
+    assert torch.equal(fp8_gemv_fused(row.x, weight, scales, bias, amax=row.amax), want)
+    assert torch.equal(fp8_linear(row, weight, scales, bias), fp8_linear(row.x, weight, scales, bias))
+
+
+def test_the_gemv_scales_by_the_given_maximum():
+    """Another maximum moves the scale off a power of two of the row's, so the e4m3 grid and the result move: the
+    maxima are what the kernel reads."""
+    row = _rows(1, 256, 11, torch.bfloat16)
+    weight, scales = quantize_weight(_rows(32, 256, 12, torch.float32))
+    amax = row.float().abs().amax(dim=1, keepdim=True)
+    assert torch.equal(fp8_gemv_fused(row, weight, scales, amax=amax), fp8_gemv_fused(row, weight, scales))
+    assert not torch.equal(fp8_gemv_fused(row, weight, scales, amax=1.37 * amax), fp8_gemv_fused(row, weight, scales))
