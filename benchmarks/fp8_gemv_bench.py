@@ -1,8 +1,8 @@
 """Batch-1 FP8 linears on the GPU (Qwen2-VL-7B's decoder shapes), in one table: the bf16 GEMV, the quantizer then the
-FP8 GEMV (two launches), and the FP8 GEMV that quantizes its row itself (`fp8_gemv_fused`, what `fp8_linear` runs for
-one row) over a grid of launch configurations (rows per program x columns per step x warps), then the LM head (bf16,
-and FP8 as --quant_type fp8w8a8 runs it, over the same grid), with 128-column block scales (published FP8
-checkpoints) at the end.
+FP8 GEMV (two launches), the FP8 GEMV alone on a row given quantized (by the norm before q/k/v and gate/up), and the
+FP8 GEMV that quantizes its row itself (`fp8_gemv_fused`, what `fp8_linear` runs for o and down) over a grid of
+launch configurations (rows per program x columns per step x warps), then the LM head (bf16, and FP8 as --quant_type
+fp8w8a8 runs it, over the same grid), with 128-column block scales (published FP8 checkpoints) at the end.
 
 Each cell: microseconds per call and the weights' bytes per second as a share of the H100 SXM's 3.35 TB/s (each
 call reads another layer's weights, the calls replayed in one CUDA graph, so that none is served from L2). `layer`:
@@ -89,6 +89,12 @@ def unfused_us(shape: Shape, rep: int) -> float:
     return time_us([lambda w=w, s=s: call(w, s) for w, s in shape.fp8], rep)
 
 
+def given_quantized_us(shape: Shape, rep: int) -> float:
+    """The GEMV alone on a row its producer quantized (`QuantizedRows` at batch 1)."""
+    x_q, x_scale = quantize_fp8(shape.x, shape.group)
+    return time_us([lambda w=w, s=s: fp8_gemv(x_q, x_scale, w, s) for w, s in shape.fp8], rep)
+
+
 def fused_us(shape: Shape, config: GemvConfig | None, rep: int) -> float:
     return time_us([lambda w=w, s=s: fp8_gemv_fused(shape.x, w, s, config=config) for w, s in shape.fp8], rep)
 
@@ -121,6 +127,7 @@ def main() -> None:
     print(f"{'':<22}" + " ".join(f"{s.name:>13}" for s in shapes) + "    layer    x28")
     row("bf16 gemv", [bf16_us(s, args.rep) for s in shapes], shapes, bf16=True)
     row("fp8 quant+gemv", [unfused_us(s, args.rep) for s in shapes], shapes)
+    row("fp8 gemv, row given", [given_quantized_us(s, args.rep) for s in shapes], shapes)
     row("fp8 fused default", [fused_us(s, None, args.rep) for s in shapes], shapes)
     results = {}
     for config in config_grid():

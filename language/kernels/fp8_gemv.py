@@ -46,14 +46,16 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
-def default_config(k: int) -> GemvConfig:
-    """The fastest of benchmarks/fp8_gemv_bench.py's grid on an H100 for the 7B shapes' linears: 16 x 512 x 4 warps
-    for K = 3584 (qkv, o, gate_up), 8 x 1024 x 4 for K = 18944 (down). The LM head (N = 152064, K = 3584) takes
-    gate_up's: a program's work depends on K alone (its BLOCK_N rows of K bytes, and the row's maximum), and gate_up's
-    2368 programs already fill the GPU many times over, as the head's 9504 do (the bench times the head's grid)."""
+def default_config(k: int, quantize_x: bool = True) -> GemvConfig:
+    """The fastest of benchmarks/fp8_gemv_bench.py's grid on an H100 for the 7B shapes' linears: 8 x 1024 x 4 warps
+    for K = 18944 (down); for K = 3584 (qkv, o, gate_up) 16 x 512 x 4 where the kernel quantizes the row (its work
+    per column amortized over more weight rows), 8 x 512 x 4 for a row given quantized (qkv 8.4 against 8.7 us,
+    gate_up 46.9 against 48.4). The LM head (N = 152064, K = 3584) takes gate_up's: a program's work depends on K
+    alone (its BLOCK_N rows of K bytes, and the row's maximum), and gate_up's 2368 programs already fill the GPU many
+    times over, as the head's 9504 do (the bench times the head's grid)."""
     if k >= 8192:
         return GemvConfig(8, 1024, 4)
-    return GemvConfig(16, min(_MAX_BLOCK_K, pow2_at_least(k, 16)), 4)
+    return GemvConfig(16 if quantize_x else 8, min(_MAX_BLOCK_K, pow2_at_least(k, 16)), 4)
 
 
 @triton.jit
@@ -240,7 +242,7 @@ def _launch(
     assert k >= 1, "weight: empty reduction dimension"
     if num_out == 0:
         return out
-    config = config or default_config(k)
+    config = config or default_config(k, quantize_x)
     groups = weight_scale.shape[1]
     if groups == 1:
         block_k = min(config.block_k, pow2_at_least(k, 16))

@@ -23,6 +23,8 @@ from transformers import AutoProcessor, AutoTokenizer, Gemma3ForConditionalGener
 from language.kernels import MeasuredRows, QuantizedRows
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS
 from language.models.llama import DecoderLayer
+from language.quant import linear as linear_module
+from language.quant.linear import ONE_PASS_COLUMNS
 from language.request import MultimodalItem
 from language.sampling_params import SamplingParams
 from mmserve.llm import LLM
@@ -164,31 +166,39 @@ def check_layers_hold_their_weights(fp8: LLM, unquantized: LLM) -> None:
     assert checked == 4 * len(fp8.engine.runner.model.layers)  # q/k/v, o, gate/up, down
 
 
-def test_fused_fp8_quant_keeps_the_greedy_tokens(model_dir, cases):
+def test_fused_fp8_quant_keeps_the_greedy_tokens(model_dir, cases, monkeypatch):
     """The norms and gated activations writing the FP8 linears' inputs quantized (the default) against each linear
     quantizing its own (--disable_fp8_fused_quant): the same greedy tokens (the same e4m3 values and scales; q/k/v's
-    bias on InternVL's Qwen2). The fused engine's layers do hand their linears quantized rows in prompt steps, and
-    a lone decode row with its largest magnitude measured: Llama's layer at both norms, Gemma 3's (whose own norms
-    stay unfused) at its GELU."""
+    bias on InternVL's Qwen2). The fused engine's layers do hand their linears quantized rows in prompt steps and in
+    a lone decode row at most ONE_PASS_COLUMNS wide (these tiny models' rows all are), and a wider lone row with its
+    largest magnitude measured (the bound lowered to 16 columns here): Llama's layer at both norms, Gemma 3's (whose
+    own norms stay unfused) at its GELU."""
     fused = LLM(model_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=256)
     unfused = LLM(model_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=256,
                   fp8_fused_quant=False)  # fmt: skip
-    for llm, quantized in ((fused, True), (unfused, False)):
-        layer = llm.engine.runner.model.layers[1]
-        # a prompt step's rows (quantized), a decode batch's (as they are), one decode row (measured)
-        for rows, form in ((SKINNY_MAX_ROWS + 1, QuantizedRows), (SKINNY_MAX_ROWS, torch.Tensor), (1, MeasuredRows)):
-            x = torch.randn(rows, layer.mlp.gate_up_proj.in_features, dtype=layer.input_layernorm.weight.dtype)
-            gate_up = torch.randn(rows, layer.mlp.gate_up_proj.out_features, dtype=x.dtype)
-            want = form if quantized else torch.Tensor
-            assert type(layer.mlp.activation(gate_up)) is want
-            if type(layer).attention_input is DecoderLayer.attention_input:
-                assert type(layer.attention_input(x, x)[0]) is want
-                assert type(layer.attention_input(x, None)[0]) is want
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     prompts, items = [p for p, _, _ in cases], [i for _, i, _ in cases]
     prompts, items = [*prompts, list(range(3, 3 + 2 * SKINNY_MAX_ROWS))], [*items, []]  # a prompt step of > 64 rows
-    ours = [g.token_ids for g in fused.generate(prompts, params, mm_items=items)]
-    assert ours == [g.token_ids for g in unfused.generate(prompts, params, mm_items=items)]
+    _assert_rows_handed(unfused, torch.Tensor, torch.Tensor)
+    want = [g.token_ids for g in unfused.generate(prompts, params, mm_items=items)]
+    assert fused.engine.runner.model.layers[1].mlp.down_proj.in_features <= ONE_PASS_COLUMNS
+    for one_pass, one_row in ((ONE_PASS_COLUMNS, QuantizedRows), (16, MeasuredRows)):
+        monkeypatch.setattr(linear_module, "ONE_PASS_COLUMNS", one_pass)
+        _assert_rows_handed(fused, QuantizedRows, one_row)
+        assert [g.token_ids for g in fused.generate(prompts, params, mm_items=items)] == want
+
+
+def _assert_rows_handed(llm: LLM, prompt_rows: type, one_row: type) -> None:
+    """The rows layer 1's norms and gated activation hand their linears: a prompt step's, a decode batch's (as they
+    are) and one decode row's."""
+    layer = llm.engine.runner.model.layers[1]
+    for rows, form in ((SKINNY_MAX_ROWS + 1, prompt_rows), (SKINNY_MAX_ROWS, torch.Tensor), (1, one_row)):
+        x = torch.randn(rows, layer.mlp.gate_up_proj.in_features, dtype=layer.input_layernorm.weight.dtype)
+        gate_up = torch.randn(rows, layer.mlp.gate_up_proj.out_features, dtype=x.dtype)
+        assert type(layer.mlp.activation(gate_up)) is form
+        if type(layer).attention_input is DecoderLayer.attention_input:
+            assert type(layer.attention_input(x, x)[0]) is form
+            assert type(layer.attention_input(x, None)[0]) is form
 
 
 @pytest.mark.parametrize("family", ["internvl"], indirect=True)
