@@ -8,7 +8,8 @@ GEMV (language/kernels/gemv.py), each program owns BLOCK_N output features and w
 [BLOCK_N, BLOCK_K] fp32 accumulator.
 
 `fp8_gemv_fused` takes the float row itself and quantizes it inside the kernel, with quantize_fp8's functions: the
-same e4m3 values and scales, so the same result bit for bit as quantize_fp8 then `fp8_gemv`, one launch fewer."""
+same e4m3 values and scales, so the same result bit for bit as quantize_fp8 then `fp8_gemv` launched alike, one
+launch fewer."""
 
 from __future__ import annotations
 
@@ -192,7 +193,8 @@ def fp8_gemv_fused(
     amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fp8_gemv` of x [1, K] (float) quantized in the kernel, per token (G = 1) or per group of the weight's
-    columns, with quantize_fp8's arithmetic: the same result, bit for bit, without the quantizer's launch. Out in
+    columns, with quantize_fp8's arithmetic: the same result as the two launches with the same GemvConfig, bit for
+    bit, without the quantizer's. Out in
     out_dtype (default x's). Groups up to fused_groups_fit's size. amax [1, P] (per channel only): the row's
     largest magnitude as the maxima of P column blocks, measured by the kernel that wrote x (MeasuredRows).
 
