@@ -17,7 +17,15 @@ import torch
 
 from language.kernels.fp8_gemm import fp8_gemm
 from language.kernels.fp8_gemv import fp8_gemv, fp8_gemv_fused, group_size
-from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, MeasuredRows, QuantizedRows, quantize_fp8
+from language.kernels.fp8_quant import (
+    FP8_DTYPE,
+    FP8_MAX,
+    MIN_SCALE,
+    MeasuredRows,
+    QuantizedRows,
+    quantize_fp8,
+    quantize_measured,
+)
 from language.kernels.fp8_skinny import fp8_skinny_gemm
 from language.kernels.reference import quantize_rows_ref
 from language.kernels.skinny_launches import SKINNY_MAX_ROWS
@@ -96,11 +104,11 @@ def fp8_linear(
     per-channel weights through the FP8 GEMV (which quantizes a float row itself: one launch), grouped ones through
     the quantizer and the GEMV; more rows: per-channel weights through our weight-streaming GEMM up to
     SKINNY_MAX_ROWS rows, cuBLASLt's row-wise scaled GEMM beyond, grouped ones through our block-scaled kernel."""
-    if isinstance(x, MeasuredRows):  # the producer measured the row's maximum: the GEMV skips its pass for it
+    if isinstance(x, MeasuredRows):  # the producer measured the row's maximum: quantized by many programs at once
         measured = x.x.is_cuda and x.x.shape[0] == 1 and weight_scale.shape[1] == 1
         if not measured:
             return fp8_linear(x.x, weight, weight_scale, bias, out_dtype)
-        return fp8_gemv_fused(x.x, weight, weight_scale, bias, out_dtype=out_dtype or x.x.dtype, amax=x.amax)
+        x = quantize_measured(x)
     if isinstance(x, QuantizedRows):
         assert weight_scale.shape[1] == 1, "rows quantized per token need per-channel weight scales"
         if not x.q.is_cuda:

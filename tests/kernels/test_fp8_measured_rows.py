@@ -9,6 +9,7 @@ from kernel_cases import DEVICE, strided_view
 
 from language.kernels import reference
 from language.kernels.fp8_gemv import fp8_gemv_fused
+from language.kernels.fp8_quant import quantize_fp8, quantize_measured
 from language.kernels.rms_norm import add_rms_norm, add_rms_norm_measured, rms_norm, rms_norm_measured
 from language.kernels.silu_mul import (
     gelu_tanh_and_mul,
@@ -80,3 +81,20 @@ def test_the_gemv_scales_by_the_given_maximum():
     amax = row.float().abs().amax(dim=1, keepdim=True)
     assert torch.equal(fp8_gemv_fused(row, weight, scales, amax=amax), fp8_gemv_fused(row, weight, scales))
     assert not torch.equal(fp8_gemv_fused(row, weight, scales, amax=1.37 * amax), fp8_gemv_fused(row, weight, scales))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows, inter", [(1, 64), (1, 3000), (3, 1000)])
+def test_measured_rows_quantize_as_quantize_fp8(dtype, rows, inter):
+    """quantize_measured's programs, each a block of a row, scale by the producer's maxima: quantize_fp8's e4m3
+    values and scales, bit for bit (a zero row included), and fp8_linear through it equals fp8_linear on the plain
+    row."""
+    gate_up = _rows(rows, 2 * inter, inter, dtype)
+    gate_up[-1] = 0
+    row = silu_and_mul_measured(gate_up)
+    got = quantize_measured(row)
+    q, scale = quantize_fp8(row.x)
+    assert got.dtype == dtype and got.q.shape == q.shape
+    assert torch.equal(got.scale, scale) and torch.equal(got.q.float(), q.float())
+    weight, scales = quantize_weight(_rows(96, inter, inter + 7, torch.float32) * 0.05)
+    assert torch.equal(fp8_linear(row, weight, scales), fp8_linear(row.x, weight, scales))
