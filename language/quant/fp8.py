@@ -100,10 +100,10 @@ def fp8_linear(
 ) -> torch.Tensor:
     """x [n, K] @ dequantized weight [N, K].T (+ bias) -> [n, N] in out_dtype (default x's): x quantized per token
     (in the weight's column groups; or given so, for per-channel weights; or with its rows' maxima), then the FP8
-    GEMM. On CUDA, one row:
-    per-channel weights through the FP8 GEMV (which quantizes a float row itself: one launch), grouped ones through
-    the quantizer and the GEMV; more rows: per-channel weights through our weight-streaming GEMM up to
-    SKINNY_MAX_ROWS rows, cuBLASLt's row-wise scaled GEMM beyond, grouped ones through our block-scaled kernel."""
+    GEMM. On CUDA, one row: per-channel weights through the FP8 GEMV (which quantizes a float row itself: one
+    launch; a measured row goes through quantize_measured first), grouped ones through the quantizer and the GEMV;
+    more rows: per-channel weights through our weight-streaming GEMM up to SKINNY_MAX_ROWS rows, cuBLASLt's
+    row-wise scaled GEMM beyond, grouped ones through our block-scaled kernel."""
     if isinstance(x, MeasuredRows):  # the producer measured the row's maximum: quantized by many programs at once
         measured = x.x.is_cuda and x.x.shape[0] == 1 and weight_scale.shape[1] == 1
         if not measured:

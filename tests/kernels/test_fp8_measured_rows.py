@@ -1,14 +1,13 @@
 """The kernels that write a batch-1 FP8 GEMV's input with each row's largest magnitude (`MeasuredRows`): the norms
 and the gated activations write what their plain launches write, bit for bit, and maxima whose largest is the row's
-largest magnitude; the GEMV given those maxima gives, bit for bit, what it gives finding the maximum itself (the
-same scale, so the same e4m3 values). Rows of several blocks: the gated activations measure per 1024 columns."""
+largest magnitude; quantize_measured given those maxima quantizes as quantize_fp8 does, bit for bit (the same
+scale, so the same e4m3 values). Rows of several blocks: the gated activations measure per 1024 columns."""
 
 import pytest
 import torch
 from kernel_cases import DEVICE, strided_view
 
 from language.kernels import reference
-from language.kernels.fp8_gemv import fp8_gemv_fused
 from language.kernels.fp8_quant import quantize_fp8, quantize_measured
 from language.kernels.rms_norm import add_rms_norm, add_rms_norm_measured, rms_norm, rms_norm_measured
 from language.kernels.silu_mul import (
@@ -60,29 +59,6 @@ def test_gated_activations_measure_their_rows(dtype, rows, inter, gelu):
     _assert_measured(got, plain(x))
 
 
-@pytest.mark.parametrize("k", [64, 3000])
-def test_the_gemv_given_the_maximum_equals_the_gemv_finding_it(k):
-    """The kernel (with a bias), and fp8_linear as the decoder calls it (on CPU: the reference, which ignores the
-    maxima)."""
-    gate_up = _rows(1, 2 * k, k, torch.bfloat16)
-    weight, scales = quantize_weight(_rows(96, k, k + 7, torch.float32) * 0.05)
-    bias = _rows(1, 96, 5, torch.bfloat16)[0]
-    row = silu_and_mul_measured(gate_up)
-    want = fp8_gemv_fused(row.x, weight, scales, bias)
-    assert torch.equal(fp8_gemv_fused(row.x, weight, scales, bias, amax=row.amax), want)
-    assert torch.equal(fp8_linear(row, weight, scales, bias), fp8_linear(row.x, weight, scales, bias))
-
-
-def test_the_gemv_scales_by_the_given_maximum():
-    """Another maximum moves the scale off a power of two of the row's, so the e4m3 grid and the result move: the
-    maxima are what the kernel reads."""
-    row = _rows(1, 256, 11, torch.bfloat16)
-    weight, scales = quantize_weight(_rows(32, 256, 12, torch.float32))
-    amax = row.float().abs().amax(dim=1, keepdim=True)
-    assert torch.equal(fp8_gemv_fused(row, weight, scales, amax=amax), fp8_gemv_fused(row, weight, scales))
-    assert not torch.equal(fp8_gemv_fused(row, weight, scales, amax=1.37 * amax), fp8_gemv_fused(row, weight, scales))
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows, inter", [(1, 64), (1, 3000), (3, 1000)])
 def test_measured_rows_quantize_as_quantize_fp8(dtype, rows, inter):
@@ -98,3 +74,15 @@ def test_measured_rows_quantize_as_quantize_fp8(dtype, rows, inter):
     assert torch.equal(got.scale, scale) and torch.equal(got.q.float(), q.float())
     weight, scales = quantize_weight(_rows(96, inter, inter + 7, torch.float32) * 0.05)
     assert torch.equal(fp8_linear(row, weight, scales), fp8_linear(row.x, weight, scales))
+
+
+def test_quantize_measured_scales_by_the_given_maxima():
+    """Other maxima move the scale off a power of two of the row's, so the scale and the e4m3 values move: the
+    maxima are what the kernel reads."""
+    x = _rows(1, 256, 11, torch.bfloat16)
+    amax = x.float().abs().amax(dim=1, keepdim=True)
+    q, scale = quantize_fp8(x)
+    got = quantize_measured(MeasuredRows(x, amax))
+    assert torch.equal(got.scale, scale) and torch.equal(got.q.float(), q.float())
+    moved = quantize_measured(MeasuredRows(x, 1.37 * amax))
+    assert not torch.equal(moved.scale, scale) and not torch.equal(moved.q.float(), q.float())
