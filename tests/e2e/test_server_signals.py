@@ -90,10 +90,12 @@ def test_sigkill_of_the_group_is_swept_by_the_next_start_and_sigterm_to_the_grou
 
 def drain_on_group_sigterm(srv: ServerProcess) -> None:
     """SIGTERM to the whole group while a stream and a /generate run: both complete, then the server exits 0."""
+    # The stream outlasts the /generate by far, so that the two run together however fast the host decodes.
+    longer = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
     long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
     result = {}
     poster = threading.Thread(target=lambda: result.update(r=httpx.post(srv.url + "/generate", json=long, timeout=120)))
-    with httpx.stream("POST", srv.url + "/generate_stream", json=long, timeout=120) as stream:
+    with httpx.stream("POST", srv.url + "/generate_stream", json=longer, timeout=120) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data:")  # streaming has begun
         poster.start()
