@@ -29,8 +29,8 @@ from language.quant.fp8 import FP8_DTYPE, MeasuredRows, QuantizedRows, fp8_linea
 from language.quant.scheme import QuantScheme
 
 # The widest batch-1 row a producer quantizes in one pass of one program. Quantized there, a 7B layer's q/k/v GEMV
-# took 8.4 against 11.6 us and gate/up's 46.9 against 51.8 us on an H100 (benchmarks/fp8_gemv_bench.py): quantizing
-# inside the GEMV puts a division and a rounding per column on every program's path to its first product.
+# took 8.4 against 11.6 us and gate/up's 46.9 against 51.8 us on an H100 (docs/performance.md): quantizing inside
+# the GEMV puts a division and a rounding per column on every program's path to its first product.
 ONE_PASS_COLUMNS = 4096
 
 
@@ -61,9 +61,9 @@ class Fp8Linear(nn.Module):
         4096-token one 76.4 against 78.2 ms). Batch 1: quantized too where one program of the producer holds the
         whole row (up to ONE_PASS_COLUMNS: the norms before q/k/v and gate/up), so the GEMV only streams its
         weights; a wider row (down's) with its largest magnitude measured, since the gated activation spreads it
-        over programs that never see the whole row, and the GEMV quantizes it. 2-64 rows: as they are (producers
-        that quantize measured level or slower there: 4.50 against 4.37 ms a step at batch 16, 5.98 against 5.99
-        at 64)."""
+        over programs that never see the whole row (quantize_measured's programs then quantize it). 2-64 rows: as
+        they are (producers that quantize measured level or slower there: 4.50 against 4.37 ms a step at batch 16,
+        5.98 against 5.99 at 64)."""
         if not self.fused_quant:
             return InputForm.PLAIN
         if rows > SKINNY_MAX_ROWS:
