@@ -90,7 +90,8 @@ def test_sigkill_of_the_group_is_swept_by_the_next_start_and_sigterm_to_the_grou
 
 def drain_on_group_sigterm(srv: ServerProcess) -> None:
     """SIGTERM to the whole group while a stream and a /generate run: both complete, then the server exits 0."""
-    # The stream outlasts the /generate by far, so that the two run together however fast the host decodes.
+    # The stream outlasts the /generate by far: with cold bytecode caches the first /metrics after the /generate
+    # arrived once came back 2.6 s late, when 300 tokens (~1 s on this host) had long ended; 1500 take ~5 s.
     longer = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
     long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
     result = {}
