@@ -28,7 +28,8 @@ def llava_dir(tmp_path_factory) -> str:
 
 
 def start_multimodal(model_dir: str, log_path) -> ServerProcess:
-    args = ("--max_total_token_num", "2048", "--enable_multimodal", "--graceful_timeout", "120")  # a loaded CI host
+    # KV for the drained requests below; a loaded CI host may take long to drain them
+    args = ("--max_total_token_num", "8192", "--enable_multimodal", "--graceful_timeout", "120")
     srv = ServerProcess(model_dir, str(log_path), *args, new_session=True)
     srv.wait_healthy()
     return srv
@@ -90,10 +91,10 @@ def test_sigkill_of_the_group_is_swept_by_the_next_start_and_sigterm_to_the_grou
 
 def drain_on_group_sigterm(srv: ServerProcess) -> None:
     """SIGTERM to the whole group while a stream and a /generate run: both complete, then the server exits 0."""
-    # The stream outlasts the /generate by far: with cold bytecode caches the first /metrics after the /generate
-    # arrived once came back 2.6 s late, when 300 tokens (~1 s on this host) had long ended; 1500 take ~5 s.
-    longer = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
-    long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 300, "ignore_eos": True}}
+    # Long enough to run together through a stall of the server: with cold bytecode caches its first /metrics after
+    # the /generate arrived once came back 2.6 s late, when 1500 tokens each had nearly ended.
+    longer = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 4000, "ignore_eos": True}}
+    long = {"inputs": "What is AI?", "parameters": {"max_new_tokens": 3000, "ignore_eos": True}}
     result = {}
     poster = threading.Thread(target=lambda: result.update(r=httpx.post(srv.url + "/generate", json=long, timeout=120)))
     with httpx.stream("POST", srv.url + "/generate_stream", json=longer, timeout=120) as stream:
