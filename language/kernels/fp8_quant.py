@@ -56,7 +56,7 @@ class InputForm(enum.Enum):
 
 class MeasuredRows(NamedTuple):
     """Activations with each row's largest magnitude measured by the kernel that wrote them: x [M, K] in the model's
-    dtype and amax [M, P] fp32, the maxima of |x| over P column blocks (a row's is their maximum). A batch-1 row too
+    dtype and amax [M, P] fp32, the maxima of |x| over P column blocks (a row's is their maximum). A decode row too
     wide for one program of its producer to quantize (down's input) comes so; `quantize_measured` then quantizes it
     in many programs at once, none of which has to find the row's maximum first."""
 

@@ -4,8 +4,8 @@ residual add fused in front of it, which saves a decode step two launches per la
 The `_fp8` launchers write the normalised rows quantized for an FP8 linear instead (`QuantizedRows`): each row is in
 registers whole, so its scale and e4m3 values come from the rounded output with quantize_fp8's arithmetic, bit for
 bit what the norm then the quantizer give, without writing the rows in bf16 and reading them back. The `_measured`
-launchers write the rows as the plain ones do, with each row's largest magnitude (`MeasuredRows`), for a batch-1 FP8
-GEMV that quantizes as it streams its weights."""
+launchers write the rows as the plain ones do, with each row's largest magnitude (`MeasuredRows`), for an FP8 linear
+that quantizes them with quantize_measured."""
 
 from __future__ import annotations
 

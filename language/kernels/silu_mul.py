@@ -6,7 +6,7 @@ row (18944 wide for Qwen2-VL-7B) spans several blocks and its scale needs its la
 scaled, so each row is one program that computes its product twice: a pass for the maximum, a pass to quantize and
 store. The second pass re-reads [gate | up] (from L2), which costs less than writing the bf16 product and reading it
 back twice, as the product then quantize_fp8 do. The `_measured` launchers write the product as the plain ones do,
-with each 1024-column block's largest magnitude (`MeasuredRows`), for a batch-1 FP8 linear."""
+with each 1024-column block's largest magnitude (`MeasuredRows`), for an FP8 linear of a decode batch."""
 
 from __future__ import annotations
 

@@ -104,8 +104,8 @@ def fp8_linear(
     launch; a measured row goes through quantize_measured first), grouped ones through the quantizer and the GEMV;
     more rows: per-channel weights through our weight-streaming GEMM up to SKINNY_MAX_ROWS rows, cuBLASLt's
     row-wise scaled GEMM beyond, grouped ones through our block-scaled kernel."""
-    if isinstance(x, MeasuredRows):  # the producer measured the row's maximum: quantized by many programs at once
-        measured = x.x.is_cuda and x.x.shape[0] == 1 and weight_scale.shape[1] == 1
+    if isinstance(x, MeasuredRows):  # the producer measured the rows' maxima: quantized by many programs at once
+        measured = x.x.is_cuda and weight_scale.shape[1] == 1
         if not measured:
             return fp8_linear(x.x, weight, weight_scale, bias, out_dtype)
         x = quantize_measured(x)

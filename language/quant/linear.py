@@ -10,10 +10,10 @@ activations are quantized per token over this rank's columns (a scale over the w
 layer), so tp=N's FP8 results differ from tp=1's a little more than bf16's do. The embedding and
 norms stay in the model's dtype; the LM head only with --quant_lm_head (language/quant/head.py).
 
-A per-channel layer says the `input_form` it takes: in prompt steps the model has the norm or gated activation before
-it write its input quantized per token (`QuantizedRows`), the values the layer would quantize itself, so no kernel
-re-reads them; at batch 1 the same for a row that one program of its producer holds, else the row with its largest
-magnitude (`MeasuredRows`); unless --disable_fp8_fused_quant.
+A per-channel layer says the `input_form` it takes: the model has the norm or gated activation before it write its
+input quantized per token (`QuantizedRows`), the values the layer would quantize itself, so no kernel re-reads them;
+in decode batches only rows that one program of their producer holds, else the rows with their largest magnitudes
+(`MeasuredRows`); unless --disable_fp8_fused_quant.
 Block-wise layers quantize per 128 columns themselves."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from language.parallel.layers import Linear, RowParallelLinear
 from language.quant.fp8 import FP8_DTYPE, MeasuredRows, QuantizedRows, fp8_linear, quantize_weight, weight_scales
 from language.quant.scheme import QuantScheme
 
-# The widest batch-1 row a producer quantizes in one pass of one program. Quantized there, a 7B layer's q/k/v GEMV
+# The widest decode row a producer quantizes in one pass of one program. Quantized there, a 7B layer's q/k/v GEMV
 # took 8.4 against 11.6 us and gate/up's 46.9 against 51.8 us on an H100 (docs/performance.md): quantizing inside
 # the GEMV puts a division and a rounding per column on every program's path to its first product.
 ONE_PASS_COLUMNS = 4096
@@ -58,18 +58,16 @@ class Fp8Linear(nn.Module):
 
     def input_form(self, rows: int) -> InputForm:
         """Prompt steps: rows quantized by their producer (a 1024-token step took 23.3 against 27.1 ms on an H100, a
-        4096-token one 76.4 against 78.2 ms). Batch 1: quantized too where one program of the producer holds the
-        whole row (up to ONE_PASS_COLUMNS: the norms before q/k/v and gate/up), so the GEMV only streams its
-        weights; a wider row (down's) with its largest magnitude measured, since the gated activation spreads it
-        over programs that never see the whole row (quantize_measured's programs then quantize it). 2-64 rows: as
-        they are (producers that quantize measured level or slower there: 4.50 against 4.37 ms a step at batch 16,
-        5.98 against 5.99 at 64)."""
+        4096-token one 76.4 against 78.2 ms). Decode batches (up to SKINNY_MAX_ROWS rows): quantized too where one
+        program of the producer holds a whole row (up to ONE_PASS_COLUMNS: the norms before q/k/v and gate/up), so
+        the GEMV or GEMM only streams its weights; a wider row (down's) with its largest magnitude measured, since
+        the gated activation spreads it over programs that never see the whole row (quantize_measured's programs
+        then quantize it, many to a row). Against each linear quantizing its own rows: 4.17 against 4.34 ms a step
+        at batch 16, 5.52 against 5.73 at 64 (docs/performance.md)."""
         if not self.fused_quant:
             return InputForm.PLAIN
         if rows > SKINNY_MAX_ROWS:
             return InputForm.QUANTIZED
-        if rows > 1:
-            return InputForm.PLAIN
         return InputForm.QUANTIZED if self.in_features <= ONE_PASS_COLUMNS else InputForm.MEASURED
 
     @property

@@ -172,7 +172,7 @@ def test_fused_fp8_quant_keeps_the_greedy_tokens(model_dir, cases, monkeypatch):
     bias on InternVL's Qwen2). The fused engine's layers do hand their linears quantized rows in prompt steps and in
     a lone decode row at most ONE_PASS_COLUMNS wide (these tiny models' rows all are), and a wider lone row with its
     largest magnitude measured (the bound lowered to 16 columns here): Llama's layer at both norms, Gemma 3's (whose
-    own norms stay unfused) at its GELU."""
+    own norms stay unfused) at its GELU. Decode batches of 2-64 rows take the lone row's forms."""
     fused = LLM(model_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=256)
     unfused = LLM(model_dir, max_total_token_num=2048, device="cpu", quant_type="fp8w8a8", chunked_prefill_size=256,
                   fp8_fused_quant=False)  # fmt: skip
@@ -188,11 +188,11 @@ def test_fused_fp8_quant_keeps_the_greedy_tokens(model_dir, cases, monkeypatch):
         assert [g.token_ids for g in fused.generate(prompts, params, mm_items=items)] == want
 
 
-def _assert_rows_handed(llm: LLM, prompt_rows: type, one_row: type) -> None:
-    """The rows layer 1's norms and gated activation hand their linears: a prompt step's, a decode batch's (as they
-    are) and one decode row's."""
+def _assert_rows_handed(llm: LLM, prompt_rows: type, decode_rows: type) -> None:
+    """The rows layer 1's norms and gated activation hand their linears: a prompt step's, and a decode batch's (of
+    SKINNY_MAX_ROWS rows, and of one)."""
     layer = llm.engine.runner.model.layers[1]
-    for rows, form in ((SKINNY_MAX_ROWS + 1, prompt_rows), (SKINNY_MAX_ROWS, torch.Tensor), (1, one_row)):
+    for rows, form in ((SKINNY_MAX_ROWS + 1, prompt_rows), (SKINNY_MAX_ROWS, decode_rows), (1, decode_rows)):
         x = torch.randn(rows, layer.mlp.gate_up_proj.in_features, dtype=layer.input_layernorm.weight.dtype)
         gate_up = torch.randn(rows, layer.mlp.gate_up_proj.out_features, dtype=x.dtype)
         assert type(layer.mlp.activation(gate_up)) is form
