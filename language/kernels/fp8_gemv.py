@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, e4m3_scale, quantize_e4m3
+from language.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, e4m3_inverse, e4m3_scale, quantize_e4m3
 from language.kernels.gemv import load_weight_tile
 from language.kernels.launch_utils import (
     FLOAT_DTYPES,
@@ -29,6 +29,7 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    interpreting,
     pdl_enter,
     pdl_launch,
     pow2_at_least,
@@ -81,6 +82,7 @@ def _fp8_gemv_kernel(
     AMAX_BLOCK: tl.constexpr,  # columns per step of the row's maximum (QUANTIZE_X, PER_CHANNEL)
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # see fp8_quant.quantize_e4m3
     USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,21 +94,23 @@ def _fp8_gemv_kernel(
     w = load_weight_tile(w_ptrs, n_mask, offs_k, 0, K, EVEN_K)
     pdl_enter(USE_PDL)
     x_scale = 1.0  # grouped scales are read (or found) per step
+    x_inv = 1.0
     if PER_CHANNEL:
         if QUANTIZE_X:  # every program reads the whole row for its maximum: a few KB from L2 (see fp8_gemv_fused)
             x_scale = e4m3_scale(_row_amax(x_ptr, K, AMAX_BLOCK), FP8_MAX, MIN_SCALE)
+            x_inv = e4m3_inverse(x_scale)
         else:
             x_scale = tl.load(xs_ptr)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc = _accumulate(
-        acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, 0, K, stride_ws_n, x_scale,
-        QUANTIZE_X, PER_CHANNEL, EVEN_K, GROUP, FP8_MAX, MIN_SCALE,
+        acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, 0, K, stride_ws_n, x_scale, x_inv,
+        QUANTIZE_X, PER_CHANNEL, EVEN_K, GROUP, FP8_MAX, MIN_SCALE, ROUND_FP8,
     )  # fmt: skip
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w = load_weight_tile(w_ptrs + k0, n_mask, offs_k, k0, K, EVEN_K)
         acc = _accumulate(
-            acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, k0, K, stride_ws_n, x_scale,
-            QUANTIZE_X, PER_CHANNEL, EVEN_K, GROUP, FP8_MAX, MIN_SCALE,
+            acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, k0, K, stride_ws_n, x_scale, x_inv,
+            QUANTIZE_X, PER_CHANNEL, EVEN_K, GROUP, FP8_MAX, MIN_SCALE, ROUND_FP8,
         )  # fmt: skip
     y = tl.sum(acc, 1)  # [BLOCK_N] fp32
     if PER_CHANNEL:
@@ -118,12 +122,13 @@ def _fp8_gemv_kernel(
 
 @triton.jit
 def _accumulate(
-    acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, k0, K, stride_ws_n, x_scale,
+    acc, w, x_ptr, xs_ptr, ws_ptr, offs_n, n_mask, offs_k, k0, K, stride_ws_n, x_scale, x_inv,
     QUANTIZE_X: tl.constexpr, PER_CHANNEL: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_FP8: tl.constexpr,
 ):  # fmt: skip
     """acc + the products of weight tile w with x's columns k0:k0 + BLOCK_K (quantized here with QUANTIZE_X); per
-    channel unscaled (x_scale: the row's scale, for QUANTIZE_X), grouped scaled by the step's group scales."""
+    channel unscaled (x_scale and x_inv: the row's scale and its inverse, for QUANTIZE_X), grouped scaled by the
+    step's group scales."""
     if EVEN_K:
         x = tl.load(x_ptr + k0 + offs_k).to(tl.float32)
     else:
@@ -131,7 +136,8 @@ def _accumulate(
     if QUANTIZE_X:
         if not PER_CHANNEL:  # this step is one whole group
             x_scale = e4m3_scale(tl.max(tl.abs(x), 0), FP8_MAX, MIN_SCALE)
-        x = quantize_e4m3(x, x_scale, FP8_MAX)  # e4m3's values in fp32: what the unfused path loads
+            x_inv = e4m3_inverse(x_scale)
+        x = quantize_e4m3(x, x_inv, FP8_MAX, ROUND_FP8).to(tl.float32)  # the e4m3 values the unfused path loads
     if PER_CHANNEL:
         acc += w.to(tl.float32) * x[None, :]
     else:
@@ -242,7 +248,7 @@ def _launch(
         out, num_out, k, weight.stride(0), weight_scale.stride(0),
         QUANTIZE_X=quantize_x, PER_CHANNEL=groups == 1, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         GROUP=group, BLOCK_N=config.block_n, BLOCK_K=block_k, AMAX_BLOCK=min(_AMAX_BLOCK, pow2_at_least(k, 16)),
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, ROUND_FP8=interpreting(),
         num_warps=config.num_warps, num_stages=1, **pdl_launch(device),
     )  # fmt: skip
     return out

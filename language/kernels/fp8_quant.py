@@ -1,12 +1,14 @@
 """Dynamic FP8 (e4m3) quantization of activations: each row's groups of `group` columns get their own scale, the
-group's largest magnitude over 448 (e4m3's largest finite value), and the values divided by it, rounded to e4m3.
+group's largest magnitude over 448 (e4m3's largest finite value), and the values multiplied by its reciprocal
+(vLLM's arithmetic), rounded to e4m3.
 group = K is per-token quantization (the per-channel FP8 GEMMs); group = 128 is the 1x128 activation blocks of
 block-wise FP8 checkpoints.
 
 One program per (row, group): a pass over the group for its maximum, a second to scale and store. Both read the
-row from L2 on the second pass. The batch-1 FP8 GEMV (fp8_gemv.py) quantizes its row itself with the same two
-functions (`e4m3_scale`, `quantize_e4m3`), and so do the kernels that produce the FP8 linears' inputs (the norms of
-rms_norm.py, the gated activations of silu_mul.py: `QuantizedRows`), so that no launch re-reads what they wrote."""
+row from L2 on the second pass. The batch-1 FP8 GEMV (fp8_gemv.py) quantizes its row itself with the same functions
+(`e4m3_scale`, `e4m3_inverse`, `quantize_e4m3`), and so do the kernels that produce the FP8 linears' inputs (the
+norms of rms_norm.py, the gated activations of silu_mul.py: `QuantizedRows`), so that no launch re-reads what they
+wrote."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from language.kernels.launch_utils import (
     check_dtype,
     check_inner_contiguous,
     check_shape,
+    interpreting,
     pdl_enter,
     pdl_launch,
     pow2_at_least,
@@ -76,6 +79,7 @@ def _quantize_kernel(
     BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # see quantize_e4m3
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -92,12 +96,12 @@ def _quantize_kernel(
         amax = tl.maximum(amax, tl.abs(x))
     scale = e4m3_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
     tl.store(s_ptr + row * G + g, scale)
+    inv_scale = e4m3_inverse(scale)
     q_row = q_ptr + row.to(tl.int64) * K
     for k0 in range(start, stop, BLOCK):
         mask = k0 + offs < stop
         x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = quantize_e4m3(x, scale, FP8_MAX)
-        tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_row + k0 + offs, quantize_e4m3(x, inv_scale, FP8_MAX, ROUND_FP8), mask=mask)
 
 
 @triton.jit
@@ -107,18 +111,32 @@ def e4m3_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
 
 
 @triton.jit
-def quantize_e4m3(x, scale, FP8_MAX: tl.constexpr):
-    """x (fp32) / scale rounded to e4m3's values, in fp32 (exact in e4m3): IEEE division, as torch's."""
-    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
+def e4m3_inverse(scale):
+    """1 / scale (fp32, IEEE division, as the reference's): what quantize_e4m3 multiplies by."""
+    return tl.math.div_rn(1.0, scale)
 
 
 @triton.jit
-def store_quantized_row(v, q_row_ptr, s_ptr, offs, mask, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+def quantize_e4m3(x, inv_scale, FP8_MAX: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """x (fp32) times its group's inverse scale, clamped to e4m3's range and rounded to e4m3 (float8e4nv), ties to
+    even. One multiply, not a division per value: an IEEE division on each column's way to the FP8 GEMV's products
+    cost 3-6 us a linear at batch 1. Compiled, the cast is the hardware's rounding; ROUND_FP8 (the interpreter, whose
+    own cast drops the carry into the exponent) rounds in fp32 arithmetic first, to the same values."""
+    q = tl.clamp(x * inv_scale, -FP8_MAX, FP8_MAX)
+    if ROUND_FP8:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def store_quantized_row(
+    v, q_row_ptr, s_ptr, offs, mask, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_FP8: tl.constexpr
+):
     """Quantize one whole row held in registers (v fp32, 0 where masked off) as _quantize_kernel does with one group:
     its scale to s_ptr, its e4m3 values to q_row_ptr + offs."""
     scale = e4m3_scale(tl.max(tl.abs(v), 0), FP8_MAX, MIN_SCALE)
     tl.store(s_ptr, scale)
-    tl.store(q_row_ptr + offs, quantize_e4m3(v, scale, FP8_MAX).to(q_row_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_row_ptr + offs, quantize_e4m3(v, e4m3_inverse(scale), FP8_MAX, ROUND_FP8), mask=mask)
 
 
 def empty_quantized_rows(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> QuantizedRows:
@@ -162,7 +180,8 @@ def quantize_fp8(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tenso
     block = min(_MAX_BLOCK, pow2_at_least(min(group, k), 16))
     _quantize_kernel[(m, groups)](
         x, q, scales, k, groups, x.stride(0),
-        GROUP=group, BLOCK=block, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4 if block <= 1024 else 8,
+        GROUP=group, BLOCK=block, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, ROUND_FP8=interpreting(),
+        num_warps=4 if block <= 1024 else 8,
         **pdl_launch(device),
     )  # fmt: skip
     return q, scales
@@ -182,6 +201,7 @@ def _quantize_measured_kernel(
     PARTS_BLOCK: tl.constexpr,  # >= P, a power of two
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # see quantize_e4m3
     USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
@@ -195,8 +215,8 @@ def _quantize_measured_kernel(
     offs = block * BLOCK + tl.arange(0, BLOCK)
     mask = offs < K
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    q = quantize_e4m3(x, scale, FP8_MAX)
-    tl.store(q_ptr + row.to(tl.int64) * K + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    q = quantize_e4m3(x, e4m3_inverse(scale), FP8_MAX, ROUND_FP8)
+    tl.store(q_ptr + row.to(tl.int64) * K + offs, q, mask=mask)
 
 
 def quantize_measured(rows: MeasuredRows) -> QuantizedRows:
@@ -218,6 +238,6 @@ def quantize_measured(rows: MeasuredRows) -> QuantizedRows:
     _quantize_measured_kernel[(m, cdiv(k, _MEASURED_BLOCK))](
         x, amax, out.q, out.scale, k, amax.shape[1], x.stride(0), amax.stride(0),
         BLOCK=_MEASURED_BLOCK, PARTS_BLOCK=pow2_at_least(amax.shape[1], 16), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        num_warps=4, **pdl_launch(device),
+        ROUND_FP8=interpreting(), num_warps=4, **pdl_launch(device),
     )  # fmt: skip
     return out

@@ -61,7 +61,7 @@ def quantize_rows_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.
     groups = -(-k // group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     scales = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)  # [M, G]
-    q = (padded / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (padded * (1.0 / scales)[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, groups * group)[:, :k], scales
 
 

@@ -28,6 +28,7 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    interpreting,
     pdl_enter,
     pdl_launch,
     pow2_at_least,
@@ -49,33 +50,36 @@ def _rms_norm_kernel(
     MEASURE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # see fp8_quant.quantize_e4m3
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
+    # No step writes the weight: it is requested before the wait for the kernel before (under PDL, while it drains).
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     # Round to x's dtype before the weight multiply, exactly as the reference (and HF) does.
     normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _store_normed(
         weight * normed, out_ptr + row * stride_out, scale_ptr + row, offs, mask, x_ptr.dtype.element_ty,
-        QUANTIZE, MEASURE, FP8_MAX, MIN_SCALE,
+        QUANTIZE, MEASURE, FP8_MAX, MIN_SCALE, ROUND_FP8,
     )  # fmt: skip
 
 
 @triton.jit
 def _store_normed(
     y, out_row_ptr, scale_ptr, offs, mask, ROUND_TO: tl.constexpr, QUANTIZE: tl.constexpr, MEASURE: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROUND_FP8: tl.constexpr,
 ):  # fmt: skip
     """A normalised row y (fp32) to its output: rounded to the output dtype, or quantized from that rounding (the
     values the unquantized launch would write, ROUND_TO: the output dtype); MEASURE: rounded, and its largest
     magnitude to scale_ptr."""
     if QUANTIZE:
-        store_quantized_row(y.to(ROUND_TO).to(tl.float32), out_row_ptr, scale_ptr, offs, mask, FP8_MAX, MIN_SCALE)
+        rounded = y.to(ROUND_TO).to(tl.float32)
+        store_quantized_row(rounded, out_row_ptr, scale_ptr, offs, mask, FP8_MAX, MIN_SCALE, ROUND_FP8)
     else:
         rounded = y.to(out_row_ptr.dtype.element_ty)
         tl.store(out_row_ptr + offs, rounded, mask=mask)
@@ -140,7 +144,8 @@ def _launch_rms_norm(
     block_h, num_warps = row_launch_shape(hidden)
     _rms_norm_kernel[(num_rows,)](
         x, weight, out, scales, x.stride(0), out.stride(0), hidden, eps, BLOCK_H=block_h, QUANTIZE=quantize,
-        MEASURE=measure, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=num_warps, **pdl_launch(x.device),
+        MEASURE=measure, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, ROUND_FP8=interpreting(), num_warps=num_warps,
+        **pdl_launch(x.device),
     )  # fmt: skip
 
 
@@ -173,12 +178,15 @@ def _add_rms_norm_kernel(
     MEASURE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # see fp8_quant.quantize_e4m3
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < hidden
+    # No step writes the weight: it is requested before the wait for the kernel before (under PDL, while it drains).
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     res = tl.load(residual_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
     # The sum is rounded to the activations' dtype first, as `residual + x` in torch (and HF) is.
@@ -187,10 +195,9 @@ def _add_rms_norm_kernel(
     s = summed.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / hidden + eps)
     normed = (s * inv_rms).to(sum_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _store_normed(
         weight * normed, out_ptr + row * hidden, scale_ptr + row, offs, mask, sum_ptr.dtype.element_ty,
-        QUANTIZE, MEASURE, FP8_MAX, MIN_SCALE,
+        QUANTIZE, MEASURE, FP8_MAX, MIN_SCALE, ROUND_FP8,
     )  # fmt: skip
 
 
@@ -258,5 +265,5 @@ def _launch_add_rms_norm(
     _add_rms_norm_kernel[(num_rows,)](
         x, residual, weight, out, scales, summed, x.stride(0), residual.stride(0), hidden, eps,
         BLOCK_H=block_h, QUANTIZE=quantize, MEASURE=measure, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-        num_warps=num_warps, **pdl_launch(x.device),
+        ROUND_FP8=interpreting(), num_warps=num_warps, **pdl_launch(x.device),
     )  # fmt: skip

@@ -19,6 +19,7 @@ from language.kernels.fp8_quant import (
     MIN_SCALE,
     MeasuredRows,
     QuantizedRows,
+    e4m3_inverse,
     e4m3_scale,
     empty_quantized_rows,
     quantize_e4m3,
@@ -31,6 +32,7 @@ from language.kernels.launch_utils import (
     check_inner_contiguous,
     check_out,
     check_shape,
+    interpreting,
     pdl_enter,
     pdl_launch,
     pow2_at_least,
@@ -76,6 +78,7 @@ def _act_and_mul_fp8_kernel(
     GELU_TANH: tl.constexpr,
     FP8_MAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
+    ROUND_FP8: tl.constexpr,  # see fp8_quant.quantize_e4m3
     USE_PDL: tl.constexpr,
 ):
     """One program per row: act(gate) * up rounded to x's dtype (what the unquantized kernel writes), its
@@ -91,12 +94,13 @@ def _act_and_mul_fp8_kernel(
         amax = tl.maximum(amax, tl.abs(product.to(x_ptr.dtype.element_ty).to(tl.float32)))
     scale = e4m3_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
+    inv_scale = e4m3_inverse(scale)
     q_row = q_ptr + row * inter
     for k0 in range(0, inter, BLOCK):
         mask = k0 + offs < inter
         product = _act_times_up(x_row, k0 + offs, mask, inter, GELU_TANH).to(x_ptr.dtype.element_ty)
-        q = quantize_e4m3(product.to(tl.float32), scale, FP8_MAX)
-        tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        q = quantize_e4m3(product.to(tl.float32), inv_scale, FP8_MAX, ROUND_FP8)
+        tl.store(q_row + k0 + offs, q, mask=mask)
 
 
 @triton.jit
@@ -146,7 +150,7 @@ def _act_and_mul_fp8(x: torch.Tensor, gelu_tanh: bool) -> QuantizedRows:
     block = min(_MAX_QUANT_BLOCK, pow2_at_least(inter, 16))
     _act_and_mul_fp8_kernel[(num_rows,)](
         x, rows.q, rows.scale, x.stride(0), inter, BLOCK=block, GELU_TANH=gelu_tanh, FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE, num_warps=4 if block <= 1024 else 8, **pdl_launch(device),
+        MIN_SCALE=MIN_SCALE, ROUND_FP8=interpreting(), num_warps=4 if block <= 1024 else 8, **pdl_launch(device),
     )  # fmt: skip
     return rows
 
