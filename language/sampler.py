@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from language import kernels
 from language.request import Request
 
 _MASK32 = 0xFFFFFFFF
@@ -217,7 +218,9 @@ class Samples(NamedTuple):
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int = 0) -> Samples:
     """log_softmax(logits)[row, ids[row]] and, if k > 0, the k largest entries of each row's log-softmax, without a
-    [B, V] log-softmax table: the logits (or their top-k) minus their logsumexp. logits: [B, V] float32, ids: [B]."""
+    [B, V] log-softmax table: the logits (or their top-k) minus their logsumexp, in float32. logits: [B, V] in any
+    float dtype, ids: [B]."""
+    logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)  # [B]
     chosen = logits.gather(1, ids[:, None]).squeeze(1) - lse
     if k == 0:
@@ -228,13 +231,18 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, k: int = 0) -> Sampl
 
 def sample_greedy(logits: torch.Tensor, top_logprobs: int = 0) -> Samples:
     """The fast path for a batch that is all greedy with no penalties: argmax and its log-probability (and the
-    top_logprobs most likely ids), with no sort and no full log-softmax table. logits: [B, V] float32."""
+    top_logprobs most likely ids), with no sort and no full log-softmax table. logits: [B, V] in the LM head's
+    dtype; without alternatives, one kernel reads them as they are (on CUDA), with no float32 copy."""
+    if top_logprobs == 0:
+        return Samples(*kernels.greedy_sample(logits))
+    logits = logits.float()
     return token_logprobs(logits, logits.argmax(dim=-1), top_logprobs)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
-    """logits: [B, V] float32 -> next token ids [B] int64, their log-probabilities [B] float32 (and sb.top_logprobs
-    alternatives per row, when some row asks)."""
+    """logits: [B, V] (any float dtype; sampled in float32) -> next token ids [B] int64, their log-probabilities [B]
+    float32 (and sb.top_logprobs alternatives per row, when some row asks)."""
+    logits = logits.float()
     if sb.penalties is not None:
         logits = apply_penalties(logits, sb.penalties)
     if sb.processors is not None:

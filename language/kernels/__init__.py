@@ -17,6 +17,7 @@ from language.kernels.fp8_quant import InputForm, MeasuredRows, QuantizedRows
 from language.kernels.gemma_norm import gemma_norm_add_norm as _gemma_norm_add_norm_triton
 from language.kernels.gemma_norm import gemma_rms_norm as _gemma_rms_norm_triton
 from language.kernels.gemv import gemv
+from language.kernels.greedy_sample import greedy_sample as _greedy_sample_triton
 from language.kernels.head_rms_norm import qk_rms_norm as _qk_rms_norm_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
 from language.kernels.launch_utils import HALF_DTYPES
@@ -102,6 +103,8 @@ store_kv = _dispatch(_store_kv_triton, reference.store_kv_ref)
 prefill_attention = _dispatch(_prefill_attention_triton, reference.prefill_attention_ref)
 decode_attention = _dispatch(_decode_attention_triton, reference.decode_attention_ref)
 splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embeddings_ref)
+# The argmax and its log-probability, read from the LM head's logits in their own dtype.
+greedy_sample = _dispatch(_greedy_sample_triton, reference.greedy_sample_ref)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -154,6 +157,7 @@ __all__ = [
     "gemma_rms_norm",
     "gemv",
     "gemv_applies",
+    "greedy_sample",
     "linear",
     "mrope_cos_sin",
     "prefill_attention",

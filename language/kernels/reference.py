@@ -307,3 +307,11 @@ def decode_attention_ref(
 def splice_embeddings_ref(inputs_embeds: torch.Tensor, mm_embeds: torch.Tensor, mm_positions: torch.Tensor) -> None:
     """inputs_embeds: [N, H]; mm_embeds: [M, H]; mm_positions: [M] -> inputs_embeds[mm_positions] = mm_embeds."""
     inputs_embeds[mm_positions] = mm_embeds.to(inputs_embeds.dtype)
+
+
+def greedy_sample_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (argmax ids [B] int64, their log-probabilities [B] fp32), on the fp32 upcast: the first
+    index among equal maxima (NaN counts as the maximum), log_softmax gathered as chosen - logsumexp."""
+    x = logits.float()
+    ids = x.argmax(dim=-1)
+    return ids, x.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)

@@ -185,9 +185,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             x, residual = x[batch.logits_idx], residual[batch.logits_idx]
         last = self.layers[-1].post_feedforward_layernorm  # the last MLP's norm, its add, then the final norm
         normed, _ = kernels.gemma_norm_add_norm(x, residual, last.weight, self.norm.weight, self.norm.eps)
-        logits = self.lm_head(normed).float()  # [num_seqs, vocab]
+        logits = self.lm_head(normed)  # [num_seqs, vocab], the head's dtype (as Llama's) unless soft-capped
         cap = self.cfg.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return torch.tanh(logits.float() / cap) * cap if cap else logits
 
     def checkpoint_name(self, name: str) -> str | None:
         """The decoder's tensors by our names; the tower and projector are the visual process's: None."""

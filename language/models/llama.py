@@ -256,11 +256,12 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(x, residual, batch)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The last layer's (output, residual) [num_tokens, hidden] -> [num_seqs, vocab] float32 logits."""
+        """The last layer's (output, residual) [num_tokens, hidden] -> [num_seqs, vocab] logits in the LM head's
+        dtype: the greedy sampler reads them as they are, and the other samplers take a float32 copy."""
         if batch.logits_idx is not None:  # only each sequence's last row reaches the head
             x, residual = x[batch.logits_idx], residual[batch.logits_idx]  # [num_seqs, hidden]
         normed, _ = kernels.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        return self.lm_head(normed).float()  # [num_seqs, vocab]
+        return self.lm_head(normed)  # [num_seqs, vocab]
 
     # ---- weights ----
     def checkpoint_name(self, name: str) -> str | None:

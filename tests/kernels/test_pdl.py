@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The modules whose kernels run in a decode step (embed_splice and prefill attention only in prompts).
 DECODE_KERNEL_MODULES = [
     "rms_norm", "gemma_norm", "head_rms_norm", "rotary", "kv_store", "decode_attention", "silu_mul", "gemv",
-    "fp8_gemv", "fp8_quant", "skinny_gemm", "fp8_gemm",
+    "fp8_gemv", "fp8_quant", "skinny_gemm", "fp8_gemm", "greedy_sample",
 ]  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """Batched sampling against HF's logits processors and basic distribution properties."""
 
+import pytest
 import torch
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
@@ -12,6 +13,7 @@ from language.sampler import SamplingBatch, _top_k_top_p, apply_penalties, sampl
 from language.sampling_params import SamplingParams
 
 V = 50
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def _reqs(*params: SamplingParams, prompt=(1, 2, 3, 3), outputs=()):
@@ -96,3 +98,23 @@ def test_greedy_fast_path_equals_general_sampler():
     ids, lp, *_ = sample(logits.clone(), _batch(_reqs(*[greedy] * 5, sampling)))
     assert fast_ids[:5].tolist() == ids[:5].tolist()
     torch.testing.assert_close(fast_lp[:5], lp[:5])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_every_path_takes_the_heads_bf16_logits_as_their_fp32_upcast(device):
+    """The models hand the sampler their LM head's dtype: the greedy kernel (on CUDA) reads it as it is, the other
+    paths upcast it; all of them give what they give on the fp32 copy."""
+    from language.sampler import sample_greedy
+
+    logits = (torch.randn(6, 5000) * 6).to(torch.bfloat16).to(device)  # bf16: ties among the maxima too
+    upcast = logits.float()
+    ids, lp, *_ = sample_greedy(logits)
+    want_ids, want_lp, *_ = sample_greedy(upcast.cpu())
+    assert ids.tolist() == want_ids.tolist()
+    torch.testing.assert_close(lp.cpu(), want_lp, atol=1e-5, rtol=1e-5)
+    greedy = SamplingBatch.build(_reqs(*[SamplingParams()] * 6), 5000, torch.device(device))
+    general = sample(logits, greedy)
+    assert general.ids.tolist() == ids.tolist()
+    torch.testing.assert_close(general.logprobs, sample(upcast, greedy).logprobs)
+    top = sample_greedy(logits, 3)
+    assert top.ids.tolist() == ids.tolist() and torch.equal(top.top_ids[:, 0], top.ids)
