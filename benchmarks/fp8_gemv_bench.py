@@ -136,7 +136,7 @@ def main() -> None:
     best = [min(results, key=lambda c: results[c][i]) for i in range(len(shapes))]
     row("fp8 fused best", [results[c][i] for i, c in enumerate(best)], shapes)
     print(f"{'  best config':<22}" + " ".join(f"{label(c):>13}" for c in best))
-    print(f"{'  default config':<22}" + " ".join(f"{label(default_config(s.k)):>13}" for s in shapes))
+    print(f"{'  default config':<22}" + " ".join(f"{label(default_config(s.k, n=s.n)):>13}" for s in shapes))
     print("bitwise fused == quant+gemv:", ", ".join(f"{s.name} {bitwise_equal(s)}" for s in shapes))
     del shapes
     lm_head(args.rep)
@@ -158,7 +158,7 @@ def lm_head(rep: int) -> None:
         times[config] = fused_us(head, config, rep)
         row(f"  fused {label(config)}", [times[config]], [head], totals=False)
     best = min(times, key=times.get)
-    print(f"  best config {label(best)}, default config {label(default_config(head.k))}")
+    print(f"  best config {label(best)}, default config {label(default_config(head.k, n=head.n))}")
     print("  bitwise fused == quant+gemv:", bitwise_equal(head))
 
 

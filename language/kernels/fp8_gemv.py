@@ -37,6 +37,7 @@ from language.kernels.launch_utils import (
 
 _AMAX_BLOCK = 4096  # 32 values a thread at 4 warps
 _MAX_BLOCK_K = 512  # and the largest column group a fused launch quantizes in one step
+_NARROW_N = 4096  # output rows up to which a launch that quantizes its row takes 1024-column steps (o_proj's 3584)
 
 
 class GemvConfig(NamedTuple):
@@ -48,15 +49,18 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
-def default_config(k: int, quantize_x: bool = True) -> GemvConfig:
+def default_config(k: int, quantize_x: bool = True, n: int | None = None) -> GemvConfig:
     """The fastest of benchmarks/fp8_gemv_bench.py's grid on an H100 for the 7B shapes' linears: 8 x 1024 x 4 warps
-    for K = 18944 (down); for K = 3584 (qkv, o, gate_up) 16 x 512 x 4 where the kernel quantizes the row (its work
-    per column amortized over more weight rows), 8 x 512 x 4 for a row given quantized (qkv 8.4 against 8.7 us,
-    gate_up 46.9 against 48.4). The LM head (N = 152064, K = 3584) takes gate_up's: a program's work depends on K
-    alone (its BLOCK_N rows of K bytes, and the row's maximum), and gate_up's 2368 programs already fill the GPU many
-    times over, as the head's 9504 do (the bench times the head's grid)."""
+    for K = 18944 (down); for K = 3584 8 x 512 x 4 for a row given quantized (qkv 8.4 against 8.7 us, gate_up 46.9
+    against 48.4), and where the kernel quantizes the row 16 x 1024 x 8 for o's N = 3584 (7.1 against 8.9 us at
+    16 x 512 x 4: half the steps for its 224 programs), else 16 x 512 x 4 (its work per column amortized over more
+    weight rows). The LM head (N = 152064, K = 3584) takes gate_up's: a program's work depends on K alone (its
+    BLOCK_N rows of K bytes, and the row's maximum), and gate_up's 2368 programs already fill the GPU many times
+    over, as the head's 9504 do (the bench times the head's grid). n: the output rows (None: a wide layer's)."""
     if k >= 8192:
         return GemvConfig(8, 1024, 4)
+    if quantize_x and n is not None and n <= _NARROW_N:
+        return GemvConfig(16, 2 * _MAX_BLOCK_K, 8)
     return GemvConfig(16 if quantize_x else 8, min(_MAX_BLOCK_K, pow2_at_least(k, 16)), 4)
 
 
@@ -235,7 +239,7 @@ def _launch(
     assert k >= 1, "weight: empty reduction dimension"
     if num_out == 0:
         return out
-    config = config or default_config(k, quantize_x)
+    config = config or default_config(k, quantize_x, num_out)
     groups = weight_scale.shape[1]
     if groups == 1:
         block_k = min(config.block_k, pow2_at_least(k, 16))

@@ -189,7 +189,7 @@ def test_fused_fp8_gemv_equals_the_unfused_path(dtype, n, k, group, config):
     out = poisoned((1, n), dtype)
     fused = fp8_gemv_fused(x, w_q, w_scale, bias, out=out, config=config)
     assert fused is out
-    launch = config or gemv_module.default_config(k)
+    launch = config or gemv_module.default_config(k, n=n)
     unfused = fp8_gemv(*quantize_fp8(x, group), w_q, w_scale, bias, out_dtype=dtype, config=launch)
     assert torch.equal(fused, unfused), (fused - unfused).abs().max()
     atol, rtol = FP8_GEMM_TOL[torch.float32 if dtype == torch.float32 else torch.bfloat16]
