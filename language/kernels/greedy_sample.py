@@ -29,6 +29,7 @@ from language.kernels.launch_utils import (
     pdl_launch,
     pow2_at_least,
 )
+from language.kernels.precompile import compiling_only
 
 MIN_CHUNK = 1024
 MAX_CHUNK = 8192  # 32 fp32 values a thread at 8 warps: a chunk is one load, no loop
@@ -55,10 +56,10 @@ def _chunk_max_kernel(
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = cols < vocab
     x = tl.load(logits_ptr + row * stride_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    top = tl.max(x, 0)
-    # Ties: the smallest column. A chunk of -inf: top is -inf and its first valid column wins (the padding
-    # columns, also -inf, come after every valid one).
-    first = tl.min(tl.where(x == top, cols, NO_INDEX), 0)
+    # Ties: the smallest column (tie_break_left). A chunk of -inf: top is -inf and its first valid column wins (the
+    # padding columns, also -inf, come after every valid one).
+    top, local = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    first = chunk * CHUNK + local
     shift = tl.where(top == float("-inf"), 0.0, top)  # exp(-inf - 0) = 0, not exp(NaN)
     total = tl.sum(tl.exp(x - shift), 0)
     first_nan = tl.min(tl.where(x != x, cols, NO_INDEX), 0)
@@ -91,9 +92,9 @@ def _combine_kernel(
     chunk_sum = tl.load(chunk_sum_ptr + base + offs, mask=valid, other=0.0)
     is_nan = chunk_max != chunk_max
     clean_max = tl.where(is_nan, float("-inf"), chunk_max)
-    top = tl.max(clean_max, 0)
-    # Chunks hold increasing columns, so the smallest column among the chunks at the maximum is the row's first.
-    first = tl.min(tl.where(clean_max == top, chunk_idx, NO_INDEX), 0)
+    # Chunks hold increasing columns, so the first chunk at the maximum holds the row's first column at it.
+    top, at = tl.max(clean_max, 0, return_indices=True, return_indices_tie_break_left=True)
+    first = tl.load(chunk_idx_ptr + base + at)
     shift = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.where(valid, chunk_sum * tl.exp(clean_max - shift), 0.0), 0)
     logprob = top - (top + tl.log(total))  # as torch: chosen - logsumexp (an all -inf row: -inf - -inf = NaN)
@@ -140,4 +141,6 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         chunk_max, chunk_idx, chunk_sum, ids, logprobs, num_chunks, BLOCK_C=pow2_at_least(num_chunks, 16),
         NO_INDEX=_NO_INDEX, num_warps=1, **pdl_launch(device),
     )  # fmt: skip
+    if compiling_only():  # nothing ran, and the engine's next step looks these ids up in its embedding table
+        ids.zero_()
     return ids, logprobs

@@ -30,8 +30,17 @@ except ImportError:  # pragma: no cover - older Triton compiles lazily, one kern
     AsyncCompileMode = None
 
 
+_compiling_only = False  # inside compile_only(): Triton launches compile and run nothing
+
+
 def available() -> bool:
     return AsyncCompileMode is not None
+
+
+def compiling_only() -> bool:
+    """Whether Triton launches only compile now (inside `compile_only()`): a launcher whose integer outputs torch then
+    indexes with (sampled token ids) must fill them with something valid itself."""
+    return _compiling_only
 
 
 def _compile_launch(self: JITFunction, grid):
@@ -45,14 +54,17 @@ def compile_only(what: str, workers: int | None = None) -> Iterator[None]:
     if AsyncCompileMode is None:
         yield
         return
+    global _compiling_only
     workers = workers or max(2, min(16, os.cpu_count() or 2))
     t0 = time.perf_counter()
     launch = JITFunction.__getitem__
     JITFunction.__getitem__ = _compile_launch  # the class's launcher, for the duration of the block
+    _compiling_only = True
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool) as mode:
             yield
             submitted = len(mode.raw_futures)
     finally:
         JITFunction.__getitem__ = launch
+        _compiling_only = False
     logger.info("%s: %d Triton kernel variant(s) compiled in %.1f s", what, submitted, time.perf_counter() - t0)

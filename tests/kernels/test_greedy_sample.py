@@ -135,3 +135,27 @@ def test_replays_of_a_cuda_graph_give_the_same_bits():
     torch.testing.assert_close(runs[0][1], want_logprobs, **LOGPROB_TOL)
     for run_ids, run_logprobs in runs[1:]:
         assert torch.equal(run_ids, runs[0][0]) and torch.equal(run_logprobs, runs[0][1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compile-only launches exist for compiled kernels")
+def test_ids_stay_valid_token_ids_when_launches_only_compile():
+    """The engine's warm-up runs whole steps inside compile_only(), where no Triton kernel runs but torch's embedding
+    lookup of the sampled ids does: unwritten ids (whatever the allocator's block held) crashed it with a device-side
+    assert. They come back as 0 there."""
+    from language.kernels.precompile import compile_only
+
+    logits = torch.full((4, 3000), 1.5, device="cuda")
+    stale = torch.full((4,), 2**40, dtype=torch.int64, device="cuda")  # what an unwritten block may hold
+    del stale
+    with compile_only("test"):
+        ids, _ = greedy_sample(logits)
+    assert ids.tolist() == [0, 0, 0, 0]
+
+
+def test_compiling_only_is_set_inside_compile_only_alone():
+    from language.kernels.precompile import available, compile_only, compiling_only
+
+    assert not compiling_only()
+    with compile_only("test"):
+        assert compiling_only() == available()
+    assert not compiling_only()
