@@ -55,10 +55,11 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         out_slots: torch.Tensor,
         kv: KVCache,
+        q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [n, hidden] (or quantized, for an FP8 qkv_proj) -> q [n, Hq, D], rotated; the rotated k and v are
-        stored at out_slots [n]. Everything here is dense over the rows: piecewise graphs capture it
-        (language/piecewise_graphs.py)."""
+        """x [n, hidden] (or quantized, for an FP8 qkv_proj) -> q [n, Hq, D], rotated (into q_out where given); the
+        rotated k and v are stored at out_slots [n]. Everything here is dense over the rows: piecewise graphs capture
+        it (language/piecewise_graphs.py)."""
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         n = qkv.shape[0]
         qk = self.unrotated_qk(qkv)  # [n, Hq + Hk, D]
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         # One launch rotates q and k and stores k and v: at decode sizes each launch costs its few microseconds.
         return kernels.rotary_store_kv(
             qk[:, : self.num_heads], qk[:, self.num_heads :], v, cos, sin, k_cache, v_cache, out_slots,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, out=q_out,
         )  # fmt: skip
 
     def unrotated_qk(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -156,10 +157,11 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         out_slots: torch.Tensor,
         kv: KVCache,
+        q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (q [n, Hq, D], the residual stream [n, hidden]); k and v stored."""
+        """-> (q [n, Hq, D], into q_out where given; the residual stream [n, hidden]); k and v stored."""
         h, residual = self.attention_input(x, residual)
-        return self.self_attn.project(h, cos, sin, out_slots, kv), residual
+        return self.self_attn.project(h, cos, sin, out_slots, kv, q_out), residual
 
     def attention_input(
         self, x: torch.Tensor, residual: torch.Tensor | None
