@@ -94,10 +94,9 @@ class PiecewiseGraphs:
         else:
             x, residual = self.layers[i - 1].after_attention(self.attn[:n], self.residual[:n])
         if i < len(self.layers):
-            q, residual = self.layers[i].before_attention(
-                x, residual, self.cos[:n], self.sin[:n], self.slots[:n], self.kv
+            _, residual = self.layers[i].before_attention(
+                x, residual, self.cos[:n], self.sin[:n], self.slots[:n], self.kv, q_out=self.q[:n]
             )
-            self.q[:n] = q
         else:
             self.x[:n] = x
         self.residual[:n] = residual

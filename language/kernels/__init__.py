@@ -31,6 +31,7 @@ from language.kernels.rms_norm import rms_norm_measured as _rms_norm_measured_tr
 from language.kernels.rotary import apply_rotary as _apply_rotary_triton
 from language.kernels.rotary import mrope_cos_sin as _mrope_cos_sin_triton
 from language.kernels.rotary import rotary_cos_sin as _rotary_cos_sin_triton
+from language.kernels.rotary_store import rotary_store_kv as _rotary_store_kv_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul as _gelu_tanh_and_mul_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul_fp8 as _gelu_tanh_and_mul_fp8_triton
 from language.kernels.silu_mul import gelu_tanh_and_mul_measured as _gelu_tanh_and_mul_measured_triton
@@ -100,6 +101,8 @@ rotary_cos_sin = _dispatch(_rotary_cos_sin_triton, reference.rotary_cos_sin_ref)
 mrope_cos_sin = _dispatch(_mrope_cos_sin_triton, reference.mrope_cos_sin_ref)
 apply_rotary = _dispatch(_apply_rotary_triton, reference.apply_rotary_ref)
 store_kv = _dispatch(_store_kv_triton, reference.store_kv_ref)
+# The two above in one launch: q and k rotated, k and v stored (a layer's step before its attention).
+rotary_store_kv = _dispatch(_rotary_store_kv_triton, reference.rotary_store_kv_ref)
 prefill_attention = _dispatch(_prefill_attention_triton, reference.prefill_attention_ref)
 decode_attention = _dispatch(_decode_attention_triton, reference.decode_attention_ref)
 splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embeddings_ref)
@@ -166,6 +169,7 @@ __all__ = [
     "rms_norm_fp8",
     "rms_norm_measured",
     "rotary_cos_sin",
+    "rotary_store_kv",
     "silu_and_mul",
     "silu_and_mul_fp8",
     "silu_and_mul_measured",

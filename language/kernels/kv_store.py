@@ -40,7 +40,7 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def _encode_rows(x, mask, scale_ptr, scale_row, offs_h, h_mask, KV_QUANT: tl.constexpr, ROUND_FP8: tl.constexpr):
+def encode_rows(x, mask, scale_ptr, scale_row, offs_h, h_mask, KV_QUANT: tl.constexpr, ROUND_FP8: tl.constexpr):
     """x [BLOCK_H, BLOCK_D]: one token's heads, valid where `mask` -> their values in the cache's encoding, before
     the cast. int8: a scale per head, absmax / 127, stored at scale_ptr + scale_row + head; rounded half away from zero
     (the cast then truncates). fp8: divided by the head's fixed scale (scale_ptr[head]), clamped to e4m3's range."""
@@ -94,28 +94,25 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + token * stride_k_n + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_v_n + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
     if KV_QUANT != _PLAIN:
-        k = _encode_rows(k, mask, k_scale_ptr, slot * num_heads, offs_h, h_mask, KV_QUANT, ROUND_FP8)
-        v = _encode_rows(v, mask, v_scale_ptr, slot * num_heads, offs_h, h_mask, KV_QUANT, ROUND_FP8)
+        k = encode_rows(k, mask, k_scale_ptr, slot * num_heads, offs_h, h_mask, KV_QUANT, ROUND_FP8)
+        v = encode_rows(v, mask, v_scale_ptr, slot * num_heads, offs_h, h_mask, KV_QUANT, ROUND_FP8)
     k_dst = k_cache_ptr + slot * stride_kc_s + offs_h[:, None] * stride_kc_h + offs_d[None, :]
     v_dst = v_cache_ptr + slot * stride_vc_s + offs_h[:, None] * stride_vc_h + offs_d[None, :]
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(
+def check_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
-    *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """k_cache/v_cache: [S, Hk, D]; k/v: [N, Hk, D] (any token/head strides); slots: [N] -> k_cache[slots] = k,
-    v_cache[slots] = v, in place, cast to the cache dtype. Slots must be distinct (the allocator guarantees it).
-    An int8 or float8 cache stores them quantized (kv_quant.py), with its scales: k_scale/v_scale [S, Hk] (int8,
-    written here) or [Hk] (float8, read)."""
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[torch.device, int]:
+    """store_kv's operands (see there), checked: also rotary_store_kv's caches, k (before its rotation) and v.
+    Returns (the device, the cache's kv_quant scheme)."""
     device = check_device(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slots=slots)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         check_dtype(name, t, FLOAT_DTYPES + QUANT_DTYPES if name.endswith("cache") else FLOAT_DTYPES)
@@ -132,6 +129,25 @@ def store_kv(
     num_tokens = k.shape[0]
     check_shape("v", v, (num_tokens, num_heads, head_dim))
     check_shape("slots", slots, (num_tokens,))
+    return device, scheme
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """k_cache/v_cache: [S, Hk, D]; k/v: [N, Hk, D] (any token/head strides); slots: [N] -> k_cache[slots] = k,
+    v_cache[slots] = v, in place, cast to the cache dtype. Slots must be distinct (the allocator guarantees it).
+    An int8 or float8 cache stores them quantized (kv_quant.py), with its scales: k_scale/v_scale [S, Hk] (int8,
+    written here) or [Hk] (float8, read)."""
+    device, scheme = check_store_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale)
+    num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     slots = slots.contiguous()

@@ -214,6 +214,24 @@ def store_kv_ref(
             scale[slots] = row_scale
 
 
+def rotary_store_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [N, Hq, D], k/v [N, Hk, D] -> q rotated; k rotated and v stored at slots [N] (store_kv_ref)."""
+    store_kv_ref(k_cache, v_cache, apply_rotary_ref(k, cos, sin), v, slots, k_scale=k_scale, v_scale=v_scale)
+    return apply_rotary_ref(q, cos, sin)
+
+
 def prefill_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -166,22 +166,30 @@ def _apply_rotary_kernel(
     tl.store(out_row + HALF, out2.to(dtype), mask=mask)
 
 
+def check_rotary(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.device:
+    """apply_rotary's operands (see there), checked; also rotary_store_kv's q and k, under `name`. Returns the
+    device."""
+    device = check_device(**{name: x}, cos=cos, sin=sin)
+    check_dtype(name, x, FLOAT_DTYPES)
+    check_dtype("cos", cos, FLOAT_DTYPES)
+    check_dtype("sin", sin, FLOAT_DTYPES)
+    check_shape(name, x, (None, None, None))
+    num_tokens, _, head_dim = x.shape
+    assert head_dim % 2 == 0, f"{name}: head dim {head_dim} must be even"
+    check_shape("cos", cos, (num_tokens, head_dim // 2))
+    check_shape("sin", sin, (num_tokens, head_dim // 2))
+    for label, t in ((name, x), ("cos", cos), ("sin", sin)):
+        check_inner_contiguous(label, t)
+    return device
+
+
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x: [N, H, D] (any token/head strides, e.g. a view into a fused qkv), cos/sin: [N, D/2] -> a new rotated
     tensor [N, H, D] in x's dtype (rotate-half style). x itself is left untouched."""
-    device = check_device(x=x, cos=cos, sin=sin)
-    check_dtype("x", x, FLOAT_DTYPES)
-    check_dtype("cos", cos, FLOAT_DTYPES)
-    check_dtype("sin", sin, FLOAT_DTYPES)
-    check_shape("x", x, (None, None, None))
+    device = check_rotary("x", x, cos, sin)
     num_tokens, num_heads, head_dim = x.shape
-    assert head_dim % 2 == 0, f"x: head dim {head_dim} must be even"
-    check_shape("cos", cos, (num_tokens, head_dim // 2))
-    check_shape("sin", sin, (num_tokens, head_dim // 2))
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        check_inner_contiguous(name, t)
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=device)
     check_out(out, (num_tokens, num_heads, head_dim), x.dtype, device)
@@ -192,6 +200,7 @@ def apply_rotary(
     _apply_rotary_kernel[grid](
         x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
         HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_HALF=pow2_at_least(head_dim // 2, 16), num_warps=4,
+        enable_fp_fusion=False,  # fp32: a fused multiply-add would round the product and the sum once, not twice
         **pdl_launch(device),
     )  # fmt: skip
     return out

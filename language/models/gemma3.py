@@ -68,16 +68,17 @@ class Gemma3Attention(Attention):
         self.scale = cfg.query_pre_attn_scalar**-0.5
         self.window = cfg.layer_windows[layer_id]
 
-    def rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """As Llama's, with Gemma's norms; cos/sin [n, D] hold the global layers' angles, then the sliding layers':
-        this layer takes its half."""
-        n, half = qkv.shape[0], self.head_dim // 2
-        cos, sin = (cos[:, half:], sin[:, half:]) if self.window else (cos[:, :half], sin[:, :half])
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = kernels.qk_rms_norm(
+    def unrotated_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """As Llama's, with Gemma's norms (always on)."""
+        qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)
+        return kernels.qk_rms_norm(
             qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps, gemma=True
-        )
-        return kernels.apply_rotary(qk, cos, sin)  # [n, Hq + Hk, D]
+        )  # [n, Hq + Hk, D]
+
+    def layer_cos_sin(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, D] hold the global layers' angles, then the sliding layers': this layer takes its half."""
+        half = self.head_dim // 2
+        return (cos[:, half:], sin[:, half:]) if self.window else (cos[:, :half], sin[:, :half])
 
 
 class GeluMLP(MLP):

@@ -55,26 +55,34 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         out_slots: torch.Tensor,
         kv: KVCache,
+        q_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [n, hidden] (or quantized, for an FP8 qkv_proj) -> q [n, Hq, D], rotated; the rotated k and v are
-        stored at out_slots [n]. Everything here is dense over the rows: piecewise graphs capture it
-        (language/piecewise_graphs.py)."""
+        """x [n, hidden] (or quantized, for an FP8 qkv_proj) -> q [n, Hq, D], rotated (into q_out where given); the
+        rotated k and v are stored at out_slots [n]. Everything here is dense over the rows: piecewise graphs capture
+        it (language/piecewise_graphs.py)."""
         qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
         n = qkv.shape[0]
-        qk = self.rotated_qk(qkv, cos, sin)  # [n, Hq + Hk, D]
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [n, Hq, D], [n, Hk, D]
+        qk = self.unrotated_qk(qkv)  # [n, Hq + Hk, D]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        cos, sin = self.layer_cos_sin(cos, sin)
         k_cache, v_cache, k_scale, v_scale = kv.layer(self.layer_id)
-        kernels.store_kv(k_cache, v_cache, k, v, out_slots, k_scale=k_scale, v_scale=v_scale)
-        return q
+        # One launch rotates q and k and stores k and v: at decode sizes each launch costs its few microseconds.
+        return kernels.rotary_store_kv(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, cos, sin, k_cache, v_cache, out_slots,
+            k_scale=k_scale, v_scale=v_scale, out=q_out,
+        )  # fmt: skip
 
-    def rotated_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qkv [n, q_size + 2 * kv_size] -> the rotated (and normalised, with qk_norm) q and k heads [n, Hq + Hk, D]."""
-        # q and k sit side by side in each row: one rotary launch covers both.
+    def unrotated_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [n, q_size + 2 * kv_size] -> the q and k heads [n, Hq + Hk, D] as the rotary takes them: a view of
+        qkv (q and k sit side by side in each row), or, with qk_norm, normalised (one launch over both)."""
         qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # [n, Hq + Hk, D], contiguous
             qk = kernels.qk_rms_norm(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
-        return kernels.apply_rotary(qk, cos, sin)
+        return qk
+
+    def layer_cos_sin(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's cos/sin [n, D/2] (embed's) -> this layer's: the same here."""
+        return cos, sin
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [n, Hq, D] -> [n, hidden] (summed over ranks)."""
@@ -149,10 +157,11 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         out_slots: torch.Tensor,
         kv: KVCache,
+        q_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (q [n, Hq, D], the residual stream [n, hidden]); k and v stored."""
+        """-> (q [n, Hq, D], into q_out where given; the residual stream [n, hidden]); k and v stored."""
         h, residual = self.attention_input(x, residual)
-        return self.self_attn.project(h, cos, sin, out_slots, kv), residual
+        return self.self_attn.project(h, cos, sin, out_slots, kv, q_out), residual
 
     def attention_input(
         self, x: torch.Tensor, residual: torch.Tensor | None

@@ -21,8 +21,8 @@ from language.kernels.launch_utils import PDL_OFF, PDL_ON, pdl_launch, pdl_suppo
 ROOT = Path(__file__).resolve().parents[2]
 # The modules whose kernels run in a decode step (embed_splice and prefill attention only in prompts).
 DECODE_KERNEL_MODULES = [
-    "rms_norm", "gemma_norm", "head_rms_norm", "rotary", "kv_store", "decode_attention", "silu_mul", "gemv",
-    "fp8_gemv", "fp8_quant", "skinny_gemm", "fp8_gemm", "greedy_sample",
+    "rms_norm", "gemma_norm", "head_rms_norm", "rotary", "kv_store", "rotary_store", "decode_attention", "silu_mul",
+    "gemv", "fp8_gemv", "fp8_quant", "skinny_gemm", "fp8_gemm", "greedy_sample",
 ]  # fmt: skip
 
 
@@ -99,7 +99,9 @@ import importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 # (language.kernels.gemv, the attribute, is the launcher: the package re-exports it)
-fp8_gemv, gemv, rms_norm = (importlib.import_module(f"language.kernels.{m}") for m in ("fp8_gemv", "gemv", "rms_norm"))
+fp8_gemv, gemv, rms_norm, rotary_store = (
+    importlib.import_module(f"language.kernels.{m}") for m in ("fp8_gemv", "gemv", "rms_norm", "rotary_store")
+)
 
 def trace(fn, constexprs, pointer_types, num_warps=4):
     signature = {p.name: "constexpr" if p.is_constexpr else pointer_types.get(p.name, "i32") for p in fn.params}
@@ -114,6 +116,9 @@ x32 = {"x_ptr": "*fp32", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf1
 fp8 = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
        "out_ptr": "*bf16"}  # x: b16, weights: b8
 rows = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16"}
+qkv_int8 = {**{f"{t}_ptr": "*bf16" for t in ("q", "k", "v", "q_out")}, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+            "k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "slots_ptr": "*i64", "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32"}
 print(json.dumps({
     "gemv": trace(gemv._gemv_kernel, dict(HAS_BIAS=False, EVEN_K=True, BLOCK_N=4, BLOCK_K=512, USE_PDL=use_pdl),
                   x32),
@@ -121,6 +126,8 @@ print(json.dumps({
         QUANTIZE_X=True, PER_CHANNEL=True, HAS_BIAS=False, EVEN_K=True, GROUP=512, BLOCK_N=16, BLOCK_K=512,
         AMAX_BLOCK=4096, FP8_MAX=448.0, MIN_SCALE=1e-12 / 448.0, USE_PDL=use_pdl), fp8),
     "add_rms_norm": trace(rms_norm._add_rms_norm_kernel, dict(BLOCK_H=4096, USE_PDL=use_pdl), rows, num_warps=8),
+    "rotary_store_kv": trace(rotary_store._rotary_store_kv_kernel, dict(
+        HALF=64, BLOCK_QH=16, BLOCK_KVH=4, BLOCK_D=128, KV_QUANT=1, ROUND_FP8=False, USE_PDL=use_pdl), qkv_int8),
 }))
 """
 WEIGHT_WIDTH = {"gemv": "b16", "fp8_gemv_fused": "b8"}
@@ -158,8 +165,9 @@ def test_a_gemv_requests_weights_before_the_wait_and_activations_after(compiled_
     assert X_WIDTH[name] in after, f"{name}: no activation load after the wait"
 
 
-def test_other_kernels_wait_before_any_load(compiled_with_pdl) -> None:
-    before, after = _split_at_wait(compiled_with_pdl["add_rms_norm"])
+@pytest.mark.parametrize("name", ["add_rms_norm", "rotary_store_kv"])
+def test_other_kernels_wait_before_any_load(compiled_with_pdl, name: str) -> None:
+    before, after = _split_at_wait(compiled_with_pdl[name])
     assert before == [] and after
 
 
