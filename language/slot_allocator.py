@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.ma  # noqa: F401  np.unique (free's double-free check) imports it on first use: in a step
 
 
 class OutOfSlots(RuntimeError):

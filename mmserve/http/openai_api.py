@@ -27,6 +27,7 @@ from mmserve.http.openai_protocol import (
     include_usage,
     logprobs_request,
     openai_param,
+    render_chat,
 )
 from mmserve.http.openapi import openai_route
 from mmserve.http.protocol import BadRequest, GenerateInput, json_logprob, parse_json
@@ -83,6 +84,13 @@ class OpenAIServing:
         self.options = options
         self.image_dir = options.image_dir
         self.multimodal = client.preparer.images is not None  # --enable_multimodal
+
+    def warm_chat_template(self) -> None:
+        """Render the chat template once, so that transformers has compiled it before the first chat request."""
+        try:
+            render_chat(self.tokenizer, self.template, [{"role": "user", "content": "Hello"}], {})
+        except BadRequest:  # no template, or one that refuses this conversation: the first request will say so
+            pass
 
     @property
     def max_len(self) -> int:
@@ -348,12 +356,10 @@ def _usage(groups: list[list[TextOutput]]) -> dict:
 
 def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> Callable[[], OpenAIServing]:
     """The /v1 routes; returns what gives their OpenAIServing (for the tokenizer routes)."""
-    serving: list[OpenAIServing] = []  # built on first use: the tokenizer is there, the event loop is running
+    serving = OpenAIServing(client, options)  # now, not on the event loop: it reads the chat template's file
 
     def get() -> OpenAIServing:
-        if not serving:
-            serving.append(OpenAIServing(client, options))
-        return serving[0]
+        return serving
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -57,6 +57,7 @@ def build_app(
     app.state.client_timeouts = timeouts or ClientTimeouts()
     openai = openai or OpenAIOptions()
     serving = add_openai_routes(app, client, openai)  # /v1/models, /v1/chat/completions, ...
+    app.state.openai_serving = serving  # for mmserve.http.first_use
     add_tokenize_routes(app, serving)  # /tokenize, /detokenize, /v1/models/{model}
     add_lightllm_routes(app, client, openai)  # /healthz, /liveness, /readiness, /token_load, ...
 

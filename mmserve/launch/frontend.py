@@ -12,6 +12,7 @@ import uvicorn
 from language.engine_stats import EngineStats
 from mmserve.http.drain import DrainGate, DrainingServer
 from mmserve.http.engine_client import EngineClient
+from mmserve.http.first_use import warm_first_use
 from mmserve.http.metrics import ServerMetrics
 from mmserve.http.openai_protocol import OpenAIOptions
 from mmserve.http.server import build_app
@@ -81,6 +82,7 @@ def run_frontend(
         reasoning_parser=config.reasoning_parser,
     )
     app = build_app(client, openai, timeouts)
+    warm_first_use(app)
     gate = DrainGate(WriteTimeout(app, timeouts.write_s))
     server = DrainingServer(
         uvicorn.Config(
