@@ -90,14 +90,27 @@ def _store_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < num_heads
     mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    slot = tl.load(slots_ptr + token).to(tl.int64)  # int64: slot * stride can pass 2**31 on big caches
     k = tl.load(k_ptr + token * stride_k_n + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_v_n + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+    store_token_rows(
+        k, v, tl.load(slots_ptr + token), offs_h, h_mask, offs_d, mask, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+        v_scale_ptr, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, num_heads, KV_QUANT, ROUND_FP8,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_token_rows(
+    k, v, slot, heads, h_mask, offs_d, mask, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, num_heads, KV_QUANT: tl.constexpr, ROUND_FP8: tl.constexpr,
+):  # fmt: skip
+    """One token's k and v rows [BLOCK_H, BLOCK_D] (heads `heads`, valid where `mask`) to its cache slot, encoded as
+    the cache stores them (encode_rows; an int8 cache's scales written beside the slot)."""
+    slot = slot.to(tl.int64)  # int64: slot * stride can pass 2**31 on big caches
     if KV_QUANT != _PLAIN:
-        k = encode_rows(k, mask, k_scale_ptr, slot * num_heads, offs_h, h_mask, KV_QUANT, ROUND_FP8)
-        v = encode_rows(v, mask, v_scale_ptr, slot * num_heads, offs_h, h_mask, KV_QUANT, ROUND_FP8)
-    k_dst = k_cache_ptr + slot * stride_kc_s + offs_h[:, None] * stride_kc_h + offs_d[None, :]
-    v_dst = v_cache_ptr + slot * stride_vc_s + offs_h[:, None] * stride_vc_h + offs_d[None, :]
+        k = encode_rows(k, mask, k_scale_ptr, slot * num_heads, heads, h_mask, KV_QUANT, ROUND_FP8)
+        v = encode_rows(v, mask, v_scale_ptr, slot * num_heads, heads, h_mask, KV_QUANT, ROUND_FP8)
+    k_dst = k_cache_ptr + slot * stride_kc_s + heads[:, None] * stride_kc_h + offs_d[None, :]
+    v_dst = v_cache_ptr + slot * stride_vc_s + heads[:, None] * stride_vc_h + offs_d[None, :]
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

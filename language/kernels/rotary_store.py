@@ -8,8 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from language.kernels.kv_quant import KV_PLAIN
-from language.kernels.kv_store import check_store_kv, encode_rows
+from language.kernels.kv_store import check_store_kv, store_token_rows
 from language.kernels.launch_utils import (
     cdiv,
     check_out,
@@ -20,7 +19,6 @@ from language.kernels.launch_utils import (
 )
 from language.kernels.rotary import check_rotary
 
-_PLAIN = tl.constexpr(KV_PLAIN)
 _MAX_BLOCK_HEADS = 16
 
 
@@ -97,16 +95,12 @@ def _rotary_store_kv_kernel(
         heads = (block - num_q_blocks) * BLOCK_KVH + tl.arange(0, BLOCK_KVH)
         h_mask = heads < num_kv_heads
         mask = h_mask[:, None] & d_mask[None, :]
-        slot = tl.load(slots_ptr + token).to(tl.int64)  # int64: slot * stride can pass 2**31 on big caches
         k = _rotated_heads(k_ptr + token * stride_k_n, stride_k_h, cos_row, sin_row, heads, offs_d, mask, HALF)
         v = tl.load(v_ptr + token * stride_v_n + heads[:, None] * stride_v_h + offs_d[None, :], mask=mask)
-        if KV_QUANT != _PLAIN:
-            k = encode_rows(k, mask, k_scale_ptr, slot * num_kv_heads, heads, h_mask, KV_QUANT, ROUND_FP8)
-            v = encode_rows(v, mask, v_scale_ptr, slot * num_kv_heads, heads, h_mask, KV_QUANT, ROUND_FP8)
-        k_dst = k_cache_ptr + slot * stride_kc_s + heads[:, None] * stride_kc_h + offs_d[None, :]
-        v_dst = v_cache_ptr + slot * stride_vc_s + heads[:, None] * stride_vc_h + offs_d[None, :]
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        store_token_rows(
+            k, v, tl.load(slots_ptr + token), heads, h_mask, offs_d, mask, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+            v_scale_ptr, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, num_kv_heads, KV_QUANT, ROUND_FP8,
+        )  # fmt: skip
 
 
 def rotary_store_kv(
