@@ -29,8 +29,8 @@ from language.quant.fp8 import FP8_DTYPE, MeasuredRows, QuantizedRows, fp8_linea
 from language.quant.scheme import QuantScheme
 
 # The widest decode row a producer quantizes in one pass of one program. Quantized there, a 7B layer's q/k/v GEMV
-# took 8.4 against 11.6 us and gate/up's 46.9 against 51.8 us on an H100 (docs/performance.md): quantizing inside
-# the GEMV puts a division and a rounding per column on every program's path to its first product.
+# took 8.7 against 10.0 us and gate/up's 47.5 against 50.6 us on an H100 (docs/performance.md): quantizing inside
+# the GEMV puts a multiply and a rounding per column on every program's path to its first product.
 ONE_PASS_COLUMNS = 4096
 
 
