@@ -75,7 +75,7 @@ rms_norm_fp8 = _dispatch(_rms_norm_fp8_triton, reference.rms_norm_fp8_ref)
 add_rms_norm_fp8 = _dispatch(_add_rms_norm_fp8_triton, reference.add_rms_norm_fp8_ref)
 silu_and_mul_fp8 = _dispatch(_silu_and_mul_fp8_triton, reference.silu_and_mul_fp8_ref)
 gelu_tanh_and_mul_fp8 = _dispatch(_gelu_tanh_and_mul_fp8_triton, reference.gelu_tanh_and_mul_fp8_ref)
-# The same, writing their rows with each row's largest magnitude for a batch-1 FP8 linear (fp8_quant.MeasuredRows).
+# The same, writing their rows with each row's largest magnitude for a decode batch's FP8 linear (MeasuredRows).
 rms_norm_measured = _dispatch(_rms_norm_measured_triton, reference.rms_norm_measured_ref)
 add_rms_norm_measured = _dispatch(_add_rms_norm_measured_triton, reference.add_rms_norm_measured_ref)
 silu_and_mul_measured = _dispatch(_silu_and_mul_measured_triton, reference.silu_and_mul_measured_ref)

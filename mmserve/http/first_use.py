@@ -19,4 +19,4 @@ def warm_first_use(app: FastAPI) -> None:
     # The first image's header read (prep.multimodal.image_io.open_header) imports PIL's common format plugins.
     Image.preinit()
     # transformers compiles a chat template on its first render and keeps it (by its text) for the next ones.
-    app.state.openai_serving().warm_chat_template()
+    app.state.openai_serving.warm_chat_template()

@@ -354,23 +354,21 @@ def _usage(groups: list[list[TextOutput]]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
-def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> Callable[[], OpenAIServing]:
-    """The /v1 routes; returns what gives their OpenAIServing (for the tokenizer routes)."""
-    serving = OpenAIServing(client, options)  # now, not on the event loop: it reads the chat template's file
-
-    def get() -> OpenAIServing:
-        return serving
+def add_openai_routes(app: FastAPI, client: EngineClient, options: OpenAIOptions) -> OpenAIServing:
+    """The /v1 routes; returns their OpenAIServing (for the tokenizer routes), built here, not on the event loop: it
+    reads the chat template's file."""
+    serving = OpenAIServing(client, options)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse(get().models())
+        return JSONResponse(serving.models())
 
     @app.post("/v1/chat/completions", **openai_route("chat"))
     async def chat_completions(request: Request) -> Response:
-        return await get().respond(request, "chat")
+        return await serving.respond(request, "chat")
 
     @app.post("/v1/completions", **openai_route("completion"))
     async def completions(request: Request) -> Response:
-        return await get().respond(request, "completion")
+        return await serving.respond(request, "completion")
 
-    return get
+    return serving

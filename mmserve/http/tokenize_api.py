@@ -66,18 +66,18 @@ async def _answer(serving: OpenAIServing, request: Request, work: Callable[[Open
         return openai_error(message, e.status, param)
 
 
-def add_tokenize_routes(app: FastAPI, get: Callable[[], OpenAIServing]) -> None:
+def add_tokenize_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post("/tokenize", **TOKENIZE_ROUTE)
     async def tokenize_route(request: Request) -> Response:
-        return await _answer(get(), request, tokenize)
+        return await _answer(serving, request, tokenize)
 
     @app.post("/detokenize", **DETOKENIZE_ROUTE)
     async def detokenize_route(request: Request) -> Response:
-        return await _answer(get(), request, detokenize)
+        return await _answer(serving, request, detokenize)
 
     @app.get("/v1/models/{model:path}", **MODEL_ROUTE)
     async def model_card(model: str) -> Response:
-        card = get().models()["data"][0]
+        card = serving.models()["data"][0]
         if model != card["id"]:
             return openai_error(f"The model `{model}` does not exist.", 404, "model")
         return JSONResponse(card)
