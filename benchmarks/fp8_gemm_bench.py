@@ -15,6 +15,7 @@ largest difference of the best launch from the torch reference of the same quant
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ from language.kernels.precompile import compile_only
 from language.kernels.skinny_launches import SkinnyConfig, default_config, sm_count, split_for
 from language.quant.fp8 import fp8_linear_ref, quantize_weight
 
+skinny_gemm = importlib.import_module("language.kernels.skinny_gemm")  # the package rebinds the name
 SHAPES = [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)]
 PEAK_BYTES_PER_S = 3.35e12  # H100 SXM HBM3
 LAYERS = 28
@@ -49,16 +51,21 @@ class Shape:
         return self.n * self.k + self.n * 4
 
 
+WIDE = False  # --wide: 128-column slices too (4 and 8 warps)
+
+
 def grid(m: int, shape: Shape, sms: int, block_ks: tuple[int, ...] = (128, 256)) -> list[SkinnyConfig]:
-    """The first pass, at 4 warps and 4 stages: 32/64 columns per program, `block_ks` per step, the product as is
-    or swapped, the reduction split for two programs per SM (`split_for`) and twice that."""
+    """The first pass, at 4 warps and 4 stages: 32/64 columns per program (and 128 at 4 and 8 warps with --wide),
+    `block_ks` per step, the product as is or swapped, the reduction split for two programs per SM (`split_for`)
+    and twice that."""
     configs = []
-    for block_n in (32, 64):
+    slices = ((32, 4), (64, 4), (128, 4), (128, 8)) if WIDE else ((32, 4), (64, 4))
+    for block_n, warps in slices:
         for block_k in block_ks:
             split = split_for(m, shape.n, shape.k, block_n, block_k, sms)
             for split_k in sorted({split, min(2 * split, max(1, shape.k // block_k // 2))}):
                 for swap_ab in (False, True):
-                    configs.append(SkinnyConfig(block_n, block_k, split_k, 4, 4, swap_ab))
+                    configs.append(SkinnyConfig(block_n, block_k, split_k, warps, 4, swap_ab))
     return configs
 
 
@@ -148,7 +155,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rep", type=int, default=10, help="ms of replays per measurement")
     ap.add_argument("--batches", default="8,16,32,64", help="rows (M) per linear")
+    ap.add_argument(
+        "--promote",
+        default=str(skinny_gemm.FP8_PROMOTE_K),
+        help="columns the FP8 tensor cores sum before each fp32 add (0: none, exact products in fp32), one table each",
+    )
+    ap.add_argument("--wide", action="store_true", help="128-column slices in the grid too (4 and 8 warps)")
     args = ap.parse_args()
+    global WIDE
+    WIDE = args.wide
+    for promote in (int(p) for p in args.promote.split(",")):
+        skinny_gemm.FP8_PROMOTE_K = promote
+        print(f"-- FP8_PROMOTE_K {promote}")
+        run_table(args)
+
+
+def run_table(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     sms = sm_count(torch.device(DEVICE))
     print(torch.cuda.get_device_name(), f"({sms} SMs)", "torch", torch.__version__,

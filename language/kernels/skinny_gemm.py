@@ -34,20 +34,27 @@ from language.kernels.launch_utils import (
 from language.kernels.skinny_launches import SkinnyConfig, block_m_for, default_config, launch_for, sm_count
 
 _REDUCE_BLOCK = 512  # outputs per program of the split-K reduction
+FP8_PROMOTE_K = 0  # FP8 products the tensor cores sum before each fp32 add (0: none): _partial_product
 
 
 @triton.jit
 def _partial_product(
     x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_start, k_stop,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE_K: tl.constexpr,
 ):  # fmt: skip
     """sum over k in [k_start, k_stop) of x[m, k] * w[n, k] -> [BLOCK_M, BLOCK_N] fp32 (unscaled).
 
-    max_num_imprecise_acc=0: on sm_90 Triton otherwise lets the FP8 tensor cores accumulate the whole reduction in
-    their reduced-precision accumulator (~14 mantissa bits), which lands percents off the reference where a sum
-    cancels; with 0 each MMA's result is added to a full fp32 accumulator (the kernel is bound by the weights'
-    bytes, not by those adds). bf16/fp16 products accumulate in fp32 either way (Triton ignores the argument)."""
+    FP8 on sm_90 (PROMOTE_K, `max_num_imprecise_acc`): left unset, Triton lets the FP8 tensor cores (wgmma) sum the
+    whole reduction in their reduced-precision accumulator (~14 mantissa bits), percents off the reference where a
+    sum cancels. At 0 (FP8_PROMOTE_K), Triton gives up the FP8 tensor cores: it widens both operands to fp16
+    (exactly) and runs fp16 MMAs (mma.sync) with fp32 sums, so the result is the reference's to fp32 rounding. At
+    32, each wgmma's 32 products are summed in the tensor core and then added to an fp32 accumulator (vLLM's CUTLASS
+    and DeepGEMM add every 128): on an H100 the 28 layers' linears took 3.41 against 3.69 ms at 64 rows, within 3 %
+    at 16 and 32 rows, and fp32 outputs moved up to 1.5 % off the reference (benchmarks/fp8_gemm_bench.py --promote
+    0,32; docs/performance.md), so 0 is kept. wgmma needs 64 rows on the A side (the padded M, or BLOCK_N when
+    SWAP_AB); narrower tiles take the fp16 path either way. bf16/fp16 products accumulate in fp32 either way (Triton
+    ignores the argument)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the swapped product's (dead code otherwise)
     for k0 in range(k_start, k_stop, BLOCK_K):
@@ -61,9 +68,9 @@ def _partial_product(
         if DOT_FP32:  # the interpreter's bf16 dot (launch_utils.dot_in_fp32); exact: bf16 products fit fp32
             x, w = x.to(tl.float32), w.to(tl.float32)
         if SWAP_AB:
-            acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=0)
+            acc_t = tl.dot(w, tl.trans(x), acc_t, max_num_imprecise_acc=PROMOTE_K)
         else:
-            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=0)
+            acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE_K)
     if SWAP_AB:
         acc = tl.trans(acc_t)
     return acc
@@ -95,6 +102,7 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # At the top: the pipelined loop below loads weights and activations together.
@@ -112,8 +120,9 @@ def _skinny_kernel(
     k_start = pid_k * k_per_split
     k_stop = tl.minimum(k_start + k_per_split, K)
     acc = _partial_product(
-        x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_start, k_stop, EVEN_K, SWAP_AB, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K
-    )
+        x_ptrs, w_ptrs, m_mask, n_mask, offs_k, k_start, k_stop,
+        EVEN_K, SWAP_AB, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE_K,
+    )  # fmt: skip
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
         if SCALED:
@@ -214,7 +223,7 @@ def launch_skinny(
         x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), out.stride(0),
         SCALED=scaled, SPLIT_K=split_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         SWAP_AB=config.swap_ab, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
+        PROMOTE_K=FP8_PROMOTE_K, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split_k > 1:
         _split_k_reduce_kernel[(m, cdiv(num_out, _REDUCE_BLOCK))](
