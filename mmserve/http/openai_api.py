@@ -34,6 +34,7 @@ from mmserve.http.protocol import BadRequest, GenerateInput, json_logprob, parse
 from mmserve.http.request_io import (
     check_json_content_type,
     collect_streams,
+    log_request_timing,
     merge_streams,
     most_likely,
     read_request_body,
@@ -109,14 +110,20 @@ class OpenAIServing:
         body, groups = None, []
         try:
             check_json_content_type(request)
-            body = await self.client.run_sync(parse_json, await read_request_body(request))  # big bodies: off the loop
+            start = time.perf_counter()
+            raw = await read_request_body(request)
+            read = time.perf_counter()
+            body = await self.client.run_sync(parse_json, raw)  # big bodies: off the loop
             include_usage(body)  # checked before anything is submitted
             model = body.get("model")
             if model is not None and model != self.model_name:
                 return openai_error(f"The model `{model}` does not exist.", 404, "model")
             inputs = await self.client.run_sync(parse, body, self.max_len)
+            parsed = time.perf_counter()
             for req in inputs:
                 groups.append(await self.client.submit_group(req, req.params.num_sequences))
+            if groups and groups[0]:
+                log_request_timing(groups[0][0].rid, len(raw), start, read, parsed)
             return body, inputs, groups
         except BadRequest as e:
             self._abort_unfinished([s for streams in groups for s in streams])

@@ -1,9 +1,11 @@
 """Request plumbing that the /generate routes and the OpenAI routes share: reading a body within the read timeout,
-noticing that the client left, gathering each sequence's whole output."""
+noticing that the client left, gathering each sequence's whole output, the debug log's per-request timing."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -14,6 +16,8 @@ from mmserve.http.protocol import BadRequest
 from mmserve.http.slow_clients import BodyReadTimeout, BodyTooLarge, read_body
 from mmserve.ipc.messages import TextOutput, TokenDetail
 
+logger = logging.getLogger(__name__)
+
 
 async def read_request_body(request: Request) -> bytes:
     """The body, within --request_read_timeout; too large or too slow: a 413 / 408 naming it."""
@@ -23,6 +27,17 @@ async def read_request_body(request: Request) -> bytes:
         raise BadRequest("body", str(e), status=413) from None
     except BodyReadTimeout as e:
         raise BadRequest("body", str(e), status=408) from None
+
+
+def log_request_timing(rid: str, nbytes: int, start: float, read: float, parsed: float) -> None:
+    """At debug level, a request's stages from arrival to the router (perf_counter times: the handler's start, the
+    body read, the body parsed into engine inputs; now: submitted), the `request timing` line that
+    benchmarks/ttft_stages.py reads beside the router's. Cheap when debug is off."""
+    if logger.isEnabledFor(logging.DEBUG):
+        now = time.perf_counter()
+        logger.debug("request timing: rid=%s bytes=%d read_ms=%.1f parse_ms=%.1f prepare_ms=%.1f total_ms=%.1f "
+                     "start=%.4f", rid, nbytes, (read - start) * 1e3, (parsed - read) * 1e3, (now - parsed) * 1e3,
+                     (now - start) * 1e3, start)  # fmt: skip
 
 
 def check_json_content_type(request: Request) -> None:

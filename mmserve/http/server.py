@@ -28,7 +28,13 @@ from mmserve.http.protocol import (
     generate_response,
     parse_generate_body,
 )
-from mmserve.http.request_io import collect_streams, most_likely, read_request_body, watch_disconnect
+from mmserve.http.request_io import (
+    collect_streams,
+    log_request_timing,
+    most_likely,
+    read_request_body,
+    watch_disconnect,
+)
 from mmserve.http.slow_clients import ClientTimeouts, ClosingStreamingResponse
 from mmserve.http.stream_events import StreamState, stream_events
 from mmserve.http.structured import lightllm_field
@@ -147,11 +153,7 @@ async def _submit(
             name = "best_of" if body.params.best_of not in (None, 1) else "n"
             raise BadRequest(f"parameters.{name}", "/generate_stream returns one sequence: use /generate for n > 1")
         streams = await client.submit_group(body, count)
-        if logger.isEnabledFor(logging.DEBUG):  # the stages from arrival to the router (cheap when off)
-            now = time.perf_counter()
-            logger.debug("request timing: rid=%s bytes=%d read_ms=%.1f parse_ms=%.1f prepare_ms=%.1f total_ms=%.1f "
-                         "start=%.4f", streams[0].rid, len(raw), (read - start) * 1e3, (parsed - read) * 1e3,
-                         (now - parsed) * 1e3, (now - start) * 1e3, start)  # fmt: skip
+        log_request_timing(streams[0].rid, len(raw), start, read, parsed)
         return streams, body.params
     except BadRequest as e:
         return _error(e)
