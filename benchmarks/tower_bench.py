@@ -14,7 +14,8 @@ For each tower shape (random weights from mmserve/testing/checkpoints/qwen2_vl.p
    embeddings, the processor's float steps on the device; HF's: the processor's patches on the host -> embeddings);
 4. on CUDA, one image alone (`--lone`, 336 and 896 px: one request's tower), ms per `encode` call, median, eager
    against the replay of its CUDA graph (`visual/tower_graphs.py`), the two checked bit-equal;
-5. with `--attention_configs`, on CUDA, our attention kernel under other launches (tiles, warps, stages) against
+5. with `--profile N`, on CUDA, each load's N most costly kernels (device time per `encode`);
+6. with `--attention_configs`, on CUDA, our attention kernel under other launches (tiles, warps, stages) against
    today's, on the 896 px x 4 and 336 px x 16 shapes, each checked against per-image SDPA there and on a ragged
    batch (partial tiles); the fastest correct launch per shape is printed last.
 Prints one JSON line per measurement; exits non-zero if a check fails.
@@ -262,6 +263,24 @@ def lone_image(ours: Qwen2VLVisionModel, side: int, iters: int) -> dict:
     return {"px": side, "patches": image.tower_rows, **timings, "replays": replays, "ok": ok}
 
 
+def profile_encode(ours: Qwen2VLVisionModel, images: list[ImageInput], top: int, calls: int = 3) -> None:
+    """Device time per kernel of one `encode` of the batch (`calls` averaged): where a tower batch's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ours.encode(images)  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            ours.encode(images)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in kernels)
+    print(f"{len(images)} images of {images[0].tower_rows} patches: GPU {total / calls / 1e3:.2f} ms per encode")
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
+        share = e.device_time_total / total
+        print(f"  {e.device_time_total / calls / 1e3:7.2f} ms {share:6.1%}  x{e.count / calls:5.1f}  {e.key[:100]}")
+
+
 def bench_shape(
     shape: str,
     dtype: torch.dtype,
@@ -270,6 +289,7 @@ def bench_shape(
     iters: int,
     lone: list[int],
     attention_configs: list[AttentionConfig] = (),
+    profile_top: int = 0,
 ) -> bool:
     """Checks and timings of one tower shape; True if the checks passed."""
     ours, hf = build_towers(shape, dtype, device)
@@ -301,6 +321,8 @@ def bench_shape(
         new = images_per_s(lambda: ours.encode(imgs), batch, iters, device)  # noqa: B023
         result = {"hf_sdpa_images_per_s": round(old, 1), "packed_images_per_s": round(new, 1)}
         print(json.dumps({"shape": shape, "px": side, "batch": batch, **result, "speedup": round(new / old, 2)}))
+        if profile_top and device.type == "cuda":
+            profile_encode(ours, imgs, profile_top)
     lone_ok = True
     for side in lone if device.type == "cuda" else ():
         row = lone_image(ours, side, iters * 4)
@@ -325,6 +347,7 @@ def main() -> int:
         help="launches of our attention kernel to time against today's (CUDA): `candidates` (the kernel module's "
         "list) and/or BLOCK_MxBLOCK_NxWARPSxSTAGES, comma-separated",
     )
+    ap.add_argument("--profile", type=int, default=0, help="after each load, its N most costly kernels (CUDA)")
     args = ap.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -337,7 +360,7 @@ def main() -> int:
     ok = True
     for shape in args.shapes.split(","):
         lone = [int(x) for x in args.lone.split(",") if x]
-        ok &= bench_shape(shape, dtype, device, loads, args.iters, lone, attention_configs)
+        ok &= bench_shape(shape, dtype, device, loads, args.iters, lone, attention_configs, args.profile)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(json.dumps({"all_checks_passed": bool(ok)}))
