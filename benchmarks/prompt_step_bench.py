@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from benchmarks.profile_table import print_kernel_table
 from language.config import EngineConfig
 from language.engine import EngineCore
 from language.request import Request
@@ -88,12 +89,7 @@ def profile_prompt_step(core: EngineCore, chunk: int, top: int) -> None:
             core.step()
             core.step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in kernels)
-    print(f"{chunk}-token mixed steps: GPU {total / steps / 1e3:.1f} ms per two steps (the prompt step + a decode)")
-    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
-        share = e.device_time_total / total
-        print(f"  {e.device_time_total / steps / 1e3:7.2f} ms {share:6.1%}  x{e.count / steps:5.1f}  {e.key[:100]}")
+    print_kernel_table(prof, steps, top, f"per {chunk}-token mixed step and the decode step after it")
 
 
 def main() -> None:

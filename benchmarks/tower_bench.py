@@ -42,6 +42,7 @@ from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransforme
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/tower_bench.py` from anywhere
 
+from benchmarks.profile_table import print_kernel_table  # noqa: E402
 from mmserve.testing.checkpoints.qwen2_vl import CLIP_MEAN, CLIP_STD, qwen2_vl_config, vision_tensor_specs  # noqa: E402
 from mmserve.testing.checkpoints.writer import make_tensor  # noqa: E402
 from visual.kernels.varlen_attention import (  # noqa: E402
@@ -273,12 +274,7 @@ def profile_encode(ours: Qwen2VLVisionModel, images: list[ImageInput], top: int,
         for _ in range(calls):
             ours.encode(images)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
-    total = sum(e.device_time_total for e in kernels)
-    print(f"{len(images)} images of {images[0].tower_rows} patches: GPU {total / calls / 1e3:.2f} ms per encode")
-    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
-        share = e.device_time_total / total
-        print(f"  {e.device_time_total / calls / 1e3:7.2f} ms {share:6.1%}  x{e.count / calls:5.1f}  {e.key[:100]}")
+    print_kernel_table(prof, calls, top, f"per encode of {len(images)} images of {images[0].tower_rows} patches")
 
 
 def bench_shape(
