@@ -51,15 +51,14 @@ class Shape:
         return self.n * self.k + self.n * 4
 
 
-WIDE = False  # --wide: 128-column slices too (4 and 8 warps)
-
-
-def grid(m: int, shape: Shape, sms: int, block_ks: tuple[int, ...] = (128, 256)) -> list[SkinnyConfig]:
-    """The first pass, at 4 warps and 4 stages: 32/64 columns per program (and 128 at 4 and 8 warps with --wide),
+def grid(
+    m: int, shape: Shape, sms: int, block_ks: tuple[int, ...] = (128, 256), wide: bool = False
+) -> list[SkinnyConfig]:
+    """The first pass, at 4 warps and 4 stages: 32/64 columns per program (and 128 at 4 and 8 warps if `wide`),
     `block_ks` per step, the product as is or swapped, the reduction split for two programs per SM (`split_for`)
     and twice that."""
     configs = []
-    slices = ((32, 4), (64, 4), (128, 4), (128, 8)) if WIDE else ((32, 4), (64, 4))
+    slices = ((32, 4), (64, 4), (128, 4), (128, 8)) if wide else ((32, 4), (64, 4))
     for block_n, warps in slices:
         for block_k in block_ks:
             split = split_for(m, shape.n, shape.k, block_n, block_k, sms)
@@ -93,10 +92,11 @@ class Case:
 
     BLOCK_KS = (128, 256)  # columns per step in the grid: 128 or 256 bytes of a weight row
 
-    def __init__(self, shape: Shape, m: int, sms: int) -> None:
+    def __init__(self, shape: Shape, m: int, sms: int, wide: bool = False) -> None:
+        """wide: 128-column slices in the grid too (--wide)."""
         self.shape, self.m = shape, m
         self.x = torch.randn(m, shape.k, device=DEVICE, dtype=torch.bfloat16)
-        self.configs = grid(m, shape, sms, self.BLOCK_KS)
+        self.configs = grid(m, shape, sms, self.BLOCK_KS, wide)
         self.us: dict[str, float] = {}
         self.ours: dict[SkinnyConfig, float] = {}
 
@@ -162,8 +162,6 @@ def main() -> None:
     )
     ap.add_argument("--wide", action="store_true", help="128-column slices in the grid too (4 and 8 warps)")
     args = ap.parse_args()
-    global WIDE
-    WIDE = args.wide
     for promote in (int(p) for p in args.promote.split(",")):
         skinny_gemm.FP8_PROMOTE_K = promote
         print(f"-- FP8_PROMOTE_K {promote}")
@@ -176,7 +174,7 @@ def run_table(args: argparse.Namespace) -> None:
     print(torch.cuda.get_device_name(), f"({sms} SMs)", "torch", torch.__version__,
           "| us per call, % of 3.35 TB/s of the weights' bytes (bf16: 2 a weight, fp8: 1 + scales)")  # fmt: skip
     shapes = [Shape(*s) for s in SHAPES]
-    cases = [Case(shape, m, sms) for m in batches for shape in shapes]
+    cases = [Case(shape, m, sms, args.wide) for m in batches for shape in shapes]
     with compile_only("fp8_gemm_bench"):
         for case in cases:
             case.compile()
