@@ -347,6 +347,10 @@ class EngineCore:
         """Prompts already queued fill the next step's prefill budget (see Scheduler.prompt_backlog_fills_step)."""
         return self.scheduler.prompt_backlog_fills_step()
 
+    def prompt_backlog(self, cap: int) -> int:
+        """Prompt tokens still to prefill, counted up to cap (see Scheduler.prompt_backlog)."""
+        return self.scheduler.prompt_backlog(cap)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._aborted) or self._inflight is not None
 

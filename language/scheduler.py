@@ -131,13 +131,18 @@ class Scheduler:
 
     def prompt_backlog_fills_step(self) -> bool:
         """The prompts already here (part-way prefilled, then waiting) hold at least a step's prefill budget: a
-        prompt arriving now could not join the next step anyway. Stops counting once the budget is reached."""
-        left = self.prefill_budget
+        prompt arriving now could not join the next step anyway."""
+        return self.prompt_backlog(self.prefill_budget) >= self.prefill_budget
+
+    def prompt_backlog(self, cap: int) -> int:
+        """Prompt tokens still to prefill (part-way prefilled requests, then waiting ones), counted up to cap: a
+        long queue is not walked to the end."""
+        tokens = 0
         for req in itertools.chain((r for r in self.running if r.prefilling), self.waiting):
-            left -= req.prompt_len - req.kv_len
-            if left <= 0:
-                return True
-        return False
+            tokens += req.prompt_len - req.kv_len
+            if tokens >= cap:
+                return cap
+        return tokens
 
     def remove(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:

@@ -29,6 +29,8 @@ from visual.tower_turn import TowerTurn
 
 logger = logging.getLogger(__name__)
 
+_HOLD_POLL_S = 0.001  # how often a held batch looks at the router's backlog again (a 4096-token chunk: ~90 ms)
+
 
 class VisualEncoder:
     """`submit` may be called from any thread (the visual process receives jobs on its own thread, so that the pool
@@ -43,11 +45,13 @@ class VisualEncoder:
         turn: TowerTurn | None = None,
         max_batch_patches: int = 0,
         batch_wait_s: float = 0.0,
+        lookahead_tokens: int = 0,
     ):
         """max_batch: images per tower batch; max_batch_patches: the positions the tower runs over for them (0: no
         limit), so that large images go through in small batches, each one's embeddings reaching the LM as soon as
         its batch ends; batch_wait_s: how long a batch that is not full waits for images still being preprocessed
-        (`_wait_for_stragglers`)."""
+        (`_wait_for_stragglers`); lookahead_tokens: the router's backlog of prompt tokens at which the next batch is
+        held (`_hold_for_the_lm`; 0: never)."""
         self.model = model
         self.turn = turn  # raised while a batch runs: the router holds back decode-only steps meanwhile
         self.pool = pool
@@ -55,6 +59,7 @@ class VisualEncoder:
         self.max_batch = max_batch
         self.max_batch_patches = max_batch_patches
         self.batch_wait_s = batch_wait_s
+        self.lookahead_tokens = lookahead_tokens
         self._incoming: SimpleQueue[tuple[str, float, Future[ImageInput]]] = SimpleQueue()  # filled by `submit`
         self._preprocessing: deque[tuple[str, float, Future[ImageInput]]] = deque()  # in arrival order
         self._wake = threading.Event()  # set when a job arrives or an image finishes preprocessing
@@ -91,6 +96,7 @@ class VisualEncoder:
         if timeout_s > 0 and not any(f.done() for _, _, f in self._preprocessing):
             wait([f for _, _, f in self._preprocessing], timeout=timeout_s, return_when=FIRST_COMPLETED)
         self._wait_for_stragglers()
+        self._hold_for_the_lm()
         results: list[VisualResult] = []
         batch: list[tuple[str, float, ImageInput]] = []
         waiting: deque[tuple[str, float, Future[ImageInput]]] = deque()
@@ -129,6 +135,17 @@ class VisualEncoder:
             if not ready or not pending or self._batch_full(ready):
                 return
             wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+
+    def _hold_for_the_lm(self) -> None:
+        """While the router's prompts waiting for prefill hold lookahead_tokens or more, hold the next batch (the
+        pool goes on preprocessing): the shared GPU goes to the prompts at the front, whose images were encoded
+        first, not to towers for requests behind them (visual/tower_turn.py)."""
+        if self.turn is None or not self.lookahead_tokens:
+            return
+        start = time.perf_counter()
+        while self.turn.prompt_backlog() >= self.lookahead_tokens:
+            time.sleep(_HOLD_POLL_S)
+        self.stats.held_s += time.perf_counter() - start
 
     def _batch_full(self, ready: list[Future[ImageInput]]) -> bool:
         if len(ready) >= self.max_batch:

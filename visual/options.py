@@ -34,6 +34,17 @@ class VisualOptions:
             "that a burst's first images go through in one batch, not one by one (0: never)",
         },
     )
+    # visual/tower_turn.py: under a burst of images, a tower left to run ahead shares the GPU with the prefill of the
+    # requests at the front; held, it stays a few prompts ahead of the LM instead. 2048 (half a prefill chunk) gave
+    # the lowest TTFT p50 of 2048/4096/8192 at 64 x 896 px and 64 mixed sizes (docs/performance.md)
+    tower_lookahead_tokens: int = field(
+        default=2048,
+        metadata={
+            "group": _VISION,
+            "help": "hold the next vision-tower batch while this many prompt tokens (embeddings ready) wait for "
+            "prefill, so the GPU goes to the requests at the front (0: never hold)",
+        },
+    )
     # visual/tower_graphs.py: small batches are launch-bound (one 336 px image: ~400 launches, ~25 ms of host time
     # for ~2 ms of GPU work); 4096 is one 896 px Qwen2-VL image or seven at 336 px.
     visual_cuda_graph_max_patches: int = field(
@@ -80,6 +91,8 @@ class VisualOptions:
             raise ValueError("--visual_batch_wait_ms must be >= 0")
         if self.visual_batch_max_patches < 0:
             raise ValueError("--visual_batch_max_patches must be >= 0")
+        if self.tower_lookahead_tokens < 0:
+            raise ValueError("--tower_lookahead_tokens must be >= 0")
         if self.visual_cuda_graph_max_patches < 0:
             raise ValueError("--visual_cuda_graph_max_patches must be >= 0")
         if self.vit_quant_type not in ("none", "fp8w8a8"):

@@ -111,7 +111,7 @@ def load_encoder(cfg: VisualProcessConfig) -> tuple[VisualEncoder, VisualReady]:
         turn.create()
     encoder = VisualEncoder(
         model, pool, cfg.shm_prefix, cfg.visual_infer_batch_size, turn, cfg.visual_batch_max_patches,
-        cfg.visual_batch_wait_ms / 1e3,
+        cfg.visual_batch_wait_ms / 1e3, cfg.tower_lookahead_tokens,
     )  # fmt: skip
     encoder.warm_up(warm)
     dtype_name = str(dtype).removeprefix("torch.")

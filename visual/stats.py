@@ -2,12 +2,13 @@
 benchmark can read the phases of a run back from the server log (`parse_stats_line`).
 
     vision stats: images=190 batches=12 images_per_batch=15.8 images_per_s=38.0 decode_ms=17.8 preprocess_ms=14.7
-    latency_ms=210.4 tower_ms=120.3 write_ms=8.1 busy=0.61 failed=0
+    latency_ms=210.4 tower_ms=120.3 write_ms=8.1 busy=0.61 held=0.12 failed=0
 
 Per image (means over the interval): `decode_ms` and `preprocess_ms` are a pool worker's time to decode the file and
 to run the processor; `latency_ms` runs from the job's arrival in the visual process to its embeddings being in
 shared memory. Per batch: `tower_ms` is upload + vision tower + projector + the copy back to host memory, `write_ms`
-the copies into the shared-memory segments. `busy` is the fraction of the interval spent in those two.
+the copies into the shared-memory segments. `busy` is the fraction of the interval spent in those two, `held` the
+fraction spent holding a batch while the LM's prompt backlog was full.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class VisionStats:
     latency_s: float = 0.0
     tower_s: float = 0.0
     write_s: float = 0.0
+    held_s: float = 0.0  # batches held while the LM's prompt backlog was full (VisualEncoder._hold_for_the_lm)
 
     def copy(self) -> VisionStats:
         return dataclasses.replace(self)
@@ -62,6 +64,7 @@ class VisionStats:
             "tower_ms": f"{tower / per_batch * 1e3:.1f}",
             "write_ms": f"{write / per_batch * 1e3:.1f}",
             "busy": f"{(tower + write) / max(elapsed_s, 1e-9):.2f}",
+            "held": f"{(self.held_s - since.held_s) / max(elapsed_s, 1e-9):.2f}",
             "failed": self.failed - since.failed,
         }
         return STATS_PREFIX + " " + " ".join(f"{k}={v}" for k, v in fields.items())

@@ -72,11 +72,14 @@ class Router:
         embed_reader: EmbedReader | None = None,
         tower_turn: TowerTurn | None = None,
         tower_turn_s: float = 0.0,
+        tower_lookahead_tokens: int = 0,
     ):
         self.core = core
         self._embed_reader = embed_reader
         self._tower_turn = tower_turn if tower_turn_s > 0 else None
         self._tower_turn_s = tower_turn_s
+        self._backlog_to = tower_turn if tower_lookahead_tokens > 0 else None  # where the visual process reads it
+        self._backlog_cap = tower_lookahead_tokens  # the tower holds at this backlog: no need to count further
         self._awaiting_images: dict[str, TokenizedRequest] = {}
         self._early_ready: OrderedDict[str, str | None] = OrderedDict()
         self._live: set[str] = set()  # rids inside the engine core
@@ -245,6 +248,12 @@ class Router:
             for msg in inbox.drain(_TOWER_POLL_MS):
                 self.handle(msg)
 
+    def publish_backlog(self) -> None:
+        """Tell the visual process how many prompt tokens wait for prefill (it holds its next tower batch at
+        --tower_lookahead_tokens: visual/tower_turn.py)."""
+        if self._backlog_to is not None:
+            self._backlog_to.publish_backlog(self.core.prompt_backlog(self._backlog_cap))
+
     def _plan_after_long_step(self, inbox: PullQueue) -> None:
         """The overlapped loop plans step N+1 while step N runs, so a prompt that arrives during N waits for N+1
         and joins N+2: two steps, ~200 ms behind two 4096-token chunks. While a long prompt step runs, wait for it
@@ -271,6 +280,7 @@ class Router:
             batch = self.step(to_detok.send)
             if batch is not None:
                 to_detok.send(batch)
+            self.publish_backlog()
             now = time.monotonic()
             if now - last_log >= _THROUGHPUT_LOG_S and self.core.counters.steps != logged.steps:
                 logger.info("%s; %s", self.core.counters.summary(logged, now - last_log), self.stats())
@@ -319,7 +329,7 @@ def run_router_process(
             # Host work per step is many tiny tensor ops: a thread pool per op only adds wake-up latency and fights
             # the other processes for cores.
             torch.set_num_threads(1)
-        router = Router(core, embed_reader, tower_turn, config.tower_turn_ms / 1e3)
+        router = Router(core, embed_reader, tower_turn, config.tower_turn_ms / 1e3, config.tower_lookahead_tokens)
         ctx = zmq.Context()
         inbox = PullQueue(ctx, endpoints.router)
         to_detok = PushQueue(ctx, endpoints.detokenizer)

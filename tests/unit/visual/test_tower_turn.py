@@ -123,3 +123,43 @@ def test_without_a_turn_nothing_waits(model_dir, prefix):
         router.step()
     assert not router.core.has_prompt_work()
     assert _held_s(router, None) < 0.01  # never reads the inbox either
+
+
+def test_the_visual_process_reads_the_routers_backlog_while_it_is_fresh(prefix, reopen_at_once, monkeypatch):
+    visual, router_side = TowerTurn(prefix), pickle.loads(pickle.dumps(TowerTurn(prefix)))
+    router_side.publish_backlog(9000)  # no segment yet (the visual process starts later): nothing written, no error
+    visual.create()
+    assert visual.prompt_backlog() == 0  # never written: holds nothing back
+    router_side.publish_backlog(9000)
+    assert visual.prompt_backlog() == 9000
+    router_side.publish_backlog(0)
+    assert visual.prompt_backlog() == 0
+    router_side.publish_backlog(5000)
+    monkeypatch.setattr(tower_turn, "_BACKLOG_STALE_S", 0.05)
+    time.sleep(0.1)
+    assert visual.prompt_backlog() == 0  # a router that stopped writing holds nothing back
+
+
+def test_the_router_publishes_its_prompt_backlog_up_to_the_lookahead(model_dir, prefix, reopen_at_once):
+    visual = TowerTurn(prefix)
+    visual.create()
+    core = EngineCore(EngineConfig(model_dir=model_dir, max_total_token_num=256, device="cpu", chunked_prefill_size=8))
+    router = Router(core, None, TowerTurn(prefix), 0.0, tower_lookahead_tokens=12)
+    for rid in "ab":
+        router.handle(_request(rid, prompt_len=10))  # 20 prompt tokens, prefilled 8 a step
+    seen = []
+    while router.core.has_unfinished() and len(seen) < 10:
+        router.publish_backlog()
+        seen.append(visual.prompt_backlog())
+        router.step()
+    assert seen[:4] == [12, 12, 4, 0]  # counted up to the lookahead only; then 20 - 8 - 8 left; then none
+    assert TowerTurn(prefix).prompt_backlog() == 0  # (a reader that never mapped the segment reads nothing)
+
+
+def test_without_a_lookahead_the_router_publishes_nothing(model_dir, prefix, reopen_at_once):
+    visual = TowerTurn(prefix)
+    visual.create()
+    router = _router(model_dir, TowerTurn(prefix), hold_s=0.0)  # --tower_lookahead_tokens 0
+    router.handle(_request("a", prompt_len=10))
+    router.publish_backlog()
+    assert visual.prompt_backlog() == 0

@@ -4,6 +4,8 @@ import io
 import pickle
 import re
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from visual.models.qwen2_vl import Qwen2VLVisionModel
 from visual.preprocess import PreprocessPool
 from visual.process import VisualProcessConfig
 from visual.stats import VisionStats, parse_stats_line
+from visual.tower_turn import TowerTurn
 
 CPU = torch.device("cpu")
 
@@ -150,6 +153,30 @@ def test_a_batch_that_is_not_full_waits_for_images_still_preprocessing(model_dir
         torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data))
 
 
+def test_a_batch_is_held_while_the_lms_prompt_backlog_is_full(model_dir, prefix):
+    """--tower_lookahead_tokens: while the router says that many prompt tokens wait for prefill, the next tower batch
+    is held (the image is preprocessed meanwhile); once the backlog drops below it, the batch runs."""
+    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    turn, router_side = TowerTurn(prefix), TowerTurn(prefix)
+    turn.create()
+    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, lookahead_tokens=100)
+    encoder.submit(EncodeJob("a", png(40, 40, 0)))
+    router_side.publish_backlog(100)
+    results: list = []
+    stepping = threading.Thread(target=lambda: results.extend(encoder.step(timeout_s=30)))
+    stepping.start()
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        router_side.publish_backlog(100)  # as the router does every loop turn (a silent router holds nothing back)
+        time.sleep(0.01)
+    assert stepping.is_alive() and not results  # held
+    router_side.publish_backlog(99)
+    stepping.join(timeout=30)
+    encoder.shutdown()
+    assert [r.key for r in results if isinstance(r, EncodeDone)] == ["a"]
+    assert 0.4 < encoder.stats.held_s < 5
+
+
 def test_encode_job_frames_round_trip():
     job = EncodeJob("key:ü", b"\x00\x01 image bytes")
     assert len(job.frames()) == 2 and EncodeJob.from_frames(job.frames()) == job
@@ -184,11 +211,13 @@ def test_stats_line_round_trip():
     before = stats.copy()
     stats.add_batch(tower_s=0.1, write_s=0.02, decode_s=0.03, preprocess_s=0.05, latency_s=0.8, images=4)
     stats.add_batch(tower_s=0.3, write_s=0.02, decode_s=0.01, preprocess_s=0.03, latency_s=0.4, images=2)
+    stats.held_s += 0.5
     line = "2024-01-01 INFO visual: " + stats.summary(before, elapsed_s=2.0)
     fields = parse_stats_line(line)
     assert fields == {
         "images": 6, "batches": 2, "images_per_batch": 3.0, "images_per_s": 3.0, "decode_ms": 6.7,
-        "preprocess_ms": 13.3, "latency_ms": 200.0, "tower_ms": 200.0, "write_ms": 20.0, "busy": 0.22, "failed": 0,
+        "preprocess_ms": 13.3, "latency_ms": 200.0, "tower_ms": 200.0, "write_ms": 20.0, "busy": 0.22, "held": 0.25,
+        "failed": 0,
     }  # fmt: skip
     assert parse_stats_line("router: 12 steps") is None
 
