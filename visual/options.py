@@ -35,10 +35,11 @@ class VisualOptions:
         },
     )
     # visual/tower_turn.py: under a burst of images, a tower left to run ahead shares the GPU with the prefill of the
-    # requests at the front; held, it stays a few prompts ahead of the LM instead. 2048 (half a prefill chunk) gave
-    # the lowest TTFT p50 of 2048/4096/8192 at 64 x 896 px and 64 mixed sizes (docs/performance.md)
+    # requests at the front; held, it stays a few prompts ahead of the LM instead. 8192 (two prefill chunks): of
+    # 0/2048/8192, the one that lowers TTFT p50 at 64 mixed sizes without raising TPOT p50 at 64 x 896 px
+    # (docs/performance.md, "One GPU, two processes")
     tower_lookahead_tokens: int = field(
-        default=2048,
+        default=8192,
         metadata={
             "group": _VISION,
             "help": "hold the next vision-tower batch while this many prompt tokens (embeddings ready) wait for "
