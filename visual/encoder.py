@@ -30,6 +30,7 @@ from visual.tower_turn import TowerTurn
 logger = logging.getLogger(__name__)
 
 _HOLD_POLL_S = 0.001  # how often a held batch looks at the router's backlog again (a 4096-token chunk: ~90 ms)
+_MAX_HOLD_S = 1.0  # the longest a batch is held (an 8192-token backlog prefills in ~0.2 s on an H100)
 
 
 class VisualEncoder:
@@ -139,13 +140,15 @@ class VisualEncoder:
     def _hold_for_the_lm(self) -> None:
         """While the router's prompts waiting for prefill hold lookahead_tokens or more, hold the next batch (the
         pool goes on preprocessing): the shared GPU goes to the prompts at the front, whose images were encoded
-        first, not to towers for requests behind them (visual/tower_turn.py)."""
+        first, not to towers for requests behind them (visual/tower_turn.py). At most _MAX_HOLD_S: a backlog that
+        does not shrink (prompts that wait for KV space) must not stop the tower."""
         if self.turn is None or not self.lookahead_tokens:
             return
         start = time.perf_counter()
-        while self.turn.prompt_backlog() >= self.lookahead_tokens:
+        while self.turn.prompt_backlog() >= self.lookahead_tokens and time.perf_counter() - start < _MAX_HOLD_S:
             time.sleep(_HOLD_POLL_S)
         self.stats.held_s += time.perf_counter() - start
+        self._take_incoming()  # the images that arrived meanwhile may join the batch
 
     def _batch_full(self, ready: list[Future[ImageInput]]) -> bool:
         if len(ready) >= self.max_batch:

@@ -17,6 +17,7 @@ from mmserve.launch.processes import spawn_child, stop_children, wait_ready
 from mmserve.prep.visual_link import run_visual_process
 from mmserve.testing.checkpoints.llava import build_llava_hf
 from mmserve.testing.checkpoints.qwen2_vl import build_qwen2_vl
+from visual import encoder as encoder_module
 from visual.encoder import VisualEncoder, consecutive_view
 from visual.messages import EncodeDone, EncodeFailed, EncodeJob, VisualReady
 from visual.models.llava import LlavaVisionModel
@@ -174,7 +175,25 @@ def test_a_batch_is_held_while_the_lms_prompt_backlog_is_full(model_dir, prefix)
     stepping.join(timeout=30)
     encoder.shutdown()
     assert [r.key for r in results if isinstance(r, EncodeDone)] == ["a"]
-    assert 0.4 < encoder.stats.held_s < 5
+    assert 0.2 < encoder.stats.held_s < 1  # (the hold starts once the image is preprocessed)
+
+
+def test_a_backlog_that_does_not_shrink_holds_a_batch_for_a_second_at_most(model_dir, prefix, monkeypatch):
+    """Prompts that wait for KV space keep the backlog full without being prefilled: the tower goes on after
+    _MAX_HOLD_S."""
+    monkeypatch.setattr(encoder_module, "_MAX_HOLD_S", 0.3)
+    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    turn = TowerTurn(prefix)
+    turn.create()
+    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, lookahead_tokens=100)
+    encoder.submit(EncodeJob("a", png(40, 40, 0)))
+    TowerTurn(prefix).publish_backlog(10**6)  # fresh for the whole hold (_BACKLOG_STALE_S is 1 s)
+    results = []
+    while encoder.has_work():
+        results += encoder.step(timeout_s=30)
+    encoder.shutdown()
+    assert [r.key for r in results if isinstance(r, EncodeDone)] == ["a"]
+    assert 0.3 <= encoder.stats.held_s < 0.9
 
 
 def test_encode_job_frames_round_trip():
