@@ -97,7 +97,6 @@ class VisualEncoder:
         if timeout_s > 0 and not any(f.done() for _, _, f in self._preprocessing):
             wait([f for _, _, f in self._preprocessing], timeout=timeout_s, return_when=FIRST_COMPLETED)
         self._wait_for_stragglers()
-        self._hold_for_the_lm()
         results: list[VisualResult] = []
         batch: list[tuple[str, float, ImageInput]] = []
         waiting: deque[tuple[str, float, Future[ImageInput]]] = deque()
@@ -114,6 +113,7 @@ class VisualEncoder:
                 results.append(EncodeFailed(key, str(err), bad_image=isinstance(err, BadImage)))
         self._preprocessing = waiting
         if batch:
+            self._hold_for_the_lm(sum(image.num_tokens for _, _, image in batch))
             results += self._encode(batch)
         if waiting and any(f.done() for _, _, f in waiting):
             self._wake.set()  # more than max_batch were ready: the next step must not wait
@@ -137,18 +137,19 @@ class VisualEncoder:
                 return
             wait(pending, timeout=left, return_when=FIRST_COMPLETED)
 
-    def _hold_for_the_lm(self) -> None:
-        """While the router's prompts waiting for prefill hold lookahead_tokens or more, hold the next batch (the
-        pool goes on preprocessing): the shared GPU goes to the prompts at the front, whose images were encoded
-        first, not to towers for requests behind them (visual/tower_turn.py). At most _MAX_HOLD_S: a backlog that
-        does not shrink (prompts that wait for KV space) must not stop the tower."""
-        if self.turn is None or not self.lookahead_tokens:
+    def _hold_for_the_lm(self, batch_tokens: int) -> None:
+        """While the router's prompts waiting for prefill hold lookahead_tokens or more, hold the batch (the pool
+        goes on preprocessing): the shared GPU goes to the prompts at the front, whose images were encoded first, not
+        to towers for requests behind them (visual/tower_turn.py). A batch of lookahead_tokens or more is not held:
+        it takes about as long in the tower as the backlog takes to prefill, so holding it would leave the LM
+        without prompts before the batch is out (a 30 s clip at 2 fps is one 15k-token batch). At most _MAX_HOLD_S:
+        a backlog that does not shrink (prompts that wait for KV space) must not stop the tower."""
+        if self.turn is None or not self.lookahead_tokens or batch_tokens >= self.lookahead_tokens:
             return
         start = time.perf_counter()
         while self.turn.prompt_backlog() >= self.lookahead_tokens and time.perf_counter() - start < _MAX_HOLD_S:
             time.sleep(_HOLD_POLL_S)
         self.stats.held_s += time.perf_counter() - start
-        self._take_incoming()  # the images that arrived meanwhile may join the batch
 
     def _batch_full(self, ready: list[Future[ImageInput]]) -> bool:
         if len(ready) >= self.max_batch:

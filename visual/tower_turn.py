@@ -12,7 +12,8 @@ The other way round: under a burst of large images the tower, left alone, encode
 prefills its first prompts on the same GPU, so every early request's prefill shares the GPU with towers for requests
 far behind it. The router writes how many prompt tokens wait for prefill (embeddings ready, admitted); the visual
 process holds its next batch while that backlog is at least `--tower_lookahead_tokens` (`VisualEncoder`), so the GPU
-goes to the prompts at the front and the tower stays a few prompts ahead.
+goes to the prompts at the front and the tower stays a few prompts ahead (a batch of that many tokens or more, a long
+clip's, is not held).
 
 The flag is the time (CLOCK_MONOTONIC, one clock for every process of the host) the batch started, 0 when none
 runs; a flag older than `_STALE_S` is ignored, so a visual process that died mid-batch holds nothing back. The

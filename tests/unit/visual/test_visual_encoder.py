@@ -178,6 +178,23 @@ def test_a_batch_is_held_while_the_lms_prompt_backlog_is_full(model_dir, prefix)
     assert 0.2 < encoder.stats.held_s < 1  # (the hold starts once the image is preprocessed)
 
 
+def test_a_batch_of_the_lookahead_or_more_is_not_held(model_dir, prefix):
+    """A batch whose tokens reach --tower_lookahead_tokens (a long clip's) runs at once: holding it would leave the
+    LM without prompts before it is out of the tower."""
+    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    turn = TowerTurn(prefix)
+    turn.create()
+    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, lookahead_tokens=16)
+    encoder.submit(EncodeJob("a", png(40, 40, 0)))  # 16 tokens
+    TowerTurn(prefix).publish_backlog(10**6)
+    results = []
+    while encoder.has_work():
+        results += encoder.step(timeout_s=30)
+    encoder.shutdown()
+    assert [r.key for r in results if isinstance(r, EncodeDone)] == ["a"] and results[0].num_tokens == 16
+    assert encoder.stats.held_s == 0
+
+
 def test_a_backlog_that_does_not_shrink_holds_a_batch_for_a_second_at_most(model_dir, prefix, monkeypatch):
     """Prompts that wait for KV space keep the backlog full without being prefilled: the tower goes on after
     _MAX_HOLD_S."""
