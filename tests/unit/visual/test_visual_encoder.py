@@ -154,14 +154,31 @@ def test_a_batch_that_is_not_full_waits_for_images_still_preprocessing(model_dir
         torch.testing.assert_close(read_embedding(prefix, key), expected_embeds(model, data))
 
 
+def _encoder_with_a_turn(model_dir, prefix, lookahead_tokens: int) -> VisualEncoder:
+    """An encoder that reads the router's backlog (its segment created, as the visual process does on a GPU), with
+    one 40 x 40 image (16 tokens) submitted."""
+    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
+    turn = TowerTurn(prefix)
+    turn.create()
+    encoder = VisualEncoder(
+        model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, lookahead_tokens=lookahead_tokens
+    )
+    encoder.submit(EncodeJob("a", png(40, 40, 0)))
+    return encoder
+
+
+def _encode_all(encoder: VisualEncoder) -> list:
+    results = []
+    while encoder.has_work():
+        results += encoder.step(timeout_s=30)
+    encoder.shutdown()
+    return results
+
+
 def test_a_batch_is_held_while_the_lms_prompt_backlog_is_full(model_dir, prefix):
     """--tower_lookahead_tokens: while the router says that many prompt tokens wait for prefill, the next tower batch
     is held (the image is preprocessed meanwhile); once the backlog drops below it, the batch runs."""
-    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    turn, router_side = TowerTurn(prefix), TowerTurn(prefix)
-    turn.create()
-    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, lookahead_tokens=100)
-    encoder.submit(EncodeJob("a", png(40, 40, 0)))
+    encoder, router_side = _encoder_with_a_turn(model_dir, prefix, 100), TowerTurn(prefix)
     router_side.publish_backlog(100)
     results: list = []
     stepping = threading.Thread(target=lambda: results.extend(encoder.step(timeout_s=30)))
@@ -181,16 +198,9 @@ def test_a_batch_is_held_while_the_lms_prompt_backlog_is_full(model_dir, prefix)
 def test_a_batch_of_the_lookahead_or_more_is_not_held(model_dir, prefix):
     """A batch whose tokens reach --tower_lookahead_tokens (a long clip's) runs at once: holding it would leave the
     LM without prompts before it is out of the tower."""
-    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    turn = TowerTurn(prefix)
-    turn.create()
-    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, lookahead_tokens=16)
-    encoder.submit(EncodeJob("a", png(40, 40, 0)))  # 16 tokens
+    encoder = _encoder_with_a_turn(model_dir, prefix, 16)  # the image's 16 tokens
     TowerTurn(prefix).publish_backlog(10**6)
-    results = []
-    while encoder.has_work():
-        results += encoder.step(timeout_s=30)
-    encoder.shutdown()
+    results = _encode_all(encoder)
     assert [r.key for r in results if isinstance(r, EncodeDone)] == ["a"] and results[0].num_tokens == 16
     assert encoder.stats.held_s == 0
 
@@ -199,16 +209,9 @@ def test_a_backlog_that_does_not_shrink_holds_a_batch_for_a_second_at_most(model
     """Prompts that wait for KV space keep the backlog full without being prefilled: the tower goes on after
     _MAX_HOLD_S."""
     monkeypatch.setattr(encoder_module, "_MAX_HOLD_S", 0.3)
-    model = LlavaVisionModel.from_pretrained(model_dir, CPU, torch.float32)
-    turn = TowerTurn(prefix)
-    turn.create()
-    encoder = VisualEncoder(model, PreprocessPool(model, 0), prefix, max_batch=4, turn=turn, lookahead_tokens=100)
-    encoder.submit(EncodeJob("a", png(40, 40, 0)))
+    encoder = _encoder_with_a_turn(model_dir, prefix, 100)
     TowerTurn(prefix).publish_backlog(10**6)  # fresh for the whole hold (_BACKLOG_STALE_S is 1 s)
-    results = []
-    while encoder.has_work():
-        results += encoder.step(timeout_s=30)
-    encoder.shutdown()
+    results = _encode_all(encoder)
     assert [r.key for r in results if isinstance(r, EncodeDone)] == ["a"]
     assert 0.3 <= encoder.stats.held_s < 0.9
 
