@@ -15,6 +15,7 @@ starts a new pool from the same fork server, so the visual process goes on servi
 from __future__ import annotations
 
 import gc
+import inspect
 import io
 import logging
 import multiprocessing as mp
@@ -131,12 +132,20 @@ def to_rgb(image: Image.Image, conversion: str) -> Image.Image:
         return image
     try:
         if conversion == "hf":
-            from transformers.image_transforms import convert_to_rgb
-
-            return Image.fromarray(convert_to_rgb(image, return_numpy=True))
+            return _hf_convert_to_rgb(image)
         return image.convert("RGB")
     except Exception as e:  # a mode PIL cannot convert (e.g. La)
         raise BadImage(f"cannot convert a {image.mode} image to RGB: {e}") from None
+
+
+def _hf_convert_to_rgb(image: Image.Image) -> Image.Image:
+    """transformers' `convert_to_rgb`, on a PIL image: newer versions return one only when not asked for an array
+    (deprecated, with a warning), older ones have no `return_numpy` to ask with."""
+    from transformers.image_transforms import convert_to_rgb
+
+    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:
+        return Image.fromarray(convert_to_rgb(image, return_numpy=True))
+    return convert_to_rgb(image)
 
 
 def decode_and_preprocess(
