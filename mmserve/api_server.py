@@ -18,6 +18,7 @@ from mmserve.launch.children import spawn_detokenizer, spawn_router, spawn_visua
 from mmserve.launch.cli import parse_config
 from mmserve.launch.config import ServerConfig
 from mmserve.launch.demo import demo_for, ensure_demo_checkpoint
+from mmserve.launch.mps import remove_dead_mps, start_mps
 from mmserve.launch.preflight import CannotStart, bind_http_sockets, check_model_dir
 from mmserve.launch.processes import (
     SHUTDOWN_SIGNALS,
@@ -110,7 +111,9 @@ def serve(config: ServerConfig) -> int:
     endpoints = Endpoints.create()
     shm_prefix = new_prefix() if config.enable_multimodal else None
     children: list[ChildProcess] = []
+    mps = None
     try:
+        mps = start_mps(config)  # before the children: they inherit its environment
         children.append(spawn_router(config, endpoints, shm_prefix))
         children.append(spawn_detokenizer(config, endpoints))
         if shm_prefix:
@@ -126,17 +129,21 @@ def serve(config: ServerConfig) -> int:
         for sock in listeners:
             sock.close()
         stop_children(children)
+        if mps is not None:
+            mps.stop()
         endpoints.remove()
         if shm_prefix:
             unlink_all(shm_prefix)  # every embedding segment, also after a child crashed
 
 
 def remove_leftovers() -> None:
-    """What servers killed outright (SIGKILL, OOM) left: /dev/shm segments, zmq ipc socket dirs, semaphores."""
+    """What servers killed outright (SIGKILL, OOM) left: /dev/shm segments, zmq ipc socket dirs, semaphores, MPS
+    daemons."""
     for what, removed in (
         ("shared-memory segment", remove_dead_segments()),
         ("ipc socket dir", remove_dead_ipc_dirs()),
         ("semaphore", remove_dead_semaphores()),
+        ("CUDA MPS daemon", remove_dead_mps()),
     ):
         if removed:
             logger.info("removed %d %s(s) left by servers no longer running", len(removed), what)

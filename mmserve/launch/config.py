@@ -77,6 +77,15 @@ class ServerConfig(EngineOptions, VisualOptions):
         _VISION,
         "how long a decode-only step may wait while the vision tower runs a batch on the shared GPU (0: never)",
     )
+    cuda_mps: str = option(
+        "auto",
+        _VISION,
+        "run the vision tower's and the language model's processes as clients of a CUDA MPS daemon of the server's "
+        "own, so that their kernels share the GPU instead of time-slicing (auto: where it applies: "
+        "--enable_multimodal, --tp 1, an NVIDIA GPU, nvidia-cuda-mps-control on PATH; on: do not start without it; "
+        "off: never); see docs/vision.md",
+        choices=["auto", "on", "off"],
+    )
     # parallelism: across hosts, LightLLM's flags: the ranks are spread evenly over nnodes hosts (host k runs ranks
     # [k * tp / nnodes, (k + 1) * tp / nnodes)), and meet at tcp://nccl_host:nccl_port (node 0's address).
     nnodes: int = option(1, _PARALLEL, "hosts the --tp ranks are spread over (tp / nnodes each)")
