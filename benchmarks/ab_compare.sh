@@ -7,20 +7,16 @@
 # run first (PYTHONPATH=/tmp/site), from the repo root, with each arm's tree exported beside it (e.g.
 # `git archive A | tar -x -C .arm_a`):
 #   bash benchmarks/ab_compare.sh [--rounds 2] [--loads img336_x64,img896_x64,img336_x256,one_336] [--ckpt DIR] \
-#     new=.arm_a old=.arm_b "tt50=.arm_a:--tower_turn_ms 50" [--mps new]
-# An arm is LABEL=DIR, optionally with server flags after a colon. `--mps LABEL` (repeatable) runs that arm's server
-# under CUDA MPS: a control daemon with its own pipe directory is started before the server and stopped after it, so
-# the vision tower's and the language model's processes share the GPU as one context instead of time-slicing (the
-# other arms and other processes on the host run as usual). The checkpoint is gpu_compare's Qwen2-VL-7B-shaped
+#     new=.arm_a old=.arm_b "tt50=.arm_a:--tower_turn_ms 50"
+# An arm is LABEL=DIR, optionally with server flags after a colon. The checkpoint is gpu_compare's Qwen2-VL-7B-shaped
 # one (built into --ckpt by .lightllm/make_qwen2vl_7b.py when missing). Output: one line per arm, round and load on
 # stdout; the JSON lines (with "server": LABEL) and the server logs go to $OUT (or /tmp).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-rounds=2; loads=img336_x64,img896_x64,img336_x256,one_336; ckpt=/tmp/q2vl7b; arms=(); mps_arms=","
+rounds=2; loads=img336_x64,img896_x64,img336_x256,one_336; ckpt=/tmp/q2vl7b; arms=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) rounds=$2; shift ;;
-    --mps) mps_arms+="$2,"; shift ;;
     --loads) loads=$2; shift ;;
     --ckpt) ckpt=$2; shift ;;
     *=*) arms+=("$1") ;;
@@ -47,18 +43,11 @@ for round in $(seq "$rounds"); do
     [ "$spec" != "$dir" ] && flags=${spec#*:}
     [ -f "$root/$dir/benchmarks/serve_bench.py" ] || { echo "arm $label: no tree at $dir" >&2; exit 2; }
     ln -sfn "$root/.lightllm" "$root/$dir/.lightllm" 2>/dev/null
-    (
-      if [[ $mps_arms == *",$label,"* ]]; then
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/ab_mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ab_mps/log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d || { echo "arm $label: the MPS control daemon did not start" >&2; exit 1; }
-        trap 'echo quit | nvidia-cuda-mps-control > /dev/null; sleep 2' EXIT
-      fi
-      cd "$root/$dir" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/serve_bench.py \
-        --family qwen2_vl --model_dir "$ckpt" --startup --loads "$loads" --client_procs 4 --name "$label" \
-        ${flags:+--server_args "$flags"} 2> "$out/ab_${label}_$round.log"
-      pkill -f mmserve.api_server; sleep 2
-    ) | tee -a "$out/ab.jsonl" | python3 -c "$summary" "round=$round" || status=1
+    (cd "$root/$dir" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/serve_bench.py \
+      --family qwen2_vl --model_dir "$ckpt" --startup --loads "$loads" --client_procs 4 --name "$label" \
+      ${flags:+--server_args "$flags"} 2> "$out/ab_${label}_$round.log") \
+      | tee -a "$out/ab.jsonl" | python3 -c "$summary" "round=$round" || status=1
+    pkill -f mmserve.api_server; sleep 2
   done
 done
 exit "$status"
