@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from mmserve.launch.config import ServerConfig
 from mmserve.launch.preflight import CannotStart
+from mmserve.launch.processes import set_child_environment
 from visual.pids import dead_owners_entries
 
 logger = logging.getLogger("mmserve")
@@ -38,7 +39,12 @@ logger = logging.getLogger("mmserve")
 CONTROL = "nvidia-cuda-mps-control"
 _PREFIX = "mmsv-mps-"
 _OWNER = re.compile(rf"{_PREFIX}(\d+)$")
-_TIMEOUT_S = 30.0
+_TIMEOUT_S = 30.0  # for the daemon to start, or to answer
+_QUIT_GRACE_S = 5  # for its clients to detach once told to quit
+_GONE_S = 10.0  # for its processes to end after that
+# A client's exit waits for the MPS server to release its memory: with tens of GB of KV cache, about 5 s on an H100
+# (past the children's usual grace, so they were killed).
+MPS_STOP_GRACE_S = 20.0
 GPU_NODE = "/dev/nvidiactl"  # the NVIDIA driver's control device: there on a host with its GPUs
 # A client of the daemon: the driver API's primary context on the first visible GPU; exits with the CUresult.
 _CLIENT_CHECK = """import ctypes, sys
@@ -81,7 +87,9 @@ class MpsDaemon:
         gone (killing what is left after _TIMEOUT_S) and remove its directories."""
         sessions = {_read_pid(self._session_file), _read_pid(self._daemon_pid_file)} - {None}
         if os.path.exists(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
-            _run([CONTROL], self.env, f"{CONTROL} quit", stdin=b"quit\n")
+            # A client still attached (a process the server could not stop) would hold up a plain quit; after
+            # _QUIT_GRACE_S the daemon shuts its server down regardless.
+            _run([CONTROL], self.env, f"{CONTROL} quit", stdin=f"quit -t {_QUIT_GRACE_S}\n".encode())
         _end_sessions(sessions)
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -152,8 +160,8 @@ def _session_pids(sessions: set[int], command_prefix: str = "nvidia-cuda-mps") -
 
 
 def _end_sessions(sessions: set[int], command_prefix: str = "nvidia-cuda-mps") -> None:
-    """Wait until these sessions' MPS processes are gone, then kill what is left after _TIMEOUT_S."""
-    deadline = time.monotonic() + _TIMEOUT_S
+    """Wait until these sessions' MPS processes are gone, then kill what is left after _GONE_S."""
+    deadline = time.monotonic() + _GONE_S
     while (pids := _session_pids(sessions, command_prefix)) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in pids:
@@ -179,8 +187,8 @@ def why_not_mps(config: ServerConfig) -> str | None:
 
 
 def start_mps(config: ServerConfig) -> MpsDaemon | None:
-    """Before the children start: a daemon of this server's, its env set in this process for every child to inherit
-    (the visual process's restarts too), or None. Raises CannotStart where `--cuda_mps on` cannot be met."""
+    """Before the children start: a daemon of this server's, its env set for every child spawned from now on (the
+    visual process's restarts too), or None. Raises CannotStart where `--cuda_mps on` cannot be met."""
     if config.cuda_mps != "off" and os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         logger.info("CUDA MPS: the GPU processes are clients of the daemon in $CUDA_MPS_PIPE_DIRECTORY")
         return None
@@ -189,7 +197,7 @@ def start_mps(config: ServerConfig) -> MpsDaemon | None:
         daemon = MpsDaemon(os.path.join(tempfile.gettempdir(), f"{_PREFIX}{os.getpid()}"))
         reason = daemon.start()
         if reason is None:
-            os.environ.update(daemon.env)
+            set_child_environment(daemon.env)  # not this process's: a client of the daemon would hold up its quit
             logger.info("CUDA MPS: the vision tower and the language model share the GPU (--cuda_mps off: apart)")
             return daemon
         if config.cuda_mps == "auto":

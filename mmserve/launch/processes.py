@@ -182,6 +182,15 @@ class ChildProcess:
         return self.process.is_alive()
 
 
+_child_environment: dict[str, str] = {}
+
+
+def set_child_environment(env: dict[str, str]) -> None:
+    """Variables every child spawned from now on sets first thing (the server's CUDA MPS daemon's directories: see
+    mmserve/launch/mps.py), while this process's own environment stays as it is."""
+    _child_environment.update(env)
+
+
 def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
     """Start `target(*args, ready_conn)` in a fresh interpreter (spawn: no forked CUDA or zmq state). `target` may
     be named "package.module:function", so that the parent need not import the child's module (and torch) first.
@@ -189,8 +198,7 @@ def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
     the process group while its interpreter starts waits until it ignores them (ignore_shutdown_signals)."""
     ctx = mp.get_context("spawn")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
-    if isinstance(target, str):
-        target, args = _run_named, (target, *args)
+    target, args = _run_child, (target, dict(_child_environment), *args)
     # Not daemonic: a child may need its own workers (the visual process's preprocessing pool). The parent stops
     # its children itself (stop_children), and a child whose parent vanished exits on its own (setup_child).
     proc = ctx.Process(target=target, args=(*args, send_conn), name=f"mmserve-{name}", daemon=False)
@@ -204,7 +212,11 @@ def spawn_child(name: str, target: Callable | str, *args) -> ChildProcess:
     return ChildProcess(name, proc, recv_conn)
 
 
-def _run_named(target: str, *args) -> None:
+def _run_child(target: Callable | str, environment: dict[str, str], *args) -> None:
+    os.environ.update(environment)  # before anything reads it (CUDA reads the MPS variables when it starts)
+    if not isinstance(target, str):
+        target(*args)
+        return
     ignore_shutdown_signals()  # before the imports: torch alone takes seconds
     from visual.hf_imports import skip_docstring_generation
 
@@ -246,7 +258,10 @@ def hurry_stop() -> None:
     _hurry.set()
 
 
-def stop_children(children: list[ChildProcess], grace_s: float = 5.0, hurried_grace_s: float = 1.0) -> None:
+STOP_GRACE_S = 5.0  # for a child to exit once told to stop
+
+
+def stop_children(children: list[ChildProcess], grace_s: float = STOP_GRACE_S, hurried_grace_s: float = 1.0) -> None:
     """Send every child STOP_SIGNAL, wait (`hurried_grace_s` at most once hurry_stop() was called), then SIGKILL
     the ones still there; reap all of them."""
     for child in children:

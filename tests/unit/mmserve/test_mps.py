@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.launch import mps
+from mmserve.launch import mps, processes
 from mmserve.launch.config import ServerConfig
 from mmserve.launch.preflight import CannotStart
 
@@ -64,7 +64,7 @@ def test_auto_runs_without_mps_when_no_context_can_connect(control, caplog):
     with caplog.at_level("WARNING", logger="mmserve"):
         assert mps.start_mps(multimodal()) is None
     root = Path(mps.tempfile.gettempdir()) / f"mmsv-mps-{os.getpid()}"
-    assert control.read_text().split() == ["start", str(root / "pipe"), "quit", str(root / "pipe")]
+    assert control.read_text().split() == ["start", str(root / "pipe"), "quit", "-t", "5", str(root / "pipe")]
     assert not root.exists()
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     assert "running without CUDA MPS: a CUDA context under it failed" in caplog.text
@@ -93,7 +93,7 @@ def test_the_sweep_stops_only_a_dead_servers_daemon(control, tmp_path):
         (root / "pipe").mkdir(parents=True)
         (root / "pipe" / "control").write_text("")
     assert mps.remove_dead_mps(str(tmp_path)) == [dead.name]
-    assert control.read_text().split() == ["quit", str(dead / "pipe")]
+    assert control.read_text().split() == ["quit", "-t", "5", str(dead / "pipe")]
     assert not dead.exists() and alive.exists()
 
 
@@ -102,9 +102,28 @@ def test_a_daemon_that_does_not_quit_is_killed_with_its_session(monkeypatch):
     try:
         assert mps._session_pids({lingering.pid}) == []  # not an MPS process: never waited for, nor killed
         assert mps._session_pids({lingering.pid}, "sleep") == [lingering.pid]
-        monkeypatch.setattr(mps, "_TIMEOUT_S", 0.2)
+        monkeypatch.setattr(mps, "_GONE_S", 0.2)
         mps._end_sessions({lingering.pid}, "sleep")
         assert lingering.wait(5) == -9
         assert mps._session_pids({lingering.pid}, "sleep") == []
     finally:
         lingering.kill()
+
+
+def _report_environment(ready) -> None:
+    ready.send(("ready", os.environ.get("MMSV_CHILD_ONLY")))
+    ready.close()
+
+
+def test_the_daemons_environment_is_the_childrens_not_the_servers(monkeypatch):
+    """The server's own process never becomes a client of the daemon (one would hold up its quit)."""
+    monkeypatch.setattr(processes, "_child_environment", {})
+    monkeypatch.delenv("MMSV_CHILD_ONLY", raising=False)
+    processes.set_child_environment({"MMSV_CHILD_ONLY": "pipe-dir"})
+    child = processes.spawn_child("probe", _report_environment)
+    try:
+        processes.wait_ready([child], 60)
+        assert child.info == "pipe-dir"
+        assert "MMSV_CHILD_ONLY" not in os.environ
+    finally:
+        processes.stop_children([child])
