@@ -1,8 +1,8 @@
 """CUDA MPS for the server's two GPU processes. Serving images, the vision tower (visual process) and the language
 model (router process) share one GPU. Without MPS the driver time-slices their two contexts: no kernel of one runs
 beside a kernel of the other, and the GPU switches between them. Under an MPS server both run as clients of one
-context, and their kernels share the SMs. On an H100, 64 x 896 px images gave 6 % more requests/s and a 0.2 s
-earlier TTFT p50 (docs/performance.md, "One GPU, two processes").
+context, and their kernels share the SMs. On an H100, 64 x 896 px images gave 5-9 % more requests/s and an earlier
+TTFT p50 (docs/performance.md, "One GPU, two processes").
 
 `--cuda_mps auto` (the default) starts an MPS control daemon of the server's own (`nvidia-cuda-mps-control -d`, its
 pipe and log directories in /tmp/mmsv-mps-<pid>) before the children start, and stops it after them. It does so
@@ -12,8 +12,9 @@ A client context is created first, in a short subprocess through the driver API.
 stopped and the server runs without MPS (`auto`) or does not start (`on`). A daemon left by a server that was
 killed outright is stopped at the next start.
 
-The trade: under MPS a fatal GPU fault in one process (an illegal address) ends the other's context too, where
-without it the visual process would be restarted alone. `--cuda_mps off` keeps the two contexts apart."""
+The trade: under MPS a fatal GPU fault in one client (an illegal address) reaches every client of the GPU's MPS
+server, by NVIDIA's documentation, where two contexts would lose only the visual process (restarted alone).
+`--cuda_mps off` keeps the two contexts apart."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class MpsDaemon:
 
     def stop(self) -> None:
         """Quit the daemon (it stops its server, whose clients have exited by now), wait until its processes are
-        gone (killing what is left after _TIMEOUT_S) and remove its directories."""
+        gone (killing what is left after _GONE_S) and remove its directories."""
         sessions = {_read_pid(self._session_file), _read_pid(self._daemon_pid_file)} - {None}
         if os.path.exists(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
             # A client still attached (a process the server could not stop) would hold up a plain quit; after
