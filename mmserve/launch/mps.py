@@ -74,8 +74,11 @@ class MpsDaemon:
         """Start the daemon and connect a client to it; None when both worked, else why not (the daemon stopped).
         The daemon runs in a session of its own, so a signal to the server's process group (systemd, `docker stop`,
         Ctrl-C) does not end it under the children while they drain: the server stops it after them."""
-        for path in self.env.values():
-            os.makedirs(path, exist_ok=True)
+        try:
+            for path in self.env.values():
+                os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            return f"cannot make its directories: {e}"
         error = _run([CONTROL, "-d"], self.env, f"{CONTROL} -d", session_file=self._session_file)
         if error is None:
             error = _run([sys.executable, "-c", _CLIENT_CHECK], self.env, "a CUDA context under it")

@@ -70,6 +70,14 @@ def test_auto_runs_without_mps_when_no_context_can_connect(control, caplog):
     assert "running without CUDA MPS: a CUDA context under it failed" in caplog.text
 
 
+def test_auto_runs_without_mps_where_its_directories_cannot_be_made(control, monkeypatch, caplog):
+    monkeypatch.setattr(mps.tempfile, "gettempdir", lambda: "/dev/null/tmp")
+    with caplog.at_level("WARNING", logger="mmserve"):
+        assert mps.start_mps(multimodal()) is None
+    assert "running without CUDA MPS: cannot make its directories" in caplog.text
+    assert control.read_text() == ""
+
+
 def test_on_refuses_to_start_in_one_line(control, monkeypatch):
     with pytest.raises(CannotStart, match="^--cuda_mps on: a CUDA context under it failed") as failed:
         mps.start_mps(multimodal(cuda_mps="on"))
