@@ -79,7 +79,7 @@ class MpsDaemon:
                 os.makedirs(path, exist_ok=True)
         except OSError as e:
             return f"cannot make its directories: {e}"
-        error = _run([CONTROL, "-d"], self.env, f"{CONTROL} -d", session_file=self._session_file)
+        error = _run([CONTROL, "-d"], self.env, f"{CONTROL} -d", new_session=True)
         if error is None:
             error = _run([sys.executable, "-c", _CLIENT_CHECK], self.env, "a CUDA context under it")
         if error is not None:
@@ -89,22 +89,18 @@ class MpsDaemon:
     def stop(self) -> None:
         """Quit the daemon (it stops its server, whose clients have exited by now), wait until its processes are
         gone (killing what is left after _GONE_S) and remove its directories."""
-        sessions = {_read_pid(self._session_file), _read_pid(self._daemon_pid_file)} - {None}
+        session = _session_of(_read_pid(self._daemon_pid_file))  # read while the daemon still runs
         if os.path.exists(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
             # A client still attached (a process the server could not stop) would hold up a plain quit; after
             # _QUIT_GRACE_S the daemon shuts its server down regardless.
             _run([CONTROL], self.env, f"{CONTROL} quit", stdin=f"quit -t {_QUIT_GRACE_S}\n".encode())
-        _end_sessions(sessions)
+        if session is not None:
+            _end_session(session)
         shutil.rmtree(self.root, ignore_errors=True)
 
     @property
-    def _session_file(self) -> str:
-        """The session the daemon was started in (by _run)."""
-        return os.path.join(self.root, "session")
-
-    @property
     def _daemon_pid_file(self) -> str:
-        """The daemon's pid, which it writes; it may have made a session of its own."""
+        """The daemon's pid, which it writes."""
         return os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], f"{CONTROL}.pid")
 
 
@@ -117,28 +113,19 @@ def _read_pid(path: str) -> int | None:
 
 
 def _run(
-    argv: list[str], env: dict[str, str], what: str, stdin: bytes | None = None, session_file: str | None = None
+    argv: list[str], env: dict[str, str], what: str, stdin: bytes | None = None, new_session: bool = False
 ) -> str | None:
-    """Run argv with env added; None if it exited 0, else what failed, in one line. With `session_file`, argv runs
-    in a new session whose id (its pid) is written there."""
+    """Run argv with env added (in a session of its own with `new_session`); None if it exited 0, else what failed,
+    in one line."""
     try:
-        with subprocess.Popen(
+        done = subprocess.run(
             argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            input=stdin,
             env={**os.environ, **env},
-            start_new_session=session_file is not None,
-        ) as proc:
-            if session_file is not None:
-                with open(session_file, "w") as f:
-                    f.write(str(proc.pid))
-            try:
-                stdout, stderr = proc.communicate(stdin, timeout=_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
-        done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+            capture_output=True,
+            timeout=_TIMEOUT_S,
+            start_new_session=new_session,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{what} failed: {e}"
     if done.returncode != 0:
@@ -147,26 +134,39 @@ def _run(
     return None
 
 
-def _session_pids(sessions: set[int], command_prefix: str = "nvidia-cuda-mps") -> list[int]:
-    """The MPS processes (the daemon and the server it started; by their command's name, so that a pid reused
-    since by another session leader is never taken for one) of these sessions, from /proc."""
+def _stat(pid: int | str) -> tuple[str, list[str]] | None:
+    """A live process's command name and the /proc/<pid>/stat fields after it (state, ppid, pgrp, session, ...);
+    None for a zombie or no process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            command, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    fields = rest.split()
+    return None if fields[0] == "Z" else (command, fields)
+
+
+def _session_of(pid: int | None) -> int | None:
+    """The session of the daemon `pid` (it makes one of its own; its MPS server joins it), or None."""
+    stat = None if pid is None else _stat(pid)
+    return int(stat[1][3]) if stat is not None else None
+
+
+def _session_pids(session: int, command_prefix: str = "nvidia-cuda-mps") -> list[int]:
+    """The MPS processes of a session (by their command's name, so that a pid reused since by another program's
+    session is never taken for one), from /proc."""
     pids = []
     for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                command, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
-        except (OSError, ValueError, IndexError):
-            continue  # not a process, or gone
-        fields = rest.split()  # state, ppid, pgrp, session, ...
-        if fields[0] != "Z" and int(fields[3]) in sessions and command.startswith(command_prefix):
+        stat = _stat(name)
+        if stat is not None and int(stat[1][3]) == session and stat[0].startswith(command_prefix):
             pids.append(int(name))
     return pids
 
 
-def _end_sessions(sessions: set[int], command_prefix: str = "nvidia-cuda-mps") -> None:
-    """Wait until these sessions' MPS processes are gone, then kill what is left after _GONE_S."""
+def _end_session(session: int, command_prefix: str = "nvidia-cuda-mps") -> None:
+    """Wait until the session's MPS processes are gone, then kill what is left after _GONE_S."""
     deadline = time.monotonic() + _GONE_S
-    while (pids := _session_pids(sessions, command_prefix)) and time.monotonic() < deadline:
+    while (pids := _session_pids(session, command_prefix)) and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

@@ -108,12 +108,13 @@ def test_the_sweep_stops_only_a_dead_servers_daemon(control, tmp_path):
 def test_a_daemon_that_does_not_quit_is_killed_with_its_session(monkeypatch):
     lingering = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        assert mps._session_pids({lingering.pid}) == []  # not an MPS process: never waited for, nor killed
-        assert mps._session_pids({lingering.pid}, "sleep") == [lingering.pid]
+        assert mps._session_of(lingering.pid) == lingering.pid
+        assert mps._session_pids(lingering.pid) == []  # not an MPS process: never waited for, nor killed
+        assert mps._session_pids(lingering.pid, "sleep") == [lingering.pid]
         monkeypatch.setattr(mps, "_GONE_S", 0.2)
-        mps._end_sessions({lingering.pid}, "sleep")
+        mps._end_session(lingering.pid, "sleep")
         assert lingering.wait(5) == -9
-        assert mps._session_pids({lingering.pid}, "sleep") == []
+        assert mps._session_pids(lingering.pid, "sleep") == []
     finally:
         lingering.kill()
 
