@@ -14,6 +14,7 @@ starts a new pool from the same fork server, so the visual process goes on servi
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import io
@@ -143,9 +144,14 @@ def _hf_convert_to_rgb(image: Image.Image) -> Image.Image:
     (deprecated, with a warning), older ones have no `return_numpy` to ask with."""
     from transformers.image_transforms import convert_to_rgb
 
-    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:
+    if _takes_return_numpy(convert_to_rgb):
         return Image.fromarray(convert_to_rgb(image, return_numpy=True))
     return convert_to_rgb(image)
+
+
+@functools.cache  # one signature to read per worker, not one per image
+def _takes_return_numpy(function: Callable) -> bool:
+    return "return_numpy" in inspect.signature(function).parameters
 
 
 def decode_and_preprocess(
