@@ -4,7 +4,7 @@ beside a kernel of the other, and the GPU switches between them. Under an MPS se
 context, and their kernels share the SMs. On an H100, 64 x 896 px images gave 5-9 % more requests/s and an earlier
 TTFT p50 (docs/performance.md, "One GPU, two processes").
 
-`--cuda_mps auto` (the default) starts an MPS control daemon of the server's own (`nvidia-cuda-mps-control -d`, its
+`--cuda_mps auto` starts an MPS control daemon of the server's own (`nvidia-cuda-mps-control -d`, its
 pipe and log directories in /tmp/mmsv-mps-<pid>) before the children start, and stops it after them. It does so
 only where MPS applies: a multimodal server on one GPU (`--tp 1`), on a host with the daemon's binary and an NVIDIA
 GPU. Where CUDA_MPS_PIPE_DIRECTORY is set, the children are clients of the user's daemon there instead.
