@@ -18,11 +18,10 @@ from mmserve.launch.children import spawn_detokenizer, spawn_router, spawn_visua
 from mmserve.launch.cli import parse_config
 from mmserve.launch.config import ServerConfig
 from mmserve.launch.demo import demo_for, ensure_demo_checkpoint
-from mmserve.launch.mps import MPS_STOP_GRACE_S, remove_dead_mps, start_mps
+from mmserve.launch.mps import remove_dead_mps, start_mps
 from mmserve.launch.preflight import CannotStart, bind_http_sockets, check_model_dir
 from mmserve.launch.processes import (
     SHUTDOWN_SIGNALS,
-    STOP_GRACE_S,
     ChildProcess,
     ChildStartError,
     configure_logging,
@@ -129,7 +128,7 @@ def serve(config: ServerConfig) -> int:
     finally:
         for sock in listeners:
             sock.close()
-        stop_children(children, grace_s=STOP_GRACE_S if mps is None else MPS_STOP_GRACE_S)
+        stop_children(children)
         if mps is not None:
             mps.stop()
         endpoints.remove()

@@ -43,9 +43,6 @@ _OWNER = re.compile(rf"{_PREFIX}(\d+)$")
 _TIMEOUT_S = 30.0  # for the daemon to start, or to answer
 _QUIT_GRACE_S = 5  # for its clients to detach once told to quit
 _GONE_S = 10.0  # for its processes to end after that
-# A client's exit waits for the MPS server to release its memory: with tens of GB of KV cache, about 5 s on an H100
-# (past the children's usual grace, so they were killed).
-MPS_STOP_GRACE_S = 20.0
 GPU_NODE = "/dev/nvidiactl"  # the NVIDIA driver's control device: there on a host with its GPUs
 # A client of the daemon: the driver API's primary context on the first visible GPU; exits with the CUresult.
 _CLIENT_CHECK = """import ctypes, sys

@@ -68,7 +68,11 @@ def configure_logging(log_level: str, name: str = "%(name)s") -> None:
 # `docker stop` send SIGTERM to the whole process group, and Ctrl-C sends SIGINT to it, but only the parent decides
 # to stop: it drains, then stops each child with STOP_SIGNAL.
 SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-STOP_SIGNAL = signal.SIGUSR1  # its default action ends a process that installed no handler (a tensor-parallel rank)
+# A real-time signal, whose default action ends a process that installed no handler (a tensor-parallel rank). Not
+# SIGUSR1: the LLVM inside Triton's compiler takes SIGUSR1 over in any process that compiles a kernel (its "info"
+# signal) and swallows it, so a child that compiled one (a cold Triton cache, a new shape) ignored its stop and was
+# killed after the grace. LLVM leaves real-time signals alone (tests/unit/mmserve/test_stop_signal.py).
+STOP_SIGNAL = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 
 
 def ignore_shutdown_signals() -> None:
