@@ -39,6 +39,7 @@ from visual.hf_imports import skip_docstring_generation
 from visual.image_decode import BadImage, open_image
 from visual.models.base import ImageInput
 from visual.pids import pid_alive
+from visual.semaphore_names import use_multiprocessing_semaphore_names
 from visual.shared_pixels import (
     STAGE_MIN_BYTES,
     SharedBytes,
@@ -212,6 +213,7 @@ def _fork_server_context() -> mp.context.BaseContext:
     once (`visual.fork_server_preload`). The visual process itself has CUDA initialised and must not be forked;
     spawned workers would each import all of it again (~5-15 CPU-s apiece), which on an 8-worker GPU host competed
     with the first requests."""
+    use_multiprocessing_semaphore_names()  # the pool's queues and barrier: named after the server, not loky's way
     ctx = mp.get_context("forkserver")
     # __main__: as spawn would import it, here once for all workers. No effect once this process's server runs.
     ctx.set_forkserver_preload(["__main__", "visual.fork_server_preload"])

@@ -13,6 +13,7 @@ import os
 import re
 
 from visual.pids import dead_owners_entries
+from visual.semaphore_names import use_multiprocessing_semaphore_names
 
 _SEM_DIR = "/dev/shm"  # where glibc keeps a named semaphore `/name`, as the file `sem.name`
 _OWNER = re.compile(r"sem\.mp-mmsv_(\d+)-")
@@ -22,6 +23,7 @@ def name_semaphores_after(server_pid: int) -> None:
     """Semaphores this process makes from now on are named `/mp-mmsv_<server_pid>-<random>`. multiprocessing reads
     the prefix from the process's config each time it names one (synchronize.SemLock._make_name)."""
     multiprocessing.process.current_process()._config["semprefix"] = f"/mp-mmsv_{server_pid}"
+    use_multiprocessing_semaphore_names()  # and again wherever semaphores are made: an import may replace it
 
 
 def remove_dead_semaphores(sem_dir: str = _SEM_DIR) -> list[str]:
