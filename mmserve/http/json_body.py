@@ -98,6 +98,29 @@ def _is_escaped(raw: bytes, quote: int) -> bool:
     return run % 2 == 1
 
 
+# The deepest nesting of arrays and objects a body may have. json.loads's own limit moves with the Python version (a
+# 3000-deep body fails on 3.11 and parses on 3.13) and with the caller's stack; this one does not, and it keeps deep
+# values away from the recursive code a body goes through afterwards (chat templates, schema compilers, copies).
+MAX_DEPTH = 256
+
+
+def too_deep(obj: object, raw: bytes) -> bool:
+    """Whether `obj` (parsed from `raw`) nests arrays and objects more than MAX_DEPTH deep. A body with fewer opening
+    brackets than that cannot, so almost none is walked."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    stack: list[tuple[object, int]] = [(obj, 1)]
+    while stack:  # iterative: as deep as json.loads allowed
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > MAX_DEPTH:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
 def lone_surrogate(obj: object, raw: bytes) -> tuple[str, str] | None:
     """(where, the string shown with its surrogates escaped) of the first string or key holding a lone surrogate,
     else None. JSON lets "\\ud800" through (and json.loads decodes raw bytes with surrogatepass), but such a string

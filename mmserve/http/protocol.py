@@ -93,14 +93,19 @@ class GenerateInput:
     image_max_patch_num: int = -1
 
 
+_TOO_DEEP = f"is nested too deeply (arrays and objects at most {json_body.MAX_DEPTH} levels deep)"
+
+
 def parse_json(raw: bytes) -> dict:
     """A request body that must be one JSON object; BadRequest otherwise."""
     try:
         body = json_body.loads(raw)  # json.loads, with image payloads cut out first
-    except RecursionError:  # json.loads's own nesting limit (~1000 levels)
-        raise BadRequest("body", "is nested too deeply") from None
+    except RecursionError:  # json.loads's own nesting limit (~1000 levels on Python 3.11, more on later ones)
+        raise BadRequest("body", _TOO_DEEP) from None
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("body", "is not valid JSON") from None
+    if json_body.too_deep(body, raw):
+        raise BadRequest("body", _TOO_DEEP)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     surrogate = json_body.lone_surrogate(body, raw)

@@ -84,3 +84,27 @@ def test_an_image_payload_is_left_to_base64_to_check():
     data = json_body.loads(raw)["images"][0]["data"]
     with pytest.raises(BadImage, match="malformed base64"):
         decode_base64(data, max_bytes=1 << 30)
+
+
+def nested(depth: int) -> bytes:
+    """An object whose parameters nest `depth` arrays and objects deep in all (the body itself counted)."""
+    inner = depth - 2  # the body and "parameters"
+    return b'{"inputs": "hi", "parameters": {"x": ' + b"[" * inner + b"1" + b"]" * inner + b"}}"
+
+
+def test_bodies_nested_past_the_limit_get_a_400_whatever_json_loads_allows():
+    """json.loads takes a 257-deep body on every Python; its own limit (~1000 on 3.11, ~3000+ on 3.13) is not the
+    server's."""
+    from mmserve.http.protocol import BadRequest, parse_json
+
+    assert parse_json(nested(json_body.MAX_DEPTH))["inputs"] == "hi"
+    json.loads(nested(json_body.MAX_DEPTH + 1))
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_json(nested(json_body.MAX_DEPTH + 1))
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_json(b"[" * 100_000 + b"]" * 100_000)  # past json.loads's own limit: the same answer
+
+
+def test_wide_bodies_are_not_too_deep():
+    wide = json.dumps({"inputs": "hi", "ids": [[i] for i in range(5000)], "m": [{"a": {"b": [1]}}] * 500}).encode()
+    assert not json_body.too_deep(json.loads(wide), wide)
