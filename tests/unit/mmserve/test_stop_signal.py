@@ -51,6 +51,26 @@ def test_a_child_that_compiled_a_triton_kernel_stops_on_the_stop_signal(tmp_path
     assert child.exitcode == 0, f"the child did not stop on STOP_SIGNAL (exit code {child.exitcode}: killed)"
 
 
+def _rank_that_compiles(ready) -> None:
+    def start():
+        signal.signal(processes.STOP_SIGNAL, signal.SIG_DFL)  # as a tensor-parallel rank: the signal's default ends it
+        _compile_a_kernel()
+        return "compiled", lambda parent_pid: time.sleep(3600)
+
+    processes.run_child("rank", "WARNING", ready, start)
+
+
+def test_a_rank_that_compiled_a_triton_kernel_is_ended_by_the_stop_signals_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    child = processes.spawn_child("rank", _rank_that_compiles)
+    try:
+        processes.wait_ready([child], 120)
+    finally:
+        processes.stop_children([child], grace_s=10)
+    assert child.exitcode == -processes.STOP_SIGNAL, f"exit code {child.exitcode}: not ended by STOP_SIGNAL"
+
+
 def test_the_stop_signal_is_not_one_llvm_takes_over():
     """LLVM's handlers cover SIGUSR1 (swallowed), SIGHUP, SIGINT, SIGTERM and SIGUSR2 (re-raised), and the fatal
     signals; a real-time signal is none of them, and its default action still ends a process with no handler."""
