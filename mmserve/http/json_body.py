@@ -1,5 +1,5 @@
 """Request bodies as JSON, quickly when they carry images: `loads(raw)` gives what `json.loads(raw)` gives, and
-raises what it raises.
+raises what it raises, and refuses a body nested past MAX_DEPTH levels (TooDeep) on every Python version.
 
 An 896 px PNG in base64 is a 3.2 MB JSON string, and `json.loads` builds it character by character: ~3 ms per
 body, a third of the HTTP process's CPU under a burst of such requests (py-spy on the GPU host). JSON's strings are
@@ -23,9 +23,10 @@ _CONTROL = bytes(1 if c < 0x20 else 0 for c in range(256))  # translate table: 1
 
 
 def loads(raw: bytes) -> object:
+    """What json.loads(raw) gives, or raises; TooDeep past MAX_DEPTH levels of arrays and objects."""
     spans = _long_plain_strings(raw) if len(raw) >= _LONG and json.detect_encoding(raw) == "utf-8" else []
     if not spans:
-        return json.loads(raw)
+        return _not_too_deep(json.loads(raw), raw)
     nonce = secrets.token_hex(8)  # no client can guess a placeholder
     pieces, cut, pos = [], {}, 0
     for i, (start, end) in enumerate(spans):  # raw[start:end]: a string's content, between its quotes
@@ -34,10 +35,12 @@ def loads(raw: bytes) -> object:
         cut["\x00" + name] = (start, end)
         pos = end
     pieces.append(raw[pos:])
+    structure = b"".join(pieces)
     try:
-        return _Restore(raw, cut).value(json.loads(b"".join(pieces)), key=None)
+        parsed = _Restore(raw, cut).value(json.loads(structure), key=None)
     except (ValueError, _Invalid):
         return json.loads(raw)  # the document is invalid: json.loads's own error for it (positions and all)
+    return _not_too_deep(parsed, structure)
 
 
 class _Invalid(Exception):
@@ -104,13 +107,22 @@ def _is_escaped(raw: bytes, quote: int) -> bool:
 MAX_DEPTH = 256
 
 
-def too_deep(obj: object, raw: bytes) -> bool:
-    """Whether `obj` (parsed from `raw`) nests arrays and objects more than MAX_DEPTH deep. A body with fewer opening
-    brackets than that cannot, so almost none is walked."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
-        return False
+class TooDeep(ValueError):
+    """A body nested past MAX_DEPTH."""
+
+
+def _not_too_deep(obj: object, parsed: bytes) -> object:
+    """`obj`, unless it nests arrays and objects past MAX_DEPTH. Only a body with more opening brackets than that
+    (in the bytes json.loads read: an image payload cut out is not read) can, so almost none is walked."""
+    if parsed.count(b"[") + parsed.count(b"{") > MAX_DEPTH and too_deep(obj):
+        raise TooDeep(f"nested more than {MAX_DEPTH} levels deep")
+    return obj
+
+
+def too_deep(obj: object) -> bool:
+    """Whether `obj` nests arrays and objects more than MAX_DEPTH deep (walked without recursion)."""
     stack: list[tuple[object, int]] = [(obj, 1)]
-    while stack:  # iterative: as deep as json.loads allowed
+    while stack:
         value, depth = stack.pop()
         children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
         for child in children:

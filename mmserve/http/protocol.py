@@ -100,12 +100,10 @@ def parse_json(raw: bytes) -> dict:
     """A request body that must be one JSON object; BadRequest otherwise."""
     try:
         body = json_body.loads(raw)  # json.loads, with image payloads cut out first
-    except RecursionError:  # json.loads's own nesting limit (~1000 levels on Python 3.11, more on later ones)
+    except (json_body.TooDeep, RecursionError):  # RecursionError: json.loads's own limit (~1000 levels on 3.11)
         raise BadRequest("body", _TOO_DEEP) from None
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("body", "is not valid JSON") from None
-    if json_body.too_deep(body, raw):
-        raise BadRequest("body", _TOO_DEEP)
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     surrogate = json_body.lone_surrogate(body, raw)

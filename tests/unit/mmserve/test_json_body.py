@@ -107,4 +107,4 @@ def test_bodies_nested_past_the_limit_get_a_400_whatever_json_loads_allows():
 
 def test_wide_bodies_are_not_too_deep():
     wide = json.dumps({"inputs": "hi", "ids": [[i] for i in range(5000)], "m": [{"a": {"b": [1]}}] * 500}).encode()
-    assert not json_body.too_deep(json.loads(wide), wide)
+    assert not json_body.too_deep(json.loads(wide))
