@@ -262,10 +262,7 @@ def hurry_stop() -> None:
     _hurry.set()
 
 
-STOP_GRACE_S = 5.0  # for a child to exit once told to stop
-
-
-def stop_children(children: list[ChildProcess], grace_s: float = STOP_GRACE_S, hurried_grace_s: float = 1.0) -> None:
+def stop_children(children: list[ChildProcess], grace_s: float = 5.0, hurried_grace_s: float = 1.0) -> None:
     """Send every child STOP_SIGNAL, wait (`hurried_grace_s` at most once hurry_stop() was called), then SIGKILL
     the ones still there; reap all of them."""
     for child in children:
