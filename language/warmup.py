@@ -85,13 +85,22 @@ def _run(engine: WarmedEngine, waves: list[list[Request]]) -> None:
 @torch.inference_mode()
 def warmup(engine: WarmedEngine) -> None:
     """Every shape class once: first with launches that only compile (all variants at once, in parallel; what
-    those steps compute is garbage, so the prefix cache forgets it), then for real, each variant compiled."""
+    those steps compute is garbage), then for real, each variant compiled. The prefix cache forgets both passes'
+    made-up prompts, so the server starts with it empty, as its metrics say."""
     with compile_only("kernel warm-up"):
         _warm(engine)
+    _forget_prompts(engine)
+    _warm(engine)
+    _forget_prompts(engine)
+    engine.counters = type(engine.counters)()  # the figures start with the first real request
+
+
+def _forget_prompts(engine: WarmedEngine) -> None:
+    """Evict the warm-up's prompts and answers from the prefix cache, and zero its hit count (a total since the
+    server started serving: `mmserve_prefix_cache_hit_tokens_total`)."""
     if engine.prefix is not None:
         engine.prefix.clear()
-    _warm(engine)
-    engine.counters = type(engine.counters)()  # the figures start with the first real request
+        engine.prefix.hit_tokens = 0
 
 
 def _warm(engine: WarmedEngine) -> None:

@@ -1,4 +1,5 @@
-"""The start-up warm-up covers Triton's specialisation classes and leaves the KV cache as it found it."""
+"""The start-up warm-up covers Triton's specialisation classes and leaves the KV cache and the prefix cache as it
+found them."""
 
 from language.warmup import _kind, warmup, warmup_shapes
 from mmserve.llm import LLM
@@ -15,7 +16,12 @@ def test_warmup_frees_everything(tmp_path):
 
     llm = LLM(build_llama(str(tmp_path / "m")), max_total_token_num=1024, device="cpu")
     engine = llm.engine
+    assert engine.prefix is not None  # the prefix cache is on by default
     warmup(engine)
     stats = engine.stats()
     assert stats.kv_used == 0 and engine.kv.num_free_rows() == engine.cfg.running_max_req_size
     assert not engine.has_unfinished() and engine.counters.steps == 0
+    # Nothing of its made-up prompts stays cached: the server starts with an empty prefix cache (its metrics say
+    # so, and every slot is free).
+    assert stats.prefix_cache_tokens == 0 and stats.prefix_cache_hit_tokens == 0
+    assert engine.kv.slots.num_free == engine.kv.slots.num_slots
