@@ -1,5 +1,9 @@
 """A real mmserve server in a subprocess, for end-to-end tests: a free port on 127.0.0.1, its log in a file, and
-checks that every process it started is gone after it stops."""
+checks that every process it started is gone after it stops.
+
+The servers run on the CPU unless `MMSERVE_E2E_DEVICE` names another device (`cuda` on a GPU host: the same tests
+then reach the Triton kernels, CUDA graphs and the overlapped loop that serve in production); a test that passes its
+own `--device` keeps it."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import time
 from collections.abc import Iterator
 
 import httpx
+
+E2E_DEVICE = os.environ.get("MMSERVE_E2E_DEVICE", "cpu")  # the device the servers run on (module docstring)
 
 
 def free_port() -> int:
@@ -89,7 +95,7 @@ class ServerProcess:
             "--port",
             str(self.port),
             "--device",
-            "cpu",
+            E2E_DEVICE,
             "--log_level",
             "warning",
             *args,
