@@ -37,10 +37,12 @@ _MAX_CHUNKS = 64  # the two-launch merge kernel merges all chunks of a head in o
 _PROGRAMS_PER_SM = 4  # enough programs in flight to cover HBM latency
 _MIN_CHUNK = 64  # keys: a sequence splits into chunks of at least this many (a short one takes fewer chunks)
 # Up to this many chunks the last chunk to finish merges (one launch); beyond, a second, merge kernel merges in
-# parallel. On an H100 (kernels_bench --only decode_split, Qwen2-VL-7B's heads) the fused merge won at batch 64 (3
-# chunks: 18.4 against 25.2 us a layer at 300 keys) and lost at batch 16 and 1 (9 and 64 chunks of 1200 keys: 21.2
-# against 17.8 us, 10.3 against 6.2 us), where one program reading every chunk back is the slow part.
-_FUSED_MERGE_MAX_CHUNKS = 4
+# parallel. On an H100 (kernels_bench --only decode_split: Qwen2-VL-7B's heads, each of 28 layers reading its own
+# cache from HBM) the fused merge won at batch 64 (3 chunks: 21.6 against 28.0 us a layer at 300 keys, 63.2 against
+# 68.9 at 1200) and batch 32 (5 chunks: 14.5 against 16.6 us at 300 keys, level at 1200), and lost at batch 16 and 1
+# (9 and 64 chunks of 1200 keys: 22.4 against 21.9 us, 10.7 against 6.7 us), where one program reading every chunk
+# back is the slow part.
+_FUSED_MERGE_MAX_CHUNKS = 8
 _MERGE_TILE = 1024  # elements of the fused merge's [group, chunks, head dim] tile: few registers
 _FP8_PER_HEAD = tl.constexpr(KV_FP8_PER_HEAD)
 
