@@ -40,21 +40,25 @@ def _launch(block_n: int, warps: int, stages: int) -> dict[str, int]:
     return dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
-# The first is the reference for max|diff|.
+# The first is the reference for max|diff|. The launch variants keep the default's chunking.
+_FUSED, _MIN, _PER_SM = (
+    decode_module._FUSED_MERGE_MAX_CHUNKS,
+    decode_module._MIN_CHUNK,
+    decode_module._PROGRAMS_PER_SM,
+)
 VARIANTS = (
     Variant("two launches", 0, 64, 4),
-    Variant("default", decode_module._FUSED_MERGE_MAX_CHUNKS, decode_module._MIN_CHUNK, decode_module._PROGRAMS_PER_SM),
+    Variant("default", _FUSED, _MIN, _PER_SM),
     Variant("fused", _ALWAYS, 64, 4),
     Variant("fused, chunks >= 256", _ALWAYS, 256, 4),
     Variant("fused, chunks >= 512", _ALWAYS, 512, 4),
     Variant("fused, 2 programs/SM", _ALWAYS, 64, 2),
     Variant("fused, 8 programs/SM", _ALWAYS, 64, 8),
-    Variant("keys 64, 4 warps, 3 stages", 4, 64, 4, _launch(64, 4, 3)),
-    Variant("keys 64, 2 warps, 3 stages", 4, 64, 4, _launch(64, 2, 3)),
-    Variant("keys 32, 2 warps, 2 stages", 4, 64, 4, _launch(32, 2, 2)),
-    Variant("keys 32, 2 warps, 3 stages", 4, 64, 4, _launch(32, 2, 3)),
-    Variant("keys 32, 1 warp, 4 stages", 4, 64, 4, _launch(32, 1, 4)),
-    Variant("keys 32, 1 warp, 2 stages", 4, 128, 4, _launch(32, 1, 2)),
+    Variant("keys 64, 2 warps, 3 stages", _FUSED, _MIN, _PER_SM, _launch(64, 2, 3)),
+    Variant("keys 32, 2 warps, 2 stages", _FUSED, _MIN, _PER_SM, _launch(32, 2, 2)),
+    Variant("keys 32, 2 warps, 3 stages", _FUSED, _MIN, _PER_SM, _launch(32, 2, 3)),
+    Variant("keys 32, 1 warp, 4 stages", _FUSED, _MIN, _PER_SM, _launch(32, 1, 4)),
+    Variant("keys 32, 1 warp, 2 stages", _FUSED, 128, _PER_SM, _launch(32, 1, 2)),
 )
 # (model, query heads, KV heads, head dim, batches)
 SHAPES = (
