@@ -25,8 +25,13 @@ def _compile_a_kernel() -> None:
     triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
 
-def _child_that_compiles(ready) -> None:
+def _child_that_compiles(default_action: bool, ready) -> None:
+    """A child that compiles a kernel, then serves until told to stop; default_action: as a tensor-parallel rank,
+    whose STOP_SIGNAL keeps its default action (it ends the process) instead of run_child's handler."""
+
     def start():
+        if default_action:
+            signal.signal(processes.STOP_SIGNAL, signal.SIG_DFL)
         _compile_a_kernel()
 
         def serve(parent_pid: int) -> None:
@@ -41,7 +46,7 @@ def _child_that_compiles(ready) -> None:
 def test_a_child_that_compiled_a_triton_kernel_stops_on_the_stop_signal(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cold cache: the compile runs in the child
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the suite's CPU setting): compiled, not interpreted
-    child = processes.spawn_child("compiler", _child_that_compiles)
+    child = processes.spawn_child("compiler", _child_that_compiles, False)
     try:
         processes.wait_ready([child], 120)
         assert child.info == "compiled"
@@ -51,19 +56,10 @@ def test_a_child_that_compiled_a_triton_kernel_stops_on_the_stop_signal(tmp_path
     assert child.exitcode == 0, f"the child did not stop on STOP_SIGNAL (exit code {child.exitcode}: killed)"
 
 
-def _rank_that_compiles(ready) -> None:
-    def start():
-        signal.signal(processes.STOP_SIGNAL, signal.SIG_DFL)  # as a tensor-parallel rank: the signal's default ends it
-        _compile_a_kernel()
-        return "compiled", lambda parent_pid: time.sleep(3600)
-
-    processes.run_child("rank", "WARNING", ready, start)
-
-
 def test_a_rank_that_compiled_a_triton_kernel_is_ended_by_the_stop_signals_default(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    child = processes.spawn_child("rank", _rank_that_compiles)
+    child = processes.spawn_child("rank", _child_that_compiles, True)
     try:
         processes.wait_ready([child], 120)
     finally:
