@@ -3,6 +3,7 @@
     python benchmarks/decode_bench.py --model_dir /tmp/llama7b   # builds the checkpoint there if missing
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1 --profile 1 --top 40  # any family's LM
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1,64 --quant_type fp8w8a8  # FP8 linears
+    python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 64 --llm_kv_type fp8kv  # 8-bit KV
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1,64 --pdl on,off  # PDL against none
 
 Measures the engine's own step() (CUDA-graph decode + sampling + bookkeeping) in steady state: all requests
@@ -90,6 +91,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="batch sizes to profile after the table, e.g. 1,64")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled batch size")
     ap.add_argument("--quant_type", default="none", help="the engine's --quant_type (fp8w8a8: FP8 linears)")
+    ap.add_argument("--llm_kv_type", default="None", help="the engine's --llm_kv_type (int8kv, fp8kv: 8-bit KV)")
     ap.add_argument(
         "--disable_fp8_fused_quant", action="store_true", help="the engine's: each FP8 linear quantizes its own input"
     )
@@ -106,7 +108,7 @@ def main() -> None:
     rows = []
     for pdl in settings:
         rows += bench_engine(args, pdl == "on")
-    print(f"| batch | PDL | ms per step | tokens/s | x roofline |  ({args.quant_type})")
+    print(f"| batch | PDL | ms per step | tokens/s | x roofline |  ({args.quant_type}, KV {args.llm_kv_type})")
     print("|---|---|---|---|---|")
     for row in rows:
         print(row)
@@ -116,7 +118,7 @@ def bench_engine(args: argparse.Namespace, pdl: bool) -> list[str]:
     """One engine with PDL on or off: its table rows (and profiles, printed), then the engine freed."""
     t0 = time.perf_counter()
     core = EngineCore(EngineConfig(model_dir=args.model_dir, max_total_token_num=80_000, running_max_req_size=128,
-                                   quant_type=args.quant_type, pdl=pdl,
+                                   quant_type=args.quant_type, llm_kv_type=args.llm_kv_type, pdl=pdl,
                                    fp8_fused_quant=not args.disable_fp8_fused_quant))  # fmt: skip
     print(f"engine (PDL {'on' if pdl else 'off'}) up in {time.perf_counter() - t0:.0f} s")
     weight_bytes = sum(p.numel() * p.element_size() for p in core.model.parameters())

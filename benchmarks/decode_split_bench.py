@@ -1,8 +1,9 @@
 """Decode attention's variants side by side, graph-replayed as a decode step runs them: each of a 28-layer model's
 layers reads its own KV cache, so the keys come from HBM, not from the L2 cache that one layer's cache fits in when it
 is replayed alone (64 sequences of 300 keys are 39 MB of K and V; the L2 holds 50 MB). Variants: the two-launch form
-(partial kernel, then merge kernel: the form before the fused merge), the fused merge (the last chunk to finish
-merges), the fused merge with a floor on chunk length or other programs per SM, and other launch configurations
+(partial kernel, then merge kernel: the form before the fused merge), the launcher's default with and without its
+floor on chunk length where the grid is full (shortest_chunk), the fused merge (the last chunk to finish merges),
+the fused merge with a floor on chunk length or other programs per SM, and other launch configurations
 (key tile, warps, pipeline stages). Batches 1-256 at contexts 300 and 1200 with Qwen2-VL-7B's heads, and batch 64
 with other families' head dims; the time per layer, bandwidth against the H100's 3.35 TB/s, and each variant's
 largest difference from the two-launch form's output.
@@ -34,6 +35,7 @@ class Variant(NamedTuple):
     min_chunk: int  # shortest chunk, in keys
     programs_per_sm: int
     launch: dict[str, int] | None = None  # BLOCK_N, num_warps, num_stages (None: the launcher's)
+    min_chunk_wide: int | None = None  # shortest chunk where the pairs fill the GPU (None: min_chunk)
 
 
 def _launch(block_n: int, warps: int, stages: int) -> dict[str, int]:
@@ -41,24 +43,26 @@ def _launch(block_n: int, warps: int, stages: int) -> dict[str, int]:
 
 
 # The first is the reference for max|diff|. The launch variants keep the default's chunking.
-_FUSED, _MIN, _PER_SM = (
+_FUSED, _MIN, _PER_SM, _WIDE = (
     decode_module._FUSED_MERGE_MAX_CHUNKS,
     decode_module._MIN_CHUNK,
     decode_module._PROGRAMS_PER_SM,
+    decode_module._MIN_CHUNK_WIDE,
 )
 VARIANTS = (
     Variant("two launches", 0, 64, 4),
-    Variant("default", _FUSED, _MIN, _PER_SM),
+    Variant("default", _FUSED, _MIN, _PER_SM, min_chunk_wide=_WIDE),
+    Variant("default, no wide floor", _FUSED, _MIN, _PER_SM),
     Variant("fused", _ALWAYS, 64, 4),
     Variant("fused, chunks >= 256", _ALWAYS, 256, 4),
     Variant("fused, chunks >= 512", _ALWAYS, 512, 4),
     Variant("fused, 2 programs/SM", _ALWAYS, 64, 2),
     Variant("fused, 8 programs/SM", _ALWAYS, 64, 8),
-    Variant("keys 64, 2 warps, 3 stages", _FUSED, _MIN, _PER_SM, _launch(64, 2, 3)),
-    Variant("keys 32, 2 warps, 2 stages", _FUSED, _MIN, _PER_SM, _launch(32, 2, 2)),
-    Variant("keys 32, 2 warps, 3 stages", _FUSED, _MIN, _PER_SM, _launch(32, 2, 3)),
-    Variant("keys 32, 1 warp, 4 stages", _FUSED, _MIN, _PER_SM, _launch(32, 1, 4)),
-    Variant("keys 32, 1 warp, 2 stages", _FUSED, 128, _PER_SM, _launch(32, 1, 2)),
+    Variant("keys 64, 2 warps, 3 stages", _FUSED, _MIN, _PER_SM, _launch(64, 2, 3), _WIDE),
+    Variant("keys 32, 2 warps, 2 stages", _FUSED, _MIN, _PER_SM, _launch(32, 2, 2), _WIDE),
+    Variant("keys 32, 2 warps, 3 stages", _FUSED, _MIN, _PER_SM, _launch(32, 2, 3), _WIDE),
+    Variant("keys 32, 1 warp, 4 stages", _FUSED, _MIN, _PER_SM, _launch(32, 1, 4), _WIDE),
+    Variant("keys 32, 1 warp, 2 stages", _FUSED, 128, _PER_SM, _launch(32, 1, 2), _WIDE),
 )
 # (model, query heads, KV heads, head dim, batches)
 SHAPES = (
@@ -87,6 +91,7 @@ def decode_inputs(batch: int, seq_len: int, num_heads: int, num_kv_heads: int, h
 def set_variant(v: Variant) -> None:
     decode_module._FUSED_MERGE_MAX_CHUNKS = v.fused_max_chunks
     decode_module._MIN_CHUNK = v.min_chunk
+    decode_module._MIN_CHUNK_WIDE = v.min_chunk_wide or v.min_chunk
     decode_module._PROGRAMS_PER_SM = v.programs_per_sm
     launch = v.launch or _DEFAULT_LAUNCH
     decode_module._launch_config = lambda: launch

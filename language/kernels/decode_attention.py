@@ -36,6 +36,11 @@ from language.kernels.launch_utils import (
 _MAX_CHUNKS = 64  # the two-launch merge kernel merges all chunks of a head in one tile
 _PROGRAMS_PER_SM = 4  # enough programs in flight to cover HBM latency
 _MIN_CHUNK = 64  # keys: a sequence splits into chunks of at least this many (a short one takes fewer chunks)
+# Where the (sequence, KV head) pairs alone reach this many per SM, chunks are at least _MIN_CHUNK_WIDE keys: the
+# grid is full without short chunks, whose merge costs more than their parallelism gives. On an H100 (same bench):
+# 19.0 against 21.6 us a layer at batch 64 and 300 keys, 32.1 against 37.4 at 128, level at 1200 keys.
+_WIDE_PAIRS_PER_SM = 1
+_MIN_CHUNK_WIDE = 512
 # Up to this many chunks the last chunk to finish merges (one launch); beyond, a second, merge kernel merges in
 # parallel. On an H100 (kernels_bench --only decode_split: Qwen2-VL-7B's heads, each of 28 layers reading its own
 # cache from HBM) the fused merge won at batch 64 (3 chunks: 21.6 against 28.0 us a layer at 300 keys, 63.2 against
@@ -275,6 +280,13 @@ def decode_split(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.
     return max(1, min(wanted, cdiv(max_seq_len, block_n), _MAX_CHUNKS))
 
 
+def shortest_chunk(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """The fewest keys a chunk takes (a launch-time int, fixed for a captured batch size): long chunks where the
+    pairs alone fill the GPU, else _MIN_CHUNK."""
+    wide = batch * num_kv_heads >= _WIDE_PAIRS_PER_SM * multiprocessor_count(device)
+    return _MIN_CHUNK_WIDE if wide else _MIN_CHUNK
+
+
 _arrival_buffers: dict[torch.device, torch.Tensor] = {}
 _retired_buffers: list[torch.Tensor] = []  # outgrown, but captured graphs may still count in them
 
@@ -340,6 +352,7 @@ def decode_attention(
 
     group = num_heads // num_kv_heads
     num_chunks = decode_split(batch, num_kv_heads, keys, device)
+    min_chunk = shortest_chunk(batch, num_kv_heads, device)
     single, fused = num_chunks == 1, num_chunks <= _FUSED_MERGE_MAX_CHUNKS
     # Scratch for the partial results; under graph capture these come from the graph's private pool.
     parts = 1 if single else num_chunks
@@ -354,7 +367,7 @@ def decode_attention(
         scale * LOG2E, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,  # unused when plain
-        num_kv_heads, num_chunks, _MIN_CHUNK,
+        num_kv_heads, num_chunks, min_chunk,
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, SINGLE_CHUNK=single, FUSED_MERGE=fused,
         BLOCK_H=pow2_at_least(group, 16), BLOCK_D=block_d, MERGE_G=merge_g,
         MERGE_C=max(1, min(_MAX_CHUNKS, _MERGE_TILE // (merge_g * block_d))), EVEN_D=block_d == head_dim,
@@ -363,7 +376,7 @@ def decode_attention(
     )  # fmt: skip
     if not single and not fused:
         _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, b_seq_len, out, window, num_chunks, _MIN_CHUNK,
+            part_out, part_lse, b_seq_len, out, window, num_chunks, min_chunk,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_N=config["BLOCK_N"],
             BLOCK_C=_MAX_CHUNKS, BLOCK_D=block_d, WINDOWED=window > 0, num_warps=4, **pdl_launch(device),
         )  # fmt: skip

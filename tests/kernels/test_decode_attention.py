@@ -4,7 +4,13 @@ import pytest
 import torch
 from kernel_cases import ATTENTION_TOL, DEVICE, assert_written_and_close, dtype_params, poisoned, ragged_batch, randn
 
-from language.kernels.decode_attention import _PROGRAMS_PER_SM, arrival_counters, decode_attention, decode_split
+from language.kernels.decode_attention import (
+    _PROGRAMS_PER_SM,
+    arrival_counters,
+    decode_attention,
+    decode_split,
+    shortest_chunk,
+)
 from language.kernels.launch_utils import multiprocessor_count
 from language.kernels.reference import decode_attention_ref
 
@@ -12,6 +18,14 @@ from language.kernels.reference import decode_attention_ref
 decode_module = importlib.import_module("language.kernels.decode_attention")
 
 SEQ_LENS = [1, 45, 7, 130, 2]  # ragged, incl. a 1-token sequence and chunks that end mid-tile
+_WIDE_PAIRS_PER_SM = decode_module._WIDE_PAIRS_PER_SM
+
+
+@pytest.fixture(autouse=True)
+def short_chunks(monkeypatch):
+    """The interpreter counts 4 SMs, so a handful of sequences would fill its grid and take a full GPU's long chunks
+    (shortest_chunk), and few sequences would split: the tests here keep the short chunks unless they ask."""
+    monkeypatch.setattr(decode_module, "_WIDE_PAIRS_PER_SM", 1 << 30)
 
 
 def decode_inputs(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
@@ -117,6 +131,23 @@ def test_merges_and_chunk_floors_match_the_reference(merge_mode, fused, min_chun
     seq_lens = [1, 3, 17, 64, 65, 130, 400]
     args = decode_inputs(seq_lens, 8, 2, 32, torch.float32)
     assert decode_split(len(seq_lens), 2, args[3].shape[1], DEVICE) > 1
+    out = poisoned(tuple(args[0].shape), torch.float32)
+    decode_attention(*args, 0.2, out=out)
+    assert_written_and_close(out, decode_attention_ref(*args, 0.2), ATTENTION_TOL)
+
+
+def test_a_full_grid_takes_long_chunks(monkeypatch):
+    """Where the (sequence, KV head) pairs fill the GPU, chunks are at least _MIN_CHUNK_WIDE keys: sequences shorter
+    than that take one chunk, longer ones split into fewer chunks than the grid has, and all match the reference."""
+    monkeypatch.setattr(decode_module, "_WIDE_PAIRS_PER_SM", _WIDE_PAIRS_PER_SM)
+    wide, num_kv_heads = decode_module._MIN_CHUNK_WIDE, 2
+    batch_size = max(6, -(-_WIDE_PAIRS_PER_SM * multiprocessor_count(DEVICE) // num_kv_heads))
+    assert shortest_chunk(batch_size, num_kv_heads, DEVICE) == wide
+    assert shortest_chunk(1, 1, DEVICE) == decode_module._MIN_CHUNK
+    lengths = (1, wide - 1, wide, wide + 1, 2 * wide + 76, 2 * wide + 276)
+    seq_lens = [lengths[i % len(lengths)] for i in range(batch_size)]
+    assert decode_split(batch_size, num_kv_heads, max(seq_lens), DEVICE) > 1
+    args = decode_inputs(seq_lens, num_kv_heads * 2, num_kv_heads, 32, torch.float32)
     out = poisoned(tuple(args[0].shape), torch.float32)
     decode_attention(*args, 0.2, out=out)
     assert_written_and_close(out, decode_attention_ref(*args, 0.2), ATTENTION_TOL)
