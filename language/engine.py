@@ -274,9 +274,13 @@ class EngineCore:
         aborted request's do); their samples are ignored and they get no mask. Returns the collected samples."""
         forwarded = self.runner.forward(staged)
         collected = self._read_back()
-        self._inflight = self.runner.sample(forwarded, self.structured.token_mask(forwarded.sampled))
+        mask, too_slow = self.structured.token_mask(forwarded.sampled)
+        self._inflight = self.runner.sample(forwarded, mask)
         self._inflight.constrained = True
-        return collected
+        for req, message in too_slow:  # its row's sample will be ignored, as an aborted request's
+            self._fail_constraint(req, message)
+        ended = {req.rid for req, _ in too_slow}  # their error is their last output
+        return [c for c in collected if c[0].rid not in ended]
 
     def _schedule_compiled(self) -> None:
         """Waiting requests whose grammar has compiled go to the scheduler; those whose grammar does not compile
@@ -286,9 +290,13 @@ class EngineCore:
         for req in compiled:
             self.scheduler.add(req)
         for req, message in failed:
-            self._finish(req, "error")
-            error = RequestError.refused("parameters.structured", message)
-            self._aborted.append(dataclasses.replace(self._output(req, []), error=error))
+            self._fail_constraint(req, message)
+
+    def _fail_constraint(self, req: Request, message: str) -> None:
+        """The request's constraint does not compile, or grew too slow to match: it ends with a 400 naming it."""
+        self._finish(req, "error")
+        error = RequestError.refused("parameters.structured", message)
+        self._aborted.append(dataclasses.replace(self._output(req, []), error=error))
 
     def _outputs_of(self, collected: list[Collected]) -> list[RequestOutput]:
         return [self._output(req, [token], [logprob], top) for req, token, logprob, top in collected]

@@ -7,6 +7,7 @@ Only steps with constrained rows do any of this: `live` (running requests with a
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
@@ -16,6 +17,12 @@ from language.pinned_staging import PinnedStaging
 from language.request import Request
 
 _IDLE_WAIT_S = 0.005  # with nothing else to run, how long one step waits for a grammar to compile
+# One request's mask fill may take this long in a step; past it, the request ends with a 400. The fill runs in the
+# engine's loop, which every request waits for, and an ambiguous grammar's matcher (xgrammar's Earley parser) grows
+# with each token it accepts: the regex ((a|aa|aaa)*(a|aa)*)*b took 4 ms a fill after 50 a's, 240 ms after 150 and
+# seconds after 300 (tests/unit/language/test_engine_structured.py). Schemas' and tools' grammars take microseconds.
+FILL_BUDGET_S = 0.05
+SLOW_GRAMMAR = "the constraint grew too slow to match (an ambiguous grammar or regex): {ms:.0f} ms for one token's mask"
 
 
 class StructuredDecoding:
@@ -77,23 +84,31 @@ class StructuredDecoding:
         accepted = self._batch_matcher().batch_accept_token(matchers, [token for _, token in rows])
         return [req for (req, _), ok, m in zip(rows, accepted, matchers, strict=True) if not ok or m.is_terminated()]
 
-    def token_mask(self, sampled: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def token_mask(
+        self, sampled: list[tuple[Request, int]]
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[tuple[Request, str]]]:
         """For the kept rows of running constrained requests: (rows, bitmask) on the device, filled from their
-        matchers now (after the previous step's tokens were accepted), copied without waiting; None if none."""
-        rows = [(row, r.grammar) for r, row in sampled if r.grammar is not None and not r.finished]
+        matchers now (after the previous step's tokens were accepted), copied without waiting (None if none); and
+        the requests whose fill took longer than FILL_BUDGET_S, each with why, for the engine to end."""
+        rows = [(row, r) for r, row in sampled if r.grammar is not None and not r.finished]
         if not rows:
-            return None
+            return None, []
         n, w = len(rows), self._words
         host = self._staging.host(n + n * w)
         host[:n] = torch.tensor([row for row, _ in rows], dtype=torch.int32)
         bitmask = host[n:].view(n, w)
-        matchers = [m for _, m in rows]
+        matchers = [r.grammar for _, r in rows]
+        start = time.perf_counter()
         if n == 1:
             matchers[0].fill_next_token_bitmask(bitmask)
         else:  # rows filled in parallel by xgrammar's threads
             self._batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask)
+        elapsed = time.perf_counter() - start
+        too_slow = []
+        if elapsed > FILL_BUDGET_S:
+            too_slow = [(rows[0][1], elapsed)] if n == 1 else _slow_fills([r for _, r in rows], bitmask)
         dev = self._staging.to_device(host)
-        return dev[:n].long(), dev[n:].view(n, w)
+        return (dev[:n].long(), dev[n:].view(n, w)), [(r, SLOW_GRAMMAR.format(ms=s * 1e3)) for r, s in too_slow]
 
     def _batch_matcher(self):
         """xgrammar's BatchGrammarMatcher (it owns a thread pool), made on first use."""
@@ -102,3 +117,16 @@ class StructuredDecoding:
 
             self._batch = xgr.BatchGrammarMatcher()  # threads: half the cores (more were no faster on an H100 host)
         return self._batch
+
+
+def _slow_fills(reqs: list[Request], bitmask: torch.Tensor) -> list[tuple[Request, float]]:
+    """A batch's fill took too long: each row filled again alone, timed (the same mask: a fill reads the matcher's
+    state, it does not change it); the requests over FILL_BUDGET_S, with their seconds."""
+    slow = []
+    for i, req in enumerate(reqs):
+        start = time.perf_counter()
+        req.grammar.fill_next_token_bitmask(bitmask, i)
+        elapsed = time.perf_counter() - start
+        if elapsed > FILL_BUDGET_S:
+            slow.append((req, elapsed))
+    return slow

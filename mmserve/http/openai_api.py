@@ -324,6 +324,8 @@ class OpenAIServing:
                 elif echoes is not None:  # the prompt first, as vLLM streams echo
                     yield chunk([choice(index, echoes[index // n])])
             async for index, out in merged:
+                if out.error is not None:  # ended by the engine after its first tokens: why, as an error event
+                    yield f"data: {_request_error(out.error, body, chat).body.decode()}\n\n"
                 if counted is not None:
                     counted[index] = out.output_tokens
                 if parsers is not None:

@@ -133,7 +133,8 @@ def build_app(
         if first.error is not None:
             disconnected.cancel()
             return _error(_refused(first.error, params))
-        return ClosingStreamingResponse(_sse(client, stream, first, disconnected), media_type="text/event-stream")
+        events = _sse(client, stream, first, params, disconnected)
+        return ClosingStreamingResponse(events, media_type="text/event-stream")
 
     return app
 
@@ -162,16 +163,20 @@ async def _submit(
 
 
 async def _sse(
-    client: EngineClient, stream: RequestStream, first: TextOutput, disconnected: asyncio.Future
+    client: EngineClient, stream: RequestStream, first: TextOutput, params: SamplingParams, disconnected: asyncio.Future
 ) -> AsyncIterator[str]:
     """LightLLM's events (stream_events.py), one per token. Events of outputs that are already queued (the server
     is behind, under load) go out in one write: the same bytes, with the response machinery run once instead of
-    once per event."""
+    once per event. A request the engine ends with an error after its first tokens (its constraint grew too slow
+    to match) ends with an error event naming the client's field."""
     state = StreamState(image_tokens=stream.image_tokens)
     events: list[str] = []  # not yet written
     out = first
     try:
         while True:
+            if out.error is not None:
+                yield "".join(events) + error_event(str(_refused(out.error, params)))
+                return
             events += stream_events(out, state)
             if events and (out.finished or not stream.has_queued()):
                 yield "".join(events)

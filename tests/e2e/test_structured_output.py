@@ -7,6 +7,7 @@ serving."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from mmserve.testing.checkpoints.qwen2_vl_demo import build_qwen2_vl_demo
 from mmserve.testing.images import picture, png_b64
@@ -63,10 +65,15 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model_dir = str(tmp_path_factory.mktemp("structured") / MODEL)
-    os.makedirs(model_dir)
-    build_qwen2_vl_demo(model_dir)
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("structured") / MODEL)
+    os.makedirs(path)
+    build_qwen2_vl_demo(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
     log = str(tmp_path_factory.mktemp("log") / "server.log")
     with serving(ServerProcess(model_dir, log, "--max_total_token_num", "8192", "--enable_multimodal")) as srv:
         yield srv
@@ -207,6 +214,31 @@ def test_bad_constraints_get_a_400_naming_the_field_and_the_server_keeps_serving
     assert server.metrics()["mmserve_requests_total"] == before  # refused before anything was queued
     reply = client.chat.completions.create(model=MODEL, messages=messages("x"), max_tokens=2)
     assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_constraint_grown_too_slow_ends_its_request_and_the_server_keeps_serving(client, server, model_dir):
+    """An ambiguous regex, and a logit bias that keeps the model on "a": the matcher's work grows with every token
+    until one mask takes longer than the engine allows (language/structured.py), and the request ends there, long
+    before its max_tokens, with the error naming the client's field: a 400 unstreamed, an error event streamed (the
+    openai client raises it), on /generate_stream too. The server keeps serving."""
+    a = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids("a")
+    extra = {"guided_regex": r"((a|aa|aaa)*(a|aa)*)*b"}
+    create = functools.partial(client.chat.completions.create, model=MODEL, messages=messages("x"), max_tokens=3000,
+                               logit_bias={str(a): 100}, extra_body=extra)  # fmt: skip
+    error = error_of(create).response.json()["error"]
+    assert error["param"] == "guided_regex" and "too slow" in error["message"], error
+    with pytest.raises(openai.APIError, match="too slow"):
+        for _ in create(stream=True):
+            pass
+    parameters = {"regular_constraint": extra["guided_regex"], "logit_bias": {str(a): 100}, "max_new_tokens": 3000}
+    body = {"inputs": "x", "parameters": parameters}
+    with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=300) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    assert 20 < len(events) < 3000 and events[-1]["finish_reason"] == "error", events[-1]
+    assert events[-1]["error"].startswith("parameters.regular_constraint: the constraint grew too slow")
+    reply = client.chat.completions.create(model=MODEL, messages=messages("x"), max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
+    server.wait_metric("mmserve_requests_running", lambda v: v == 0)
 
 
 def generate(server, route: str, **parameters) -> httpx.Response:

@@ -84,6 +84,9 @@ REGEX = r"[a-z]{2,5}@[a-z]{3}\.(com|org)"
 CHOICES = ["alpha", "beta gamma", "δέλτα"]
 EBNF = 'root ::= "(" expr ")"\nexpr ::= num | num "+" num\nnum ::= [0-9] | [1-9] [0-9]'
 EBNF_MATCH = r"\((\d|[1-9]\d)(\+(\d|[1-9]\d))?\)"
+# Ambiguous: the matcher's work per token grows polynomially with the a's accepted (structured.FILL_BUDGET_S).
+AMBIGUOUS = r"((a|aa|aaa)*(a|aa)*)*b"
+STEADY = StructuredOutput("regex", "[xyz]{300}")  # runs beside it for as long, at microseconds a token
 GREEDY = dict(max_new_tokens=120)
 SAMPLED = dict(max_new_tokens=120, do_sample=True, temperature=1.0, seed=None)
 
@@ -205,6 +208,33 @@ def test_bad_constraint_fails_only_its_request(llm, bad, message):
     assert good.finish_reason == "stop" and plain.finish_reason == "length" and len(plain.output_ids) == 12
     jsonschema.validate(json.loads(llm.tokenizer.decode(good.output_ids, skip_special_tokens=True)), SCHEMAS[0])
     assert engine.stats().running == 0 and engine.structured.live == 0 and not engine.structured.pending
+
+
+def test_a_constraint_grown_too_slow_ends_alone(llm):
+    """An ambiguous regex's matcher grows with every "a" the logit bias makes the model pick, until one token's mask
+    takes longer than FILL_BUDGET_S: that request ends there with a 400 naming its constraint, long before its
+    max_new_tokens; a constrained request beside it (the batch fill, then each row timed alone) and a plain one
+    finish as usual."""
+    engine, tok = llm.engine, llm.tokenizer
+    a = tok.convert_tokens_to_ids("a")
+    ambiguous = StructuredOutput("regex", AMBIGUOUS)
+    biased = SamplingParams(max_new_tokens=3000, logit_bias=((a, 100.0),), structured=ambiguous)
+    slow = Request("slow", tok(_prompt(0)).input_ids, biased)
+    steady = Request("steady", tok(_prompt(1)).input_ids, SamplingParams(max_new_tokens=400, structured=STEADY))
+    plain = Request("plain", tok(_prompt(2)).input_ids, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    for r in (slow, steady, plain):
+        engine.add_request(r)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    (failed,) = [o for o in outputs if o.rid == "slow" and o.finished]
+    assert failed.finish_reason == "error" and failed.error.status == 400
+    assert failed.error.param == "parameters.structured" and "too slow" in failed.error.message
+    assert 20 < len(slow.output_ids) < 3000 and set(tok.decode(slow.output_ids)) == {"a"}
+    assert steady.finish_reason == "stop"
+    assert re.fullmatch(STEADY.spec, tok.decode(steady.output_ids, skip_special_tokens=True))
+    assert plain.finish_reason == "length" and len(plain.output_ids) == 12
+    assert engine.stats().running == 0 and engine.structured.live == 0
 
 
 def test_constrained_steps_overlap_and_compile_once(llm):
