@@ -17,11 +17,13 @@ from language.pinned_staging import PinnedStaging
 from language.request import Request
 
 _IDLE_WAIT_S = 0.005  # with nothing else to run, how long one step waits for a grammar to compile
-# One request's mask fill may take this long in a step; past it, the request ends with a 400. The fill runs in the
-# engine's loop, which every request waits for, and an ambiguous grammar's matcher (xgrammar's Earley parser) grows
-# with each token it accepts: the regex ((a|aa|aaa)*(a|aa)*)*b took 4 ms a fill after 50 a's, 240 ms after 150 and
-# seconds after 300 (tests/unit/language/test_engine_structured.py). Schemas' and tools' grammars take microseconds.
+# A step's mask fill may take this long. The fill runs in the engine's loop, which every request waits for, and an
+# ambiguous grammar's matcher (xgrammar's Earley parser) grows with each token it accepts: the regex
+# ((a|aa|aaa)*(a|aa)*)*b took 4 ms a fill after 50 a's, 240 ms after 150 and seconds after 300 on one CPU core
+# (tests/unit/language/test_engine_structured.py). Past the budget, each row is timed alone and the slowest end with
+# a 400 until the rest fit; a row faster than ROW_FLOOR_S never does (schemas' and tools' masks take microseconds).
 FILL_BUDGET_S = 0.05
+ROW_FLOOR_S = 0.005
 SLOW_GRAMMAR = "the constraint grew too slow to match (an ambiguous grammar or regex): {ms:.0f} ms for one token's mask"
 
 
@@ -89,7 +91,7 @@ class StructuredDecoding:
     ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[tuple[Request, str]]]:
         """For the kept rows of running constrained requests: (rows, bitmask) on the device, filled from their
         matchers now (after the previous step's tokens were accepted), copied without waiting (None if none); and
-        the requests whose fill took longer than FILL_BUDGET_S, each with why, for the engine to end."""
+        the requests whose grammar grew too slow (FILL_BUDGET_S), each with why, for the engine to end."""
         rows = [(row, r) for r, row in sampled if r.grammar is not None and not r.finished]
         if not rows:
             return None, []
@@ -106,7 +108,8 @@ class StructuredDecoding:
         elapsed = time.perf_counter() - start
         too_slow = []
         if elapsed > FILL_BUDGET_S:
-            too_slow = [(rows[0][1], elapsed)] if n == 1 else _slow_fills([r for _, r in rows], bitmask)
+            timed = [(rows[0][1], elapsed)] if n == 1 else _timed_fills([r for _, r in rows], bitmask)
+            too_slow = slowest_over_budget(timed, elapsed)
         dev = self._staging.to_device(host)
         return (dev[:n].long(), dev[n:].view(n, w)), [(r, SLOW_GRAMMAR.format(ms=s * 1e3)) for r, s in too_slow]
 
@@ -119,14 +122,26 @@ class StructuredDecoding:
         return self._batch
 
 
-def _slow_fills(reqs: list[Request], bitmask: torch.Tensor) -> list[tuple[Request, float]]:
+def _timed_fills(reqs: list[Request], bitmask: torch.Tensor) -> list[tuple[Request, float]]:
     """A batch's fill took too long: each row filled again alone, timed (the same mask: a fill reads the matcher's
-    state, it does not change it); the requests over FILL_BUDGET_S, with their seconds."""
-    slow = []
+    state, it does not change it). -> (request, seconds) per row."""
+    timed = []
     for i, req in enumerate(reqs):
         start = time.perf_counter()
         req.grammar.fill_next_token_bitmask(bitmask, i)
-        elapsed = time.perf_counter() - start
-        if elapsed > FILL_BUDGET_S:
-            slow.append((req, elapsed))
-    return slow
+        timed.append((req, time.perf_counter() - start))
+    return timed
+
+
+def slowest_over_budget(timed: list[tuple[Request, float]], batch_s: float) -> list[tuple[Request, float]]:
+    """The rows to end, slowest first, until the rest would fill within FILL_BUDGET_S: their time alone, scaled by
+    the batch's speed-up over one row after another (xgrammar's threads). None faster than ROW_FLOOR_S."""
+    left = sum(t for _, t in timed)
+    speedup = batch_s / left if left > 0 else 1.0
+    ended = []
+    for req, t in sorted(timed, key=lambda row: -row[1]):
+        if t <= ROW_FLOOR_S or left * speedup <= FILL_BUDGET_S:
+            break
+        ended.append((req, t))
+        left -= t
+    return ended

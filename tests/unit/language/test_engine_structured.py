@@ -17,6 +17,7 @@ from language.config import EngineConfig
 from language.engine import EngineCore
 from language.request import Request, RequestRejected
 from language.sampling_params import SamplingParams, StructuredOutput
+from language.structured import FILL_BUDGET_S, ROW_FLOOR_S, slowest_over_budget
 from mmserve.llm import LLM
 from mmserve.prep.tokenizers.grammar_vocab import grammar_vocabulary
 from mmserve.testing.checkpoints.llama import build_llama
@@ -235,6 +236,20 @@ def test_a_constraint_grown_too_slow_ends_alone(llm):
     assert re.fullmatch(STEADY.spec, tok.decode(steady.output_ids, skip_special_tokens=True))
     assert plain.finish_reason == "length" and len(plain.output_ids) == 12
     assert engine.stats().running == 0 and engine.structured.live == 0
+
+
+def test_the_slowest_rows_end_until_the_rest_fit_the_budget():
+    """A fill over FILL_BUDGET_S: the slowest rows end until the rest, at the batch's speed-up, would fit; rows
+    faster than ROW_FLOOR_S never end."""
+    budget, floor = FILL_BUDGET_S, ROW_FLOOR_S
+    assert slowest_over_budget([("a", 1e-4), ("slow", 2 * budget), ("b", 1e-4)], 2 * budget) == [("slow", 2 * budget)]
+    rows = [(i, 2 * floor + i * 1e-5) for i in range(64)]  # 64 rows grown slow together, filled by 8 threads
+    serial = sum(t for _, t in rows)
+    ended = slowest_over_budget(rows, serial / 8)
+    kept = serial - sum(t for _, t in ended)
+    assert [i for i, _ in ended] == list(range(63, 63 - len(ended), -1))  # slowest first
+    assert kept / 8 <= budget < (kept + ended[-1][1]) / 8  # no more than needed
+    assert slowest_over_budget([(i, floor) for i in range(100)], 10 * budget) == []
 
 
 def test_constrained_steps_overlap_and_compile_once(llm):
