@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 VocabularyBuilder = Callable[[int, tuple[int, ...]], "xgr.TokenizerInfo"]
 
 _CACHE_ENTRIES = 512  # compiled grammars kept (a compiled JSON schema is typically tens of KB)
+# Compiled grammars' token masks grow with the spec and the vocabulary: on a 150k vocabulary, a schema of 128 tools
+# compiled to 46 MB, and 240 KB of nested anyOf to 209 MB. So the cache keeps at most _CACHE_BYTES of them, and a
+# constraint whose masks would take more than MAX_GRAMMAR_BYTES is refused.
+_CACHE_BYTES = 2 << 30
+MAX_GRAMMAR_BYTES = 512 << 20
 _COMPILE_THREADS = 2
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: .*? is false: )?")  # "[17:44:11] /x/y.cc:83: "
 
@@ -51,9 +56,22 @@ class Grammars:
             return future
         future = self._pool.submit(self._compile, so)
         self._cache[so] = future
-        while len(self._cache) > _CACHE_ENTRIES:
-            self._cache.popitem(last=False)
+        self._trim()
         return future
+
+    def __contains__(self, so: StructuredOutput) -> bool:
+        return so in self._cache
+
+    def cached_bytes(self) -> int:
+        """The token masks of the compiled grammars the cache holds."""
+        return sum(_compiled_bytes(f) for f in self._cache.values())
+
+    def _trim(self) -> None:
+        """Oldest first, drop entries past _CACHE_ENTRIES or _CACHE_BYTES (requests running keep their own)."""
+        total = self.cached_bytes()
+        while len(self._cache) > 1 and (len(self._cache) > _CACHE_ENTRIES or total > _CACHE_BYTES):
+            _, dropped = self._cache.popitem(last=False)
+            total -= _compiled_bytes(dropped)
 
     @staticmethod
     def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
@@ -68,9 +86,13 @@ class Grammars:
     def _compile(self, so: StructuredOutput) -> xgr.CompiledGrammar:
         compiler = self._get_compiler()
         try:
-            return _compile(compiler, so)
+            compiled = _compile(compiler, so)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
             raise GrammarError(_CPP_PREFIX.sub("", str(e)).strip()) from None
+        if compiled.memory_size_bytes > MAX_GRAMMAR_BYTES:
+            mib, cap = compiled.memory_size_bytes / 2**20, MAX_GRAMMAR_BYTES >> 20
+            raise GrammarError(f"the constraint compiles to {mib:.0f} MiB of token masks; this server allows {cap} MiB")
+        return compiled
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
@@ -80,6 +102,13 @@ class Grammars:
                 info = self._vocabulary(self.vocab_size, self._stop_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
             return self._compiler
+
+
+def _compiled_bytes(future: Future) -> int:
+    """A cache entry's token masks: 0 while it compiles or when it failed."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return 0
+    return future.result().memory_size_bytes
 
 
 def _compile(compiler: xgr.GrammarCompiler, so: StructuredOutput) -> xgr.CompiledGrammar:

@@ -5,6 +5,7 @@ ending the output finishes the request; constrained steps stay overlapped."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import threading
@@ -15,6 +16,7 @@ import torch
 
 from language.config import EngineConfig
 from language.engine import EngineCore
+from language.grammar import GrammarError, Grammars
 from language.request import Request, RequestRejected
 from language.sampling_params import SamplingParams, StructuredOutput
 from language.structured import FILL_BUDGET_S, ROW_FLOOR_S, slowest_over_budget
@@ -89,6 +91,7 @@ EBNF_MATCH = r"\((\d|[1-9]\d)(\+(\d|[1-9]\d))?\)"
 AMBIGUOUS = r"((a|aa|aaa)*(a|aa)*)*b"
 STEADY = StructuredOutput("regex", "[xyz]{300}")  # runs beside it for as long, at microseconds a token
 GREEDY = dict(max_new_tokens=120)
+grammar_module = importlib.import_module("language.grammar")
 SAMPLED = dict(max_new_tokens=120, do_sample=True, temperature=1.0, seed=None)
 
 
@@ -250,6 +253,24 @@ def test_the_slowest_rows_end_until_the_rest_fit_the_budget():
     assert [i for i, _ in ended] == list(range(63, 63 - len(ended), -1))  # slowest first
     assert kept / 8 <= budget < (kept + ended[-1][1]) / 8  # no more than needed
     assert slowest_over_budget([(i, floor) for i in range(100)], 10 * budget) == []
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_and_huge_masks_are_refused(llm, model_dir, monkeypatch):
+    """Compiled grammars' token masks grow with the spec: the cache drops its oldest entries past _CACHE_BYTES, and
+    a constraint whose masks pass MAX_GRAMMAR_BYTES fails to compile, saying so."""
+    engine = llm.engine
+    grammars = Grammars(grammar_vocabulary(model_dir), engine.runner.vocab_size, engine.model_info.eos_token_ids)
+    specs = [_json({"enum": [f"v{i}-{j}" for j in range(50 * (i + 1))]}) for i in range(4)]
+    sizes = [grammars.compile(so).result().memory_size_bytes for so in specs]
+    assert grammars.cached_bytes() == sum(sizes) and all(so in grammars for so in specs)
+    monkeypatch.setattr(grammar_module, "_CACHE_BYTES", sizes[2] + sizes[3])
+    newest = _json({"enum": ["w"]})
+    grammars.compile(newest).result()
+    assert [so in grammars for so in specs] == [False, False, True, True] and newest in grammars
+    monkeypatch.setattr(grammar_module, "MAX_GRAMMAR_BYTES", sizes[0])
+    with pytest.raises(GrammarError, match="MiB of token masks; this server allows 0 MiB"):
+        grammars.compile(_json({"enum": [f"x-{j}" for j in range(400)]})).result()
+    grammars.close()
 
 
 def test_constrained_steps_overlap_and_compile_once(llm):
