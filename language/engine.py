@@ -271,7 +271,8 @@ class EngineCore:
         """A step with grammar-constrained rows: its forward goes to the device before the step in flight is read
         back, and its sampling once that step's tokens have advanced the grammars and the masks are filled, so the
         host's grammar work overlaps the forward. Rows whose request the collected step finished still run (as an
-        aborted request's do); their samples are ignored and they get no mask. Returns the collected samples."""
+        aborted request's do); their samples are ignored and they get no mask. A request whose grammar grew too slow
+        to fill its mask ends here with a 400 (structured.FILL_BUDGET_S). Returns the collected samples."""
         forwarded = self.runner.forward(staged)
         collected = self._read_back()
         mask, too_slow = self.structured.token_mask(forwarded.sampled)

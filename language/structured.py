@@ -135,12 +135,13 @@ def _timed_fills(reqs: list[Request], bitmask: torch.Tensor) -> list[tuple[Reque
 
 def slowest_over_budget(timed: list[tuple[Request, float]], batch_s: float) -> list[tuple[Request, float]]:
     """The rows to end, slowest first, until the rest would fill within FILL_BUDGET_S: their time alone, scaled by
-    the batch's speed-up over one row after another (xgrammar's threads). None faster than ROW_FLOOR_S."""
+    the batch's time against one row after another (below 1 where xgrammar's threads share the rows). None faster
+    than ROW_FLOOR_S."""
     left = sum(t for _, t in timed)
-    speedup = batch_s / left if left > 0 else 1.0
+    scale = batch_s / left if left > 0 else 1.0
     ended = []
     for req, t in sorted(timed, key=lambda row: -row[1]):
-        if t <= ROW_FLOOR_S or left * speedup <= FILL_BUDGET_S:
+        if t <= ROW_FLOOR_S or left * scale <= FILL_BUDGET_S:
             break
         ended.append((req, t))
         left -= t

@@ -2,8 +2,8 @@
 checkpoint: random weights write valid JSON for a schema, a regex, a choice or a grammar only through the grammar's
 token mask. json_schema outputs parse and validate (jsonschema) for twelve schemas, greedy and sampled, with and
 without an image, streamed with n > 1 too; json_object, vLLM's guided_* and structured_outputs, LightLLM's /generate
-names; {"type": "text"} changes nothing; a bad constraint gets a 400 naming the client's field, and the server keeps
-serving."""
+names; {"type": "text"} changes nothing; a bad constraint, or one grown too slow to match, gets a 400 naming the
+client's field, and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -225,8 +225,9 @@ def test_a_constraint_grown_too_slow_ends_its_request_and_the_server_keeps_servi
     extra = {"guided_regex": r"((a|aa|aaa)*(a|aa)*)*b"}
     create = functools.partial(client.chat.completions.create, model=MODEL, messages=messages("x"), max_tokens=3000,
                                logit_bias={str(a): 100}, extra_body=extra)  # fmt: skip
-    error = error_of(create).response.json()["error"]
-    assert error["param"] == "guided_regex" and "too slow" in error["message"], error
+    e = error_of(create)
+    error = e.response.json()["error"]
+    assert e.status_code == 400 and error["param"] == "guided_regex" and "too slow" in error["message"], error
     with pytest.raises(openai.APIError, match="too slow"):
         for _ in create(stream=True):
             pass
