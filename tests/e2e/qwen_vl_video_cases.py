@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 
 import httpx
 from transformers import AutoTokenizer, Qwen2VLImageProcessor
@@ -165,12 +166,14 @@ def check_bad_videos_get_400(server) -> None:
 
 def check_idle(server) -> None:
     """Nothing held after the refused requests: no KV slot, no cache entry in use, and in /dev/shm only the cache's
-    own entries and the visual process's spare segments (no preprocessing worker's pixels in transit)."""
+    own entries (named by their 32-hex-digit key), the visual process's spare segments and, on a GPU, its tower-turn
+    flag (no preprocessing worker's pixels in transit)."""
     server.wait_metric("mmserve_kv_tokens_used", lambda v: v == 0)
     server.wait_metric("mmserve_embed_cache_items_in_use", lambda v: v == 0)
     segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsv_{server.proc.pid}_")]
-    assert not [n for n in segments if "_px" in n], segments
-    entries = [n for n in segments if "spare" not in n]
+    entries = [n for n in segments if re.fullmatch("[0-9a-f]{32}", n.rsplit("_", 1)[-1])]
+    others = [n for n in segments if n not in entries]
+    assert all("spare" in n or n.endswith("_tower_turn") for n in others), segments
     assert len(entries) == server.metrics()["mmserve_embed_cache_items"], segments
 
 
