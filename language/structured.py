@@ -108,8 +108,8 @@ class StructuredDecoding:
         elapsed = time.perf_counter() - start
         too_slow = []
         if elapsed > FILL_BUDGET_S:
-            timed = [(rows[0][1], elapsed)] if n == 1 else _timed_fills([r for _, r in rows], bitmask)
-            too_slow = slowest_over_budget(timed, elapsed)
+            # timed again, so that a fill the OS merely paused (a busy host) ends nothing
+            too_slow = slowest_over_budget(_timed_fills([r for _, r in rows], bitmask), elapsed)
         dev = self._staging.to_device(host)
         return (dev[:n].long(), dev[n:].view(n, w)), [(r, SLOW_GRAMMAR.format(ms=s * 1e3)) for r, s in too_slow]
 
@@ -123,7 +123,7 @@ class StructuredDecoding:
 
 
 def _timed_fills(reqs: list[Request], bitmask: torch.Tensor) -> list[tuple[Request, float]]:
-    """A batch's fill took too long: each row filled again alone, timed (the same mask: a fill reads the matcher's
+    """A step's fill took too long: each row filled again alone, timed (the same mask: a fill reads the matcher's
     state, it does not change it). -> (request, seconds) per row."""
     timed = []
     for i, req in enumerate(reqs):
@@ -135,10 +135,10 @@ def _timed_fills(reqs: list[Request], bitmask: torch.Tensor) -> list[tuple[Reque
 
 def slowest_over_budget(timed: list[tuple[Request, float]], batch_s: float) -> list[tuple[Request, float]]:
     """The rows to end, slowest first, until the rest would fill within FILL_BUDGET_S: their time alone, scaled by
-    the batch's time against one row after another (below 1 where xgrammar's threads share the rows). None faster
-    than ROW_FLOOR_S."""
+    the batch's time against one row after another (below 1 where xgrammar's threads share the rows; never above,
+    which only a paused thread gives). None faster than ROW_FLOOR_S."""
     left = sum(t for _, t in timed)
-    scale = batch_s / left if left > 0 else 1.0
+    scale = min(1.0, batch_s / left) if left > 0 else 1.0
     ended = []
     for req, t in sorted(timed, key=lambda row: -row[1]):
         if t <= ROW_FLOOR_S or left * scale <= FILL_BUDGET_S:

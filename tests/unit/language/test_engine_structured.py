@@ -253,6 +253,7 @@ def test_the_slowest_rows_end_until_the_rest_fit_the_budget():
     assert [i for i, _ in ended] == list(range(63, 63 - len(ended), -1))  # slowest first
     assert kept / 8 <= budget < (kept + ended[-1][1]) / 8  # no more than needed
     assert slowest_over_budget([(i, floor) for i in range(100)], 10 * budget) == []
+    assert slowest_over_budget([("paused", 2 * floor)], 2 * budget) == []  # the step's fill slow, the row alone not
 
 
 def test_the_grammar_cache_is_bounded_in_bytes_and_huge_masks_are_refused(llm, model_dir, monkeypatch):
