@@ -380,7 +380,7 @@ class EngineCore:
         req.output_logprobs.append(logprob)
         p = req.params
         reason = None
-        if (not p.ignore_eos and token in self.model_info.eos_token_ids) or token in p.stop_token_ids:
+        if (not p.ignore_eos and token in self.model_info.eos_token_ids) or token in p.stop_id_set:
             reason = "stop"
         elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.model_info.max_req_total_len:
             reason = "length"

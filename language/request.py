@@ -124,6 +124,7 @@ class Request:
     reserved_node: object | None = None
     # Structured output: its xgrammar GrammarMatcher, from the time its grammar has compiled until it finishes
     grammar: object | None = None
+    logit_edits: object | None = None  # the sampler's edits that no step changes, built on its first (sampler.py)
     scheduled_at: float | None = None  # time.monotonic() at admission (RequestOutput.scheduled_at)
 
     @property

@@ -80,6 +80,30 @@ class SamplingBatch:
         )
 
 
+@dataclass(frozen=True)
+class _FixedEdits:
+    """A request's logit edits that no step changes, built once (CPU tensors)."""
+
+    bias_ids: torch.Tensor  # int64 [N]
+    bias: torch.Tensor  # float32 [N]
+    allowed_ids: torch.Tensor | None  # int64 [A], each id once; None: no restriction
+    banned_ids: torch.Tensor  # int64 [M]: stop ids in the vocabulary (and EOS unless ignore_eos), before min_new_tokens
+
+
+def _fixed_edits(r: Request, eos_token_ids: tuple[int, ...], vocab_size: int) -> _FixedEdits:
+    if r.logit_edits is None:
+        p = r.params
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        allowed = p.allowed_token_ids
+        r.logit_edits = _FixedEdits(
+            torch.tensor([token for token, _ in p.logit_bias], dtype=torch.int64),
+            torch.tensor([float(b) for _, b in p.logit_bias], dtype=torch.float32),
+            None if allowed is None else torch.tensor(sorted(set(allowed)), dtype=torch.int64),
+            torch.tensor(sorted(t for t in banned if t < vocab_size), dtype=torch.int64),  # others never come
+        )
+    return r.logit_edits
+
+
 def _sampled_before(r: Request) -> int:
     """Output tokens that come before the one this step samples for r. Staging counted this step's sample in
     `num_sampled` already, and with the overlapped engine `output_ids` may lag a step behind, so it is not used."""
@@ -108,24 +132,25 @@ class LogitProcessors:
     def build(
         cls, reqs: list[Request], eos_token_ids: tuple[int, ...], vocab_size: int, device: torch.device
     ) -> LogitProcessors:
-        bias_r, bias_i, bias_v, allowed_r, allowed_i, ban_r, ban_i, boost_r, boost_i, boost_v = ([] for _ in range(10))
+        """Each row's fixed edits come as tensors built on the request's first step (`_fixed_edits`): a request's
+        allowed ids or logit bias may cover the whole vocabulary, and a loop over them every step would hold up the
+        engine's loop, which every request waits for."""
+        bias, allowed, ban = [], [], []  # (row, ids[, values]) of each row that has them
+        boost_r, boost_i, boost_v = [], [], []
         restricted = [False] * len(reqs)
         for row, r in enumerate(reqs):
             p = r.params
             if not p.has_logit_processors:
                 continue
-            for token, b in p.logit_bias:
-                bias_r.append(row), bias_i.append(token), bias_v.append(float(b))
-            if p.allowed_token_ids is not None:
+            fixed = _fixed_edits(r, eos_token_ids, vocab_size)
+            if fixed.bias_ids.numel():
+                bias.append((row, fixed.bias_ids, fixed.bias))
+            if fixed.allowed_ids is not None:
                 restricted[row] = True
-                allowed_r.extend([row] * len(p.allowed_token_ids))
-                allowed_i.extend(p.allowed_token_ids)
+                allowed.append((row, fixed.allowed_ids))
             before = _sampled_before(r)
-            if before < p.min_new_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                banned = {t for t in banned if t < vocab_size}  # a stop id past the vocabulary never comes
-                ban_r.extend([row] * len(banned))
-                ban_i.extend(sorted(banned))
+            if before < p.min_new_tokens and fixed.banned_ids.numel():
+                ban.append((row, fixed.banned_ids))
             decay = p.exponential_decay_length_penalty
             if decay is not None and before > decay[0] and eos_token_ids:
                 factor = _eos_boost(float(decay[1]), before - decay[0])
@@ -136,10 +161,19 @@ class LogitProcessors:
         def t(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
+        def rows(parts) -> torch.Tensor:  # int64 [the parts' lengths summed]: each part's row, repeated
+            if not parts:
+                return t([])
+            repeated = [torch.full((part[1].numel(),), part[0], dtype=torch.int64) for part in parts]
+            return torch.cat(repeated).to(device, non_blocking=True)
+
+        def joined(parts, i: int, dtype=torch.int64) -> torch.Tensor:
+            return torch.cat([part[i] for part in parts]).to(device, non_blocking=True) if parts else t([], dtype)
+
         return cls(
-            t(bias_r), t(bias_i), t(bias_v, torch.float32),
-            t(restricted, torch.bool) if any(restricted) else None, t(allowed_r), t(allowed_i),
-            t(ban_r), t(ban_i), t(boost_r), t(boost_i), t(boost_v, torch.float32),
+            rows(bias), joined(bias, 1), joined(bias, 2, torch.float32),
+            t(restricted, torch.bool) if any(restricted) else None, rows(allowed), joined(allowed, 1),
+            rows(ban), joined(ban, 1), t(boost_r), t(boost_i), t(boost_v, torch.float32),
         )  # fmt: skip
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 
@@ -26,6 +27,11 @@ MIN_REPETITION_PENALTY = 0.01  # logit / penalty and logit * penalty stay finite
 MAX_REPETITION_PENALTY = 10.0
 MAX_DECAY_FACTOR = 10.0  # exponential_decay_length_penalty's; the EOS boost is capped as well (LogitProcessors)
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar longer than 1 MiB of text is refused before compiling
+MAX_TOKEN_LIST = 1 << 20  # most ids in stop_token_ids or allowed_token_ids (a 64 MiB body holds ~20 M)
+# The detokenizer, one process for every request, looks for each stop string in each new piece of text: 100,000
+# strings took it 25 ms a token. These bound it to ~1 ms.
+MAX_STOP_SEQUENCES = 256
+MAX_STOP_CHARS = 4096
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
+    @functools.cached_property
+    def stop_id_set(self) -> frozenset[int]:
+        """stop_token_ids as a set: the engine looks each sampled token up in it."""
+        return frozenset(self.stop_token_ids)
+
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
@@ -139,10 +150,18 @@ class SamplingParams:
             raise InvalidParams("disable_prompt_cache", "must be a boolean")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParams("ignore_eos", "must be a boolean")
+        for name in ("stop_token_ids", "allowed_token_ids"):  # the engine keeps a set or a tensor of each
+            ids = getattr(self, name)
+            if isinstance(ids, (tuple, list)) and len(ids) > MAX_TOKEN_LIST:
+                raise InvalidParams(name, f"at most {MAX_TOKEN_LIST} token ids")
         if not all(_is_token_id(t) for t in self.stop_token_ids):
             raise InvalidParams("stop_token_ids", f"must be integers in [0, {MAX_TOKEN_ID}]")
         if not all(isinstance(s, str) and s for s in self.stop_sequences):
             raise InvalidParams("stop_sequences", "must be non-empty strings")
+        stops = self.stop_sequences
+        if len(stops) > MAX_STOP_SEQUENCES or any(len(s) > MAX_STOP_CHARS for s in stops):
+            limit = f"at most {MAX_STOP_SEQUENCES} strings of {MAX_STOP_CHARS} characters"
+            raise InvalidParams("stop_sequences", limit)
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
             raise InvalidParams("min_new_tokens", "must be an integer >= 0")
         if self.min_new_tokens > self.max_new_tokens:

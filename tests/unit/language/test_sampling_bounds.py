@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from language.sampling_params import InvalidParams, SamplingParams
+from language.sampling_params import (
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES,
+    MAX_TOKEN_LIST,
+    InvalidParams,
+    SamplingParams,
+)
 
 INT32_MAX = 2**31 - 1
 
@@ -24,7 +30,12 @@ INT32_MAX = 2**31 - 1
         ("exponential_decay_length_penalty", (0, 1e308)),
         ("exponential_decay_length_penalty", (0, 10.5)),
         ("exponential_decay_length_penalty", (2**63, 1.5)),
+        ("stop_token_ids", (7,) * (MAX_TOKEN_LIST + 1)),  # a 64 MiB body holds ~20 M
+        ("allowed_token_ids", (7,) * (MAX_TOKEN_LIST + 1)),
+        ("stop_sequences", ("x",) * (MAX_STOP_SEQUENCES + 1)),  # each is searched in every new piece of text
+        ("stop_sequences", ("x" * (MAX_STOP_CHARS + 1),)),
     ],
+    ids=lambda v: f"{len(v)} items" if isinstance(v, tuple) and len(v) > 8 else None,
 )
 def test_values_the_engine_cannot_hold_are_refused(field, value):
     with pytest.raises(InvalidParams) as e:
@@ -45,7 +56,10 @@ def test_values_the_engine_cannot_hold_are_refused(field, value):
         ("exponential_decay_length_penalty", (0, 1.5)),
         ("exponential_decay_length_penalty", (INT32_MAX, 10.0)),
         ("seed", 2**63 - 1),
+        ("stop_token_ids", (7,) * MAX_TOKEN_LIST),
+        ("stop_sequences", ("x" * MAX_STOP_CHARS,) * MAX_STOP_SEQUENCES),
     ],
+    ids=lambda v: f"{len(v)} items" if isinstance(v, tuple) and len(v) > 8 else None,
 )
 def test_values_at_the_bounds_are_admitted(field, value):
     SamplingParams(**{field: value}).validate()

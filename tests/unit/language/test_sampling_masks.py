@@ -5,7 +5,7 @@ import torch
 from transformers.generation.logits_process import ExponentialDecayLengthPenalty
 
 from language.request import Request
-from language.sampler import SamplingBatch, apply_penalties, sample
+from language.sampler import LogitProcessors, SamplingBatch, apply_penalties, sample
 from language.sampling_params import SamplingParams
 
 V = 64
@@ -35,6 +35,22 @@ def test_allowed_token_ids_keep_every_sample_in_the_set():
         assert ids[1].item() == max(allowed, key=lambda t: logits[1, t].item())  # greedy: best of the set
         assert ids[2].item() == 0  # the plain row in the same batch is untouched
         assert torch.isfinite(lps).all()
+
+
+def test_each_requests_edits_are_built_once_however_long_its_lists():
+    """A request's allowed ids, bias and banned ids become tensors on its first step and are reused after (the
+    engine's loop, which every request waits for, does no per-step work over a million duplicated ids): the same
+    edits, each id once, on every step."""
+    p = SamplingParams(allowed_token_ids=(3, 17, 40) * 300_000, stop_token_ids=(9,) * 300_000, min_new_tokens=4,
+                       logit_bias=((5, 1.5),)).validate()  # fmt: skip
+    r = _req(p)
+    first = LogitProcessors.build([_req(SamplingParams()), r], EOS, V, torch.device("cpu"))
+    edits = r.logit_edits
+    second = LogitProcessors.build([r], EOS, V, torch.device("cpu"))
+    assert r.logit_edits is edits
+    assert first.allowed_ids.tolist() == second.allowed_ids.tolist() == [3, 17, 40]
+    assert first.allowed_rows.tolist() == [1, 1, 1] and second.allowed_rows.tolist() == [0, 0, 0]
+    assert first.ban_ids.tolist() == [2, 9] and first.bias_ids.tolist() == [5] and first.bias.tolist() == [1.5]
 
 
 def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_one():
