@@ -8,7 +8,7 @@ import pytest
 
 from language.engine_stats import EngineStats
 from language.request import RequestOutput
-from mmserve.detok.detokenizer import DECODE_KWARGS, Detokenizer, IncrementalDecoder, StopMatcher
+from mmserve.detok.detokenizer import _MAX_HELD, DECODE_KWARGS, Detokenizer, IncrementalDecoder, StopMatcher
 from mmserve.ipc.messages import AbortRequest, DetokSetup, RouterBatch, RouterStats
 from mmserve.testing.checkpoints.tokenizer import build_tokenizer
 
@@ -41,6 +41,22 @@ def test_random_ids_match_full_decode(tokenizer):
         assert text == tokenizer.decode(ids, **DECODE_KWARGS), ids
         # only the final flush may end in a half character (as decode(all) shows it)
         assert not any(p.endswith("\ufffd") for p in pieces[:-1])
+
+
+def test_bytes_that_never_form_a_character_are_released_with_a_bounded_window(tokenizer):
+    """A model held on byte tokens that never make a character (logit_bias can force one): past _MAX_HELD pending
+    tokens their replacement characters go out as they decode, so a push never decodes more than ~2 x _MAX_HELD
+    tokens (before, the window and each push's work grew with every token); the whole is still decode(all)."""
+    garbage = next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
+    ids = [garbage] * (5 * _MAX_HELD) + tokenizer.encode("ok", add_special_tokens=False)
+    dec = IncrementalDecoder(tokenizer)
+    pieces = []
+    for i in ids:
+        pieces.append(dec.push(i))
+        assert len(dec.ids) - dec._prefix_offset <= 2 * _MAX_HELD + 1
+    pieces.append(dec.flush())
+    assert "".join(pieces) == tokenizer.decode(ids, **DECODE_KWARGS)
+    assert sum(1 for p in pieces[: 5 * _MAX_HELD] if p) >= 2  # released along the way, not only at the end
 
 
 def test_multibyte_text_round_trips(tokenizer):
