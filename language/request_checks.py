@@ -47,8 +47,7 @@ def _check_params(req: Request, info: ModelInfo, no_structured: str | None) -> N
         if outside:
             refuse(f"parameters.{name}", f"token ids {outside[:8]} are out of the vocabulary (size {vocab})")
     if p.min_new_tokens and p.allowed_token_ids is not None:
-        masked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(info.eos_token_ids))
-        if set(p.allowed_token_ids) <= masked:
+        if set(p.allowed_token_ids) <= p.min_tokens_bans(info.eos_token_ids):
             refuse("parameters.allowed_token_ids", "min_new_tokens masks all of them (EOS, stop ids)")
 
 

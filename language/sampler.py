@@ -93,7 +93,7 @@ class _FixedEdits:
 def _fixed_edits(r: Request, eos_token_ids: tuple[int, ...], vocab_size: int) -> _FixedEdits:
     if r.logit_edits is None:
         p = r.params
-        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+        banned = p.min_tokens_bans(eos_token_ids)
         allowed = p.allowed_token_ids
         r.logit_edits = _FixedEdits(
             torch.tensor([token for token, _ in p.logit_bias], dtype=torch.int64),

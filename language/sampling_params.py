@@ -99,6 +99,10 @@ class SamplingParams:
         """stop_token_ids as a set: the engine looks each sampled token up in it."""
         return frozenset(self.stop_token_ids)
 
+    def min_tokens_bans(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The ids masked out of the logits until min_new_tokens are out: stop_token_ids, and EOS unless ignore_eos."""
+        return self.stop_id_set if self.ignore_eos else self.stop_id_set | frozenset(eos_token_ids)
+
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
