@@ -33,7 +33,7 @@ def test_concurrent_generate_equals_hf(server, hf):
     cases.check_concurrent_generate_equals_hf(server, hf)
     # The same image behind a different question: its KV comes from the prefix cache, the rest is prefilled.
     text, images = CHAT.format(VISION + "What colour dominates?"), cases.CASES[0][1]
-    assert cases.generate(server, text, images) == hf(text, images)
+    cases.assert_equals_hf(cases.generate(server, text, images), hf(text, images))
 
 
 def test_chat_completions_equal_hf_on_the_published_template(server, hf):
