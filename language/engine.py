@@ -30,7 +30,7 @@ from language.request import (
     TopLogprobs,
 )
 from language.request_checks import check_request, refuse
-from language.scheduler import Scheduler, StepPlan
+from language.scheduler import Scheduler
 from language.step_inputs import StagedStep, stage
 from language.structured import StructuredDecoding
 from language.warmup import warmup
@@ -48,9 +48,10 @@ class EngineCore:
     stop token) runs once more in N+1: finishing frees its row and slots, which only steps after N+1 reuse, and its
     sample there is ignored (as an aborted request's). max_new_tokens never wastes a row: staging counts samples.
 
-    Exceptions. Requests with penalties need their full history on the host, so a step holding one reads the
-    previous step back before staging. Under the router (`step(emit)`), an eager step with prompt rows reads
-    the previous step back and hands its tokens over before it is launched (its launch takes tens of ms of host).
+    Penalties read a request's earlier tokens from counts kept on the device (language/penalties.py), which each
+    sample adds to in stream order, so they need nothing of N on the host either. The exception: under the router
+    (`step(emit)`), an eager step with prompt rows reads the previous step back and hands its tokens over before it
+    is launched (its launch takes tens of ms of host).
 
     A request's image embeddings are dropped once the step that ran its prompt's last chunk has been collected
     (the device has read every image row by then, on any chunking); its first output token says so to the owner
@@ -228,13 +229,10 @@ class EngineCore:
             for req in plan.admitted:
                 req.scheduled_at = admitted_at
         collected: list[Collected] = []
-        if self._inflight is not None and _needs_history(plan):
-            collected = self._read_back()
-            plan.decode = [r for r in plan.decode if not r.finished]  # those it finished get no slot
         staged = None
         if plan:
             staged = stage(plan, self.kv, self.model.position_dims, self.prefix, self.model.bidirectional_images)
-        if self._constrained(staged):  # a step read back above for its history (penalties) keeps its samples
+        if self._constrained(staged):
             collected += self._launch_constrained(staged)
         elif staged is not None and emit is not None and self._eager_prompt_step(staged):
             collected += self._read_back()
@@ -390,6 +388,7 @@ class EngineCore:
     def _finish(self, req: Request, reason: str) -> None:
         if req.grammar is not None:
             self.structured.release(req)
+        self.runner.penalties.release(req)
         if req.status is RequestStatus.RUNNING:
             if req.prefix_node is not None:
                 # Its answer stays too, so a follow-up turn reuses it. The last sampled token is never stored: a
@@ -429,9 +428,3 @@ _NO_STRUCTURED = {
     "none": "structured output is off on this server (--output_constraint_mode none)",
     "xgrammar": "this engine was built without a tokenizer for structured output",
 }
-
-
-def _needs_history(plan: StepPlan) -> bool:
-    """Penalties read every earlier token: a decode row's may be in the step in flight, read back first. (A prompt
-    chunk's request has sampled nothing yet; seeded sampling only counts earlier tokens: `num_sampled` does.)"""
-    return any(r.params.has_penalties for r in plan.decode)

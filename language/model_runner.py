@@ -25,6 +25,7 @@ from language.forward_batch import ForwardBatch
 from language.kv_cache import KVCache
 from language.parallel import step_sync
 from language.parallel.step_sync import StepChannel, StepMessage
+from language.penalties import PenaltyTables
 from language.piecewise_graphs import PiecewiseGraphs
 from language.pinned_staging import PinnedStaging
 from language.request import Request, TopLogprobs
@@ -167,6 +168,7 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size  # the whole vocabulary: tensor-parallel logits are gathered
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine: min_new_tokens and the EOS length boost
         self.last_token = torch.zeros(kv.dummy_row + 1, dtype=torch.int64, device=device)  # [rows+1]
+        self.penalties = PenaltyTables(self.vocab_size, device)  # rank 0 samples: only its tables fill
         self._meta = PinnedStaging(device)
         self._ids_out = PinnedStaging(device)
         self._lp_out = PinnedStaging(device, torch.float32)
@@ -229,7 +231,7 @@ class ModelRunner:
             if all_greedy:
                 samples = sample_greedy(logits[:b], k)
             else:
-                sb = SamplingBatch.build(reqs, self.vocab_size, self.device, self.eos_token_ids)
+                sb = SamplingBatch.build(reqs, self.vocab_size, self.device, self.eos_token_ids, self.penalties)
                 sb.token_mask = token_mask
                 samples = sample(logits[:b], sb)
                 if self.channel is not None:  # the other ranks' next decode rows read them from last_token

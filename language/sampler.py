@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from language import kernels
+from language.penalties import Penalties, PenaltyTables, apply_penalties
 from language.request import Request
 
 _MASK32 = 0xFFFFFFFF
@@ -41,7 +42,8 @@ class SamplingBatch:
     all_greedy: bool
     any_top: bool
     any_seeded: bool
-    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    penalties: Penalties | None
+    penalty_tables: PenaltyTables | None  # where the penalties' rows live; sampling counts its samples there
     processors: LogitProcessors | None = None
     top_logprobs: int = 0  # alternatives to return: the most any row asks for (0: none computed)
     # Structured output: (rows [R] int64, bitmask [R, ceil(V / 32)] int32) of the rows a grammar constrains
@@ -49,9 +51,20 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, reqs: list[Request], vocab_size: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()
+        cls,
+        reqs: list[Request],
+        vocab_size: int,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
+        penalty_tables: PenaltyTables | None = None,
     ) -> SamplingBatch:
+        """penalty_tables: the engine's, which keep each request's counts from step to step; None: tables for this
+        batch alone, filled from each request's prompt and collected outputs."""
         ps = [r.params for r in reqs]
+        penalties = None
+        if any(p.has_penalties for p in ps):
+            penalty_tables = penalty_tables or PenaltyTables(vocab_size, device)
+            penalties = penalty_tables.batch(reqs)
         greedy = [p.greedy for p in ps]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
         top_p = [p.top_p for p in ps]
@@ -70,7 +83,8 @@ class SamplingBatch:
             all_greedy=all(greedy),
             any_top=any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
             any_seeded=any(p.seed is not None for p in ps),
-            penalties=_penalty_tensors(reqs, device) if any(p.has_penalties for p in ps) else None,
+            penalties=penalties,
+            penalty_tables=penalty_tables,
             processors=(
                 LogitProcessors.build(reqs, eos_token_ids, vocab_size, device)
                 if any(p.has_logit_processors for p in ps)
@@ -198,36 +212,6 @@ def _eos_boost(decay_factor: float, steps: int) -> float:
     return math.exp(min(steps * math.log(decay_factor), _MAX_LOG_BOOST)) - 1.0
 
 
-def _penalty_tensors(reqs: list[Request], device: torch.device):
-    """Padded token histories: prompt+output (repetition penalty, as HF) and output only (frequency/presence, as
-    OpenAI), plus the three penalties per row."""
-    seen = [r.prompt_ids + r.output_ids for r in reqs]
-    width = max(len(s) for s in seen)
-    hist = torch.full((len(reqs), width), -1, dtype=torch.int64)
-    out_mask = torch.zeros((len(reqs), width), dtype=torch.bool)
-    for i, (r, s) in enumerate(zip(reqs, seen, strict=True)):
-        hist[i, : len(s)] = torch.tensor(s)
-        out_mask[i, r.prompt_len : len(s)] = True
-        if r.params.input_penalty:  # LightLLM: frequency/presence count the prompt's tokens as well
-            out_mask[i, : len(s)] = True
-    rep = torch.tensor([r.params.repetition_penalty for r in reqs], dtype=torch.float32)
-    freq = torch.tensor([r.params.frequency_penalty for r in reqs], dtype=torch.float32)
-    pres = torch.tensor([r.params.presence_penalty for r in reqs], dtype=torch.float32)
-    return tuple(x.to(device) for x in (hist, out_mask, rep, freq, pres))
-
-
-def apply_penalties(logits: torch.Tensor, penalties) -> torch.Tensor:
-    hist, out_mask, rep, freq, pres = penalties
-    valid = hist >= 0  # [B, W]
-    idx = hist.clamp(min=0)
-    seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, idx, valid)  # [B, V]
-    counts = torch.zeros_like(logits).scatter_add_(1, idx, (valid & out_mask).float())  # output-token counts
-    # HF's repetition penalty: divide positive logits, multiply negative ones, for every token seen so far.
-    penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
-    logits = torch.where(seen, penalised, logits)
-    return logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
-
-
 def _seeded_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """Counter-based uniform noise in (0, 1) from (seed, step, token id): the same request with the same seed draws
     the same tokens whatever batch it runs in. 32-bit mixing kept inside int64 so nothing overflows."""
@@ -278,7 +262,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
     float32 (and sb.top_logprobs alternatives per row, when some row asks)."""
     logits = logits.float()
     if sb.penalties is not None:
-        logits = apply_penalties(logits, sb.penalties)
+        logits = apply_penalties(logits, sb.penalties, sb.penalty_tables)
     if sb.processors is not None:
         logits = sb.processors.apply(logits)
     if sb.token_mask is not None:
@@ -288,6 +272,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
         next_ids = logits.argmax(dim=-1)
     else:
         next_ids = _draw(logits, sb)
+    if sb.penalties is not None:
+        sb.penalty_tables.count(sb.penalties, next_ids)
     chosen = logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
     if not sb.top_logprobs:
         return Samples(next_ids, chosen)

@@ -53,8 +53,8 @@ def test_request_finishing_at_step_n_runs_in_step_n_plus_1_discarded(llm):
 
 
 def test_stop_beside_a_penalised_request_frees_every_slot(llm):
-    """A decoding request with a penalty needs the previous step read back before the next is staged: a request
-    that read-back stops is staged no slot (it used to keep one for good)."""
+    """A request stopped beside a penalised one (whose counts live on the device, its steps overlapped like any)
+    gives back every slot and row."""
     engine = llm.engine
     free_run = llm.generate([_prompt(0)], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
     stop = free_run[3]
@@ -67,22 +67,37 @@ def test_stop_beside_a_penalised_request_frees_every_slot(llm):
     assert engine.kv.slots.num_used == 0 and engine.kv.num_free_rows() == engine.cfg.running_max_req_size
 
 
-def test_seeded_request_draws_the_same_tokens_launched_first_or_after_a_read_back(llm):
-    """A seed needs no read-back (its noise counts the samples staged before): alone, its steps launch before the
-    previous one is read back; beside a decoding request with a penalty, every step reads the previous one back
-    first. It draws the same tokens both ways."""
-    engine = llm.engine
-    seeded = SamplingParams(max_new_tokens=16, ignore_eos=True, do_sample=True, temperature=1.5, seed=11)
-    reqs = [Request("seeded", _prompt(2), seeded)]
-    engine.add_request(reqs[0])
+def _launched_before_read_back(engine, req: Request) -> None:
+    """Runs req alone to its end, checking that its first decode step launched before its prompt step was read
+    back."""
+    engine.add_request(req)
     engine.step()  # the prompt
     engine.step()  # the first decode step, launched before the prompt's step is read back
-    assert engine._inflight is not None and engine._inflight.num_decode == 1 and len(reqs[0].output_ids) == 1
-    while not reqs[0].finished:
+    assert engine._inflight is not None and engine._inflight.num_decode == 1 and len(req.output_ids) == 1
+    while not req.finished:
         engine.step()
+
+
+def test_seeded_request_draws_the_same_tokens_alone_or_beside_others(llm):
+    """A seed needs no read-back (its noise counts the samples staged before): alone, its steps launch before the
+    previous one is read back; beside a penalised request it draws the same tokens."""
+    seeded = SamplingParams(max_new_tokens=16, ignore_eos=True, do_sample=True, temperature=1.5, seed=11)
+    req = Request("seeded", _prompt(2), seeded)
+    _launched_before_read_back(llm.engine, req)
     penalised = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.3)
     beside = llm.generate([_prompt(2), _prompt(0)], [seeded, penalised])[0].token_ids
-    assert reqs[0].output_ids == beside and len(set(beside)) > 1
+    assert req.output_ids == beside and len(set(beside)) > 1
+
+
+def test_a_penalised_request_launches_before_the_read_back(llm):
+    """Its counts live on the device (language/penalties.py), so its steps overlap like any; it answers as when it
+    runs beside others, and its row goes back when it finishes."""
+    penalised = SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=0.5, frequency_penalty=-0.5)
+    req = Request("penalised", _prompt(1), penalised)
+    _launched_before_read_back(llm.engine, req)
+    beside = llm.generate([_prompt(3), _prompt(1)], [SamplingParams(max_new_tokens=9), penalised])[1].token_ids
+    assert req.output_ids == beside and len(set(beside)) < len(beside)  # the penalty below 1 makes it repeat
+    assert not llm.engine.runner.penalties._owner
 
 
 def test_abort_while_a_step_is_in_flight_frees_exactly_its_slots(llm):

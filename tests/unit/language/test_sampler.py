@@ -8,8 +8,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from language.penalties import apply_penalties
 from language.request import Request
-from language.sampler import SamplingBatch, _top_k_top_p, apply_penalties, sample
+from language.sampler import SamplingBatch, _top_k_top_p, sample
 from language.sampling_params import SamplingParams
 
 V = 50
@@ -29,6 +30,11 @@ def _batch(reqs):
     return SamplingBatch.build(reqs, V, torch.device("cpu"))
 
 
+def _penalised(logits, reqs):
+    batch = _batch(reqs)
+    return apply_penalties(logits, batch.penalties, batch.penalty_tables)
+
+
 def test_greedy_rows_take_argmax_and_report_logprob():
     logits = torch.randn(3, V)
     ids, lp, *_ = sample(logits.clone(), _batch(_reqs(SamplingParams(), SamplingParams(), SamplingParams())))
@@ -46,7 +52,7 @@ def test_top_k_one_is_greedy_even_when_sampling():
 def test_repetition_penalty_matches_hf():
     logits = torch.randn(1, V)
     reqs = _reqs(SamplingParams(repetition_penalty=1.7), outputs=(7, 7, 9))
-    ours = apply_penalties(logits.clone(), _batch(reqs).penalties)
+    ours = _penalised(logits.clone(), reqs)
     hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 2, 3, 3, 7, 7, 9]]), logits.clone())
     assert torch.allclose(ours, hf)
 
@@ -54,7 +60,7 @@ def test_repetition_penalty_matches_hf():
 def test_frequency_and_presence_count_output_tokens_only():
     logits = torch.zeros(1, V)
     reqs = _reqs(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), outputs=(7, 7, 9))
-    out = apply_penalties(logits, _batch(reqs).penalties)[0]
+    out = _penalised(logits, reqs)[0]
     assert out[7].item() == -(2 * 0.5 + 0.25) and out[9].item() == -(0.5 + 0.25)
     assert out[3].item() == 0.0  # prompt tokens are not penalised by frequency/presence
 

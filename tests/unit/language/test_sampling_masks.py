@@ -4,8 +4,9 @@ input_penalty, each against what it must do, mixed in one batch with plain rows.
 import torch
 from transformers.generation.logits_process import ExponentialDecayLengthPenalty
 
+from language.penalties import apply_penalties
 from language.request import Request
-from language.sampler import LogitProcessors, SamplingBatch, apply_penalties, sample
+from language.sampler import LogitProcessors, SamplingBatch, sample
 from language.sampling_params import SamplingParams
 
 V = 64
@@ -106,6 +107,7 @@ def test_input_penalty_counts_prompt_tokens():
     plain = _req(SamplingParams(presence_penalty=1.0), prompt=(7, 8))
     counted = _req(SamplingParams(presence_penalty=1.0, input_penalty=True), prompt=(7, 8))
     plain.output_ids = counted.output_ids = [9]
-    out = apply_penalties(logits, SamplingBatch.build([plain, counted], V, torch.device("cpu")).penalties)
+    batch = SamplingBatch.build([plain, counted], V, torch.device("cpu"))
+    out = apply_penalties(logits, batch.penalties, batch.penalty_tables)
     assert out[0, 7].item() == 0.0 and out[0, 9].item() == -1.0
     assert out[1, 7].item() == -1.0 and out[1, 9].item() == -1.0

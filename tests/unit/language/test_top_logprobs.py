@@ -4,8 +4,9 @@ the full path with penalties and masks, the rows that ask next to rows that do n
 import pytest
 import torch
 
+from language.penalties import apply_penalties
 from language.request import Request
-from language.sampler import SamplingBatch, apply_penalties, sample, sample_greedy, token_logprobs
+from language.sampler import SamplingBatch, sample, sample_greedy, token_logprobs
 from language.sampling_params import SamplingParams
 
 V = 64
@@ -52,8 +53,9 @@ def test_full_path_alternatives_come_from_the_distribution_the_token_was_chosen_
         r.output_ids = [7, 7, 9]
     batch = SamplingBatch.build(reqs, V, torch.device("cpu"))
     assert batch.top_logprobs == 20
+    # before sampling, which counts its samples into the tables for the next step
+    shaped = batch.processors.apply(apply_penalties(logits.clone(), batch.penalties, batch.penalty_tables))
     out = sample(logits.clone(), batch)
-    shaped = batch.processors.apply(apply_penalties(logits.clone(), batch.penalties))
     ids, values = _reference(shaped, 20)
     assert torch.equal(out.top_ids, ids)
     torch.testing.assert_close(out.top_logprobs, values, rtol=0, atol=1e-5)
