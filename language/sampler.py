@@ -18,10 +18,10 @@ from typing import NamedTuple
 import torch
 
 from language import kernels
+from language.draw import DrawRows, draw, plan_draws
 from language.penalties import Penalties, PenaltyTables, apply_penalties
 from language.request import Request
 
-_MASK32 = 0xFFFFFFFF
 # The EOS boost (HF's exponential_decay_length_penalty) grows without bound with the length; capped, the boosted
 # logit stays far inside float32 (|logit| * 1e30 < 3.4e38 for any logit a model gives), so nothing becomes inf/NaN.
 _MAX_BOOST = 1e30
@@ -30,18 +30,11 @@ _MAX_LOG_BOOST = math.log(_MAX_BOOST)
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters as tensors [B] on the logits' device."""
+    """A step's sampling, per row, on the logits' device."""
 
-    greedy: torch.Tensor  # bool
-    temperature: torch.Tensor  # float32
-    top_k: torch.Tensor  # int64 (vocab size where disabled)
-    top_p: torch.Tensor  # float32
-    seeded: torch.Tensor  # bool
-    seed: torch.Tensor  # int64
-    step: torch.Tensor  # int64: output tokens sampled before this one (varies the seeded noise per step)
-    all_greedy: bool
-    any_top: bool
-    any_seeded: bool
+    # The sampled rows, split by how they draw (language/draw.py); None: no row goes that way
+    narrow: DrawRows | None
+    wide: DrawRows | None
     penalties: Penalties | None
     penalty_tables: PenaltyTables | None  # where the penalties' rows live; sampling counts its samples there
     processors: LogitProcessors | None = None
@@ -65,24 +58,10 @@ class SamplingBatch:
         if any(p.has_penalties for p in ps):
             penalty_tables = penalty_tables or PenaltyTables(vocab_size, device)
             penalties = penalty_tables.batch(reqs)
-        greedy = [p.greedy for p in ps]
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
-        top_p = [p.top_p for p in ps]
-
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        narrow, wide = plan_draws(reqs, [_sampled_before(r) for r in reqs], vocab_size, device)
         return cls(
-            greedy=t(greedy, torch.bool),
-            temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, ps, strict=True)], torch.float32),
-            top_k=t(top_k, torch.int64),
-            top_p=t(top_p, torch.float32),
-            seeded=t([p.seed is not None for p in ps], torch.bool),
-            seed=t([p.seed or 0 for p in ps], torch.int64),
-            step=t([_sampled_before(r) for r in reqs], torch.int64),
-            all_greedy=all(greedy),
-            any_top=any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p),
-            any_seeded=any(p.seed is not None for p in ps),
+            narrow=narrow,
+            wide=wide,
             penalties=penalties,
             penalty_tables=penalty_tables,
             processors=(
@@ -212,18 +191,6 @@ def _eos_boost(decay_factor: float, steps: int) -> float:
     return math.exp(min(steps * math.log(decay_factor), _MAX_LOG_BOOST)) - 1.0
 
 
-def _seeded_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Counter-based uniform noise in (0, 1) from (seed, step, token id): the same request with the same seed draws
-    the same tokens whatever batch it runs in. 32-bit mixing kept inside int64 so nothing overflows."""
-    v = torch.arange(vocab, device=seed.device, dtype=torch.int64)[None, :]
-    x = (seed[:, None] ^ (seed[:, None] >> 32)) & _MASK32
-    x = (x * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + v * 0xC2B2AE3D) & _MASK32
-    for mul in (0x7FEB352D, 0x846CA68B):
-        x = ((x ^ (x >> 16)) * mul) & _MASK32
-    x = x ^ (x >> 16)
-    return (x.float() + 0.5) / 4294967296.0
-
-
 class Samples(NamedTuple):
     """One step's samples: ids [B] int64 and their log-probabilities [B] float32; when some row asks for
     alternatives, the k most likely ids of every row [B, k] int64 and their log-probabilities [B, k] float32."""
@@ -267,17 +234,14 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
         logits = sb.processors.apply(logits)
     if sb.token_mask is not None:
         logits = apply_token_bitmask(logits, *sb.token_mask)
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    if sb.all_greedy:
-        next_ids = logits.argmax(dim=-1)
-    else:
-        next_ids = _draw(logits, sb)
+    next_ids = draw(logits, sb.narrow, sb.wide)
     if sb.penalties is not None:
         sb.penalty_tables.count(sb.penalties, next_ids)
-    chosen = logprobs_all.gather(1, next_ids[:, None]).squeeze(1)
+    logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]: one kernel (logsumexp takes five and a [B, V] temporary)
+    chosen = logprobs.gather(1, next_ids[:, None]).squeeze(1)
     if not sb.top_logprobs:
         return Samples(next_ids, chosen)
-    top_values, top_ids = logprobs_all.topk(sb.top_logprobs, dim=-1)  # [B, k]
+    top_values, top_ids = logprobs.topk(sb.top_logprobs, dim=-1)  # [B, k]
     return Samples(next_ids, chosen, top_ids, top_values)
 
 
@@ -289,29 +253,3 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, : logits.shape[1]].bool()  # [R, V]
     masked = logits[rows].masked_fill_(~allowed, float("-inf"))
     return logits.index_copy(0, rows, masked)
-
-
-def _draw(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Sampled rows (temperature, top-k, top-p, seeds) and greedy rows' argmax: [B] int64."""
-    scaled = logits / sb.temperature[:, None]
-    if sb.any_top:
-        scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
-    probs = scaled.softmax(dim=-1)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p without a cumulative-sum search.
-    noise = torch.empty_like(probs).exponential_()
-    if sb.any_seeded:
-        seeded_noise = -torch.log(_seeded_uniform(sb.seed, sb.step, probs.shape[1]))
-        noise = torch.where(sb.seeded[:, None], seeded_noise, noise)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(sb.greedy, logits.argmax(dim=-1), sampled)
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
-    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))  # top-k first, as HF
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -8,9 +8,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from language.draw import cut_sorted
 from language.penalties import apply_penalties
 from language.request import Request
-from language.sampler import SamplingBatch, _top_k_top_p, sample
+from language.sampler import SamplingBatch, sample
 from language.sampling_params import SamplingParams
 
 V = 50
@@ -68,7 +69,9 @@ def test_frequency_and_presence_count_output_tokens_only():
 def test_top_k_top_p_keep_the_same_support_as_hf():
     torch.manual_seed(0)
     logits = torch.randn(2, V) * 3
-    ours = _top_k_top_p(logits.clone(), torch.tensor([10, V]), torch.tensor([0.6, 0.8]))
+    ordered, order = logits.sort(dim=-1, descending=True)
+    cut = cut_sorted(ordered, torch.tensor([10, V]), torch.tensor([0.6, 0.8]))
+    ours = torch.empty_like(logits).scatter_(1, order, cut)
     for row, (k, p) in enumerate([(10, 0.6), (V, 0.8)]):
         hf = TopPLogitsWarper(p)(None, TopKLogitsWarper(k)(None, logits[row : row + 1].clone()))
         assert torch.equal(torch.isinf(ours[row]), torch.isinf(hf[0]))

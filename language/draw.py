@@ -1,0 +1,130 @@
+"""Drawing each sampled row's token: temperature, top-k, top-p and per-request seeds.
+
+A row whose top-k is at most NARROW_K (HF's default 50, Qwen's recommended 20) draws from its NARROW_K largest
+logits: one `topk` over the vocabulary, then the top-k and top-p cuts and the draw over those few columns. Any other
+row with top-p sorts the whole vocabulary ([B, V]: a sort of 152k logits a row for Qwen's vocabulary). Which way a
+row goes depends on its own parameters only, so a seeded request draws the same tokens whatever batch it runs in.
+
+The draw is an exponential race: argmax(p / E) with E ~ Exp(1) per column draws from p without a cumulative-sum
+search; a seeded row's E comes from a counter-based hash of (seed, step, token id)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from language.request import Request
+
+NARROW_K = 1024
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class DrawRows:
+    """The sampled rows that go one way, and their parameters, on the logits' device."""
+
+    rows: torch.Tensor  # int64 [R]: their rows of the batch
+    top_k: torch.Tensor  # int64 [R] (the vocabulary's size where off)
+    seeded: torch.Tensor  # bool [R]
+    seed: torch.Tensor  # int64 [R]
+    step: torch.Tensor  # int64 [R]: output tokens sampled before this one (varies the seeded noise per step)
+    temperature: torch.Tensor  # float32 [R]
+    top_p: torch.Tensor  # float32 [R]
+    any_top: bool
+    any_seeded: bool
+
+    @classmethod
+    def build(
+        cls, rows: list[int], reqs: list[Request], steps: list[int], vocab_size: int, device: torch.device
+    ) -> DrawRows | None:
+        if not rows:
+            return None
+        ps = [reqs[i].params for i in rows]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+        ints = torch.tensor(
+            [rows, top_k, [p.seed is not None for p in ps], [p.seed or 0 for p in ps], [steps[i] for i in rows]],
+            dtype=torch.int64,
+        ).to(device, non_blocking=True)  # [5, R]: one copy
+        floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps]], dtype=torch.float32)
+        floats = floats.to(device, non_blocking=True)  # [2, R]
+        return cls(
+            ints[0], ints[1], ints[2].bool(), ints[3], ints[4], floats[0], floats[1],
+            any_top=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in ps),
+            any_seeded=any(p.seed is not None for p in ps),
+        )  # fmt: skip
+
+
+def plan_draws(
+    reqs: list[Request], steps: list[int], vocab_size: int, device: torch.device
+) -> tuple[DrawRows | None, DrawRows | None]:
+    """(narrow, wide): the sampled (not greedy) rows that draw from their NARROW_K largest logits, and the rest."""
+    narrow_limit = min(NARROW_K, vocab_size)
+    narrow, wide = [], []
+    for i, r in enumerate(reqs):
+        p = r.params
+        if not p.greedy:
+            (narrow if 0 < p.top_k <= narrow_limit or vocab_size <= narrow_limit else wide).append(i)
+    return (
+        DrawRows.build(narrow, reqs, steps, vocab_size, device),
+        DrawRows.build(wide, reqs, steps, vocab_size, device),
+    )
+
+
+def draw(logits: torch.Tensor, narrow: DrawRows | None, wide: DrawRows | None) -> torch.Tensor:
+    """logits: [B, V] float32 (penalised, biased and masked) -> [B] int64: greedy rows' argmax, the others drawn."""
+    batch = logits.shape[0]
+    for g, how in ((narrow, _draw_narrow), (wide, _draw_wide)):
+        if g is not None and g.rows.shape[0] == batch:  # every row (rows are in order): no gather, no scatter
+            return how(logits, g)
+    ids = logits.argmax(dim=-1)  # the greedy rows' (the drawn rows' are replaced)
+    for g, how in ((narrow, _draw_narrow), (wide, _draw_wide)):
+        if g is not None:
+            ids[g.rows] = how(logits.index_select(0, g.rows), g)
+    return ids
+
+
+def _draw_narrow(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
+    values, ids = logits.topk(min(NARROW_K, logits.shape[1]), dim=-1)  # each [R, K], largest first
+    values = cut_sorted(values / g.temperature[:, None], g.top_k, g.top_p)
+    choice = (values.softmax(dim=-1) / _noise(g, ids)).argmax(dim=-1)  # [R]
+    return ids.gather(1, choice[:, None]).squeeze(1)
+
+
+def _draw_wide(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
+    scaled = logits / g.temperature[:, None]
+    if g.any_top:
+        ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
+        scaled = torch.empty_like(scaled).scatter_(1, order, cut_sorted(ordered, g.top_k, g.top_p))
+    ids = torch.arange(scaled.shape[1], device=scaled.device)[None, :]  # [1, V]
+    return (scaled.softmax(dim=-1) / _noise(g, ids)).argmax(dim=-1)
+
+
+def cut_sorted(ordered: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Logits sorted largest first [R, n] with those past each row's top-k, then past its top-p mass, set to -inf
+    (HF's order: top-k first; top-p keeps the smallest prefix whose mass reaches p, the first always)."""
+    ranks = torch.arange(ordered.shape[1], device=ordered.device)[None, :]
+    ordered = ordered.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    return ordered.masked_fill(drop, float("-inf"))
+
+
+def _noise(g: DrawRows, ids: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [R, n] for the columns whose token ids are `ids` ([R, n], or [1, n] shared by every row)."""
+    shape = (g.rows.shape[0], ids.shape[1])
+    noise = torch.empty(shape, device=ids.device).exponential_()
+    if g.any_seeded:
+        noise = torch.where(g.seeded[:, None], -torch.log(_seeded_uniform(g.seed, g.step, ids)), noise)
+    return noise
+
+
+def _seeded_uniform(seed: torch.Tensor, step: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Counter-based uniform noise in (0, 1) from (seed, step, token id): [R, n]. 32-bit mixing kept inside int64 so
+    nothing overflows."""
+    x = (seed[:, None] ^ (seed[:, None] >> 32)) & _MASK32
+    x = (x * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + ids * 0xC2B2AE3D) & _MASK32
+    for mul in (0x7FEB352D, 0x846CA68B):
+        x = ((x ^ (x >> 16)) * mul) & _MASK32
+    x = x ^ (x >> 16)
+    return (x.float() + 0.5) / 4294967296.0
