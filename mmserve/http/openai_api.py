@@ -138,7 +138,7 @@ class OpenAIServing:
         ]
 
     def _parse_completion(self, body: dict, default_max: int) -> list[GenerateInput]:
-        return completion_inputs(body, default_max, self.tokenizer)
+        return completion_inputs(body, default_max, self.tokenizer, self.options.sampling_defaults)
 
     async def respond(self, request: Request, kind: str) -> Response:
         chat = kind == "chat"

@@ -10,7 +10,10 @@ import base64
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
 
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
 from mmserve.http.chat_tools import TOOL_FIELDS, ToolRequest, assistant_tool_calls, tool_request
@@ -33,14 +36,19 @@ CHAT_NAMES = (
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
 
 
+_NONE: Mapping[str, Any] = MappingProxyType({})
+
+
 def check_names(body: dict, allowed: frozenset) -> None:
     for name in body:
         if name not in allowed:
             raise BadRequest(name, "unknown or unsupported field")
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    """OpenAI's sampling fields -> SamplingParams (validated); n > 1 fans out as /generate's n does."""
+def sampling_params(body: dict, default_max_tokens: int, defaults: Mapping[str, Any] = _NONE) -> SamplingParams:
+    """OpenAI's sampling fields -> SamplingParams (validated); n > 1 fans out as /generate's n does. `defaults`: the
+    values of fields the body leaves unset (the model's generation config: generation_defaults.py)."""
+    body = {**defaults, **{k: v for k, v in body.items() if v is not None}}
     n = body.get("n")
     max_tokens = body.get(max_tokens_field(body))
     temperature = body.get("temperature")
@@ -264,6 +272,8 @@ class OpenAIOptions:
     model_dir: str | None = None  # the served checkpoint (its folder names the model; its config, the family)
     tool_call_parser: str | None = None  # the model's tool-call format (tool_parsers.py); None: calls are not read
     reasoning_parser: str | None = None  # the model's reasoning format (reasoning_parsers.py)
+    # unset request fields' values, by the request's names: the model's generation config (generation_defaults.py)
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def checkpoint_dir(self, tokenizer) -> str:
         """--model_dir, else where the tokenizer was loaded from (not every tokenizer knows: Qwen-VL's tiktoken one)."""
@@ -342,7 +352,7 @@ def chat_input(
     checks are slow)."""
     options = options or OpenAIOptions()
     check_names(body, CHAT_NAMES)
-    params = sampling_params(body, default_max)
+    params = sampling_params(body, default_max, options.sampling_defaults)
     params = replace(params, top_logprobs=logprobs_request(body, chat=True) or 0)
     tools = tool_request(body, options.tool_call_parser)
     messages, images, videos = chat_messages(body.get("messages"), image_dir, multimodal)
@@ -352,7 +362,8 @@ def chat_input(
         # the template wrote the BOS itself (Gemma 3's): the tokenizer must not add a second one
         params = replace(params, add_special_tokens=False)
     params = _with_tool_constraint(params, tools, prompt, options.reasoning_parser)
-    unset = body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    unset = all(body.get(name) is None for name in ("max_tokens", "max_completion_tokens"))
+    unset = unset and "max_tokens" not in options.sampling_defaults
     mm = {"images": images} if images else {}
     if videos:
         mm = {**mm, "videos": videos, "mm_processor_kwargs": body.get("mm_processor_kwargs")}
@@ -378,7 +389,9 @@ def _with_tool_constraint(
         raise BadRequest("tools", e.message) from None
 
 
-def completion_inputs(body: dict, default_max: int, tokenizer) -> list[GenerateInput]:
+def completion_inputs(
+    body: dict, default_max: int, tokenizer, sampling_defaults: Mapping[str, Any] = _NONE
+) -> list[GenerateInput]:
     """A completion body -> one GenerateInput per prompt (a token-id prompt carries its ids, and their text for
     echo); max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions. `echo` with logprobs scores the
     prompt too (prompt_logprobs with at least as many alternatives). Runs in the tokenizer pool."""
@@ -386,7 +399,7 @@ def completion_inputs(body: dict, default_max: int, tokenizer) -> list[GenerateI
     if not isinstance(body.get("echo", False), bool):
         raise BadRequest("echo", "must be a boolean")
     prompts = completion_prompts(body, len(tokenizer))
-    params = sampling_params(body, min(16, default_max))
+    params = sampling_params(body, min(16, default_max), sampling_defaults)
     check_batch_size(len(prompts), params.num_sequences)
     k = logprobs_request(body, chat=False)
     scored = params.prompt_logprobs

@@ -57,6 +57,14 @@ class ServerConfig(EngineOptions, VisualOptions):
         choices=sorted(REASONING_PARSERS),
         aliases=("--reasoning-parser",),
     )
+    generation_config: str = option(
+        "auto",
+        _SERVING,
+        "default sampling of the OpenAI routes (temperature, top_p, top_k, repetition_penalty, max_tokens), as "
+        "vLLM's: auto: the checkpoint's generation_config.json; vllm: OpenAI's defaults; or a folder holding a "
+        "generation_config.json",
+        aliases=("--generation-config",),
+    )
     log_level: str = option(
         "info", _SERVING, "log level of every process", choices=["debug", "info", "warning", "error"]
     )

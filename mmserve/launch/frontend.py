@@ -13,6 +13,7 @@ from language.engine_stats import EngineStats
 from mmserve.http.drain import DrainGate, DrainingServer
 from mmserve.http.engine_client import EngineClient
 from mmserve.http.first_use import warm_first_use
+from mmserve.http.generation_defaults import sampling_defaults
 from mmserve.http.metrics import ServerMetrics
 from mmserve.http.openai_protocol import OpenAIOptions
 from mmserve.http.server import build_app
@@ -80,6 +81,7 @@ def run_frontend(
         config.model_dir,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
+        sampling_defaults=sampling_defaults(config.generation_config, config.model_dir),
     )
     app = build_app(client, openai, timeouts)
     warm_first_use(app)

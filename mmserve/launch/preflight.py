@@ -41,6 +41,10 @@ def check_model_dir(config: ServerConfig) -> None:
     if remote and not config.trust_remote_code:
         raise CannotStart(f"--model_dir {model_dir}: its tokenizer is the checkpoint's own code ({remote}, named in "
                           "tokenizer_config.json's auto_map); pass --trust_remote_code to run it")  # fmt: skip
+    source = config.generation_config
+    if source not in ("auto", "vllm") and not os.path.isfile(os.path.join(source, "generation_config.json")):
+        raise CannotStart(f"--generation_config {source}: no generation_config.json there (auto: the checkpoint's; "
+                          "vllm: none)")  # fmt: skip
 
 
 def _remote_tokenizer_class(model_dir: str) -> str | None:

@@ -1,0 +1,54 @@
+"""Default sampling for the OpenAI routes from the model's generation config, as vLLM's `--generation-config auto`
+(its default): a request's unset `temperature`, `top_p`, `top_k`, `repetition_penalty` and `max_tokens` take the
+values of the checkpoint's generation_config.json that differ from transformers' defaults (`max_new_tokens` for
+`max_tokens`). `--generation_config vllm` keeps OpenAI's defaults; a folder path reads that folder's file instead.
+/generate keeps LightLLM's defaults, as LightLLM does.
+
+Qwen publishes its recommended sampling this way (Qwen3-VL-Instruct: temperature 0.7, top-p 0.8, top-k 20), so a
+chat that sets none of them is answered as on vLLM."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from transformers import GenerationConfig
+
+from language.sampling_params import InvalidParams, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# generation_config.json's field -> the OpenAI request's (vLLM also reads min_p, which this server does not sample)
+_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+_PARAMS = {"max_tokens": "max_new_tokens"}  # the request's name -> SamplingParams' where they differ
+
+
+def sampling_defaults(source: str, model_dir: str | None) -> dict[str, float | int]:
+    """The OpenAI request fields' defaults (by the request's names) from `source`: "auto" (the checkpoint's
+    generation_config.json, if it has one), "vllm" (none) or a folder holding a generation_config.json. A value
+    SamplingParams refuses is left out, with a warning."""
+    if source == "vllm":
+        return {}
+    folder = model_dir if source == "auto" else source
+    if not folder or not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        if source != "auto":
+            raise ValueError(f"--generation_config {source}: no generation_config.json there")
+        return {}
+    diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    defaults = {name: diff[key] for key, name in _FIELDS.items() if diff.get(key) is not None}
+    for name, value in list(defaults.items()):
+        try:
+            SamplingParams(**{_PARAMS.get(name, name): value}).validate()
+        except (InvalidParams, TypeError) as e:
+            log.warning("generation_config.json's %s (%r) is not used as a default: %s", name, value, e)
+            del defaults[name]
+    if defaults:
+        log.info("the OpenAI routes' default sampling, from %s/generation_config.json: %s (--generation_config vllm: "
+                 "OpenAI's defaults)", folder, defaults)  # fmt: skip
+    return defaults
