@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from language import kernels
 from language.request import Request
 
 
@@ -45,19 +46,14 @@ class PenaltyTables:
         ignored."""
         rows = [self._row(r) if r.params.has_penalties and not r.finished else 0 for r in reqs]
         counted = [i for i, row in enumerate(rows) if row]
-
-        def t(values, dtype=torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
+        b, n = len(rows), len(counted)
+        # one copy for the ints, one for the floats
+        ints = torch.tensor(rows + counted + [rows[i] for i in counted], dtype=torch.int64)  # [B + 2P]
+        ints = ints.to(self.device, non_blocking=True)
         ps = [r.params for r in reqs]
-        return Penalties(
-            rows=t(rows),
-            counted=t(counted),
-            counted_rows=t([rows[i] for i in counted]),
-            repetition=t([p.repetition_penalty for p in ps], torch.float32),
-            frequency=t([p.frequency_penalty for p in ps], torch.float32),
-            presence=t([p.presence_penalty for p in ps], torch.float32),
-        )
+        values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in ps]
+        floats = torch.tensor(values, dtype=torch.float32).T.contiguous().to(self.device, non_blocking=True)  # [3, B]
+        return Penalties(ints[:b], ints[b : b + n], ints[b + n :], floats[0], floats[1], floats[2])
 
     def count(self, p: Penalties, ids: torch.Tensor) -> None:
         """Add a step's samples ([B] on the device) to their requests' counts."""
@@ -106,10 +102,5 @@ class PenaltyTables:
 def apply_penalties(logits: torch.Tensor, p: Penalties, tables: PenaltyTables) -> torch.Tensor:
     """logits [B, V] float32 -> penalised, out of place: HF's repetition penalty over the prompt's and the output's
     ids (positive logits divided, negative multiplied), then OpenAI's frequency (per occurrence) and presence (once)
-    penalties over the counted ids."""
-    counts = tables.counts.index_select(0, p.rows)  # [B, V]
-    came_out = counts > 0
-    seen = tables.in_prompt.index_select(0, p.rows) | came_out
-    rep = p.repetition[:, None]
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - p.frequency[:, None] * counts - p.presence[:, None] * came_out.float()
+    penalties over the counted ids (`kernels.penalize`: one pass on the GPU)."""
+    return kernels.penalize(logits, p.rows, tables.counts, tables.in_prompt, p.repetition, p.frequency, p.presence)

@@ -21,6 +21,7 @@ from language.kernels.greedy_sample import greedy_sample as _greedy_sample_trito
 from language.kernels.head_rms_norm import qk_rms_norm as _qk_rms_norm_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
 from language.kernels.launch_utils import HALF_DTYPES
+from language.kernels.penalties import penalize as _penalize_triton
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from language.kernels.rms_norm import add_rms_norm as _add_rms_norm_triton
 from language.kernels.rms_norm import add_rms_norm_fp8 as _add_rms_norm_fp8_triton
@@ -108,6 +109,8 @@ decode_attention = _dispatch(_decode_attention_triton, reference.decode_attentio
 splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embeddings_ref)
 # The argmax and its log-probability, read from the LM head's logits in their own dtype.
 greedy_sample = _dispatch(_greedy_sample_triton, reference.greedy_sample_ref)
+# Repetition, frequency and presence penalties from the engine's per-request tables, in one pass.
+penalize = _dispatch(_penalize_triton, reference.penalize_ref)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -163,6 +166,7 @@ __all__ = [
     "greedy_sample",
     "linear",
     "mrope_cos_sin",
+    "penalize",
     "prefill_attention",
     "qk_rms_norm",
     "rms_norm",

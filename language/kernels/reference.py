@@ -333,3 +333,23 @@ def greedy_sample_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     x = logits.float()
     ids = x.argmax(dim=-1)
     return ids, x.gather(1, ids[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1)
+
+
+def penalize_ref(
+    logits: torch.Tensor,
+    table_rows: torch.Tensor,
+    counts: torch.Tensor,
+    in_prompt: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """logits [B, V] fp32 -> penalised, out of place: HF's repetition penalty over the ids the prompt holds or that
+    came out (positive logits divided, negative multiplied), then OpenAI's frequency (per count) and presence (once)
+    penalties. table_rows [B] index counts [T, V] fp32 and in_prompt [T, V] bool."""
+    row_counts = counts.index_select(0, table_rows)  # [B, V]
+    came_out = row_counts > 0
+    seen = in_prompt.index_select(0, table_rows) | came_out
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * row_counts - presence[:, None] * came_out.float()
