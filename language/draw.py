@@ -1,4 +1,4 @@
-"""Drawing each sampled row's token: temperature, top-k, top-p and per-request seeds.
+"""Drawing each sampled row's token: temperature, top-k, top-p, min-p and per-request seeds.
 
 A row whose top-k is at most NARROW_K (HF's default 50, Qwen's recommended 20) draws from its NARROW_K largest
 logits: one `topk` over the vocabulary, then the top-k and top-p cuts and the draw over those few columns. Any other
@@ -10,6 +10,7 @@ search; a seeded row's E comes from a counter-based hash of (seed, step, token i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,9 @@ class DrawRows:
     step: torch.Tensor  # int64 [R]: output tokens sampled before this one (varies the seeded noise per step)
     temperature: torch.Tensor  # float32 [R]
     top_p: torch.Tensor  # float32 [R]
-    any_top: bool
+    log_min_p: torch.Tensor  # float32 [R]: log(min_p), -inf where off
+    any_top: bool  # some row cuts by top-k or top-p
+    any_min_p: bool
     any_seeded: bool
 
     @classmethod
@@ -46,11 +49,13 @@ class DrawRows:
             [rows, top_k, [p.seed is not None for p in ps], [p.seed or 0 for p in ps], [steps[i] for i in rows]],
             dtype=torch.int64,
         ).to(device, non_blocking=True)  # [5, R]: one copy
-        floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps]], dtype=torch.float32)
-        floats = floats.to(device, non_blocking=True)  # [2, R]
+        log_min_p = [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in ps]
+        floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], log_min_p], dtype=torch.float32)
+        floats = floats.to(device, non_blocking=True)  # [3, R]
         return cls(
-            ints[0], ints[1], ints[2].bool(), ints[3], ints[4], floats[0], floats[1],
+            ints[0], ints[1], ints[2].bool(), ints[3], ints[4], floats[0], floats[1], floats[2],
             any_top=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in ps),
+            any_min_p=any(p.min_p > 0 for p in ps),
             any_seeded=any(p.seed is not None for p in ps),
         )  # fmt: skip
 
@@ -87,17 +92,27 @@ def draw(logits: torch.Tensor, narrow: DrawRows | None, wide: DrawRows | None) -
 def _draw_narrow(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
     values, ids = logits.topk(min(NARROW_K, logits.shape[1]), dim=-1)  # each [R, K], largest first
     values = cut_sorted(values / g.temperature[:, None], g.top_k, g.top_p)
+    if g.any_min_p:
+        values = _cut_min_p(values, values[:, :1], g.log_min_p)
     choice = (values.softmax(dim=-1) / _noise(g, ids)).argmax(dim=-1)  # [R]
     return ids.gather(1, choice[:, None]).squeeze(1)
 
 
 def _draw_wide(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
     scaled = logits / g.temperature[:, None]
+    if g.any_min_p:  # before the cuts, which keep the most likely id: the same ids go either way
+        scaled = _cut_min_p(scaled, scaled.amax(dim=-1, keepdim=True), g.log_min_p)
     if g.any_top:
         ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
         scaled = torch.empty_like(scaled).scatter_(1, order, cut_sorted(ordered, g.top_k, g.top_p))
     ids = torch.arange(scaled.shape[1], device=scaled.device)[None, :]  # [1, V]
     return (scaled.softmax(dim=-1) / _noise(g, ids)).argmax(dim=-1)
+
+
+def _cut_min_p(scaled: torch.Tensor, top: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """min_p (HF's MinPLogitsWarper, vLLM's): an id whose probability is under min_p times the most likely id's,
+    i.e. whose scaled logit is under the largest [R, 1] plus log(min_p), set to -inf."""
+    return scaled.masked_fill(scaled < top + log_min_p[:, None], float("-inf"))
 
 
 def cut_sorted(ordered: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k cut
+    min_p: float = 0.0  # vLLM's and HF's: drop ids less likely than min_p times the most likely (0: off)
     max_new_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     stop_sequences: tuple[str, ...] = ()  # matched on text by the detokenizer
@@ -134,6 +135,8 @@ class SamplingParams:
             raise InvalidParams("temperature", "must be a number in [0, 100]")
         if not _is_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1.0:
             raise InvalidParams("top_p", f"must be a number in [{MIN_TOP_P:g}, 1]")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParams("min_p", "must be a number in [0, 1]")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
             raise InvalidParams("top_k", f"must be -1 or 0 (disabled) or an integer in [1, {MAX_TOP_K}]")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:

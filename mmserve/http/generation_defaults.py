@@ -1,7 +1,7 @@
 """Default sampling for the OpenAI routes from the model's generation config, as vLLM's `--generation-config auto`
-(its default): a request's unset `temperature`, `top_p`, `top_k`, `repetition_penalty` and `max_tokens` take the
-values of the checkpoint's generation_config.json that differ from transformers' defaults (`max_new_tokens` for
-`max_tokens`). `--generation_config vllm` keeps OpenAI's defaults; a folder path reads that folder's file instead.
+(its default): a request's unset `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_tokens`
+take the values of the checkpoint's generation_config.json that differ from transformers' defaults (`max_new_tokens`
+for `max_tokens`). `--generation_config vllm` keeps OpenAI's defaults; a folder path reads that folder's file instead.
 /generate keeps LightLLM's defaults, as LightLLM does.
 
 Qwen publishes its recommended sampling this way (Qwen3-VL-Instruct: temperature 0.7, top-p 0.8, top-k 20), so a
@@ -18,11 +18,12 @@ from language.sampling_params import InvalidParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
-# generation_config.json's field -> the OpenAI request's (vLLM also reads min_p, which this server does not sample)
+# generation_config.json's field -> the OpenAI request's (vLLM's list)
 _FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
+    "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }

@@ -26,7 +26,7 @@ from mmserve.prep.multimodal.image_io import BadImage, ImagePolicy
 from mmserve.prep.multimodal.qwen_vl import read_allowed_path
 
 SAMPLING_NAMES = frozenset(
-    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
+    {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
      "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs",
      "ignore_eos", "user", "model", *STRUCTURED_NAMES}
 ) | EXTRA_NAMES  # fmt: skip
@@ -68,7 +68,8 @@ def sampling_params(body: dict, default_max_tokens: int, defaults: Mapping[str, 
         "return_details": True,
         "n": 1 if n is None else n,
     }
-    for name in ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
+    sampled = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    for name in (*sampled, "ignore_eos"):
         if body.get(name) is not None:
             kwargs[name] = body[name]
     kwargs.update(extra_kwargs(body))

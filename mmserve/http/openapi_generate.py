@@ -25,6 +25,7 @@ PARAMETER_SCHEMAS: dict[str, dict] = {
     "temperature": number(0, 100),
     "top_p": TOP_P,
     "top_k": {"type": "integer", "minimum": -1, "maximum": MAX_TOP_K, "description": "-1 or 0: no top-k cut"},
+    "min_p": {**number(0, 1), "description": "drop ids less likely than min_p times the most likely (0: off)"},
     "max_new_tokens": {"type": "integer", "minimum": 1, "description": "prompt + max_new_tokens <= the context"},
     "stop_sequences": STOP,
     "stop_token_ids": TOKEN_IDS,

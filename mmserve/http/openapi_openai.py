@@ -113,6 +113,7 @@ OPENAI_SCHEMAS: dict[str, dict] = {
     "temperature": nullable(number(0, 100)),
     "top_p": nullable(TOP_P),
     "top_k": nullable(PARAMETER_SCHEMAS["top_k"]),
+    "min_p": nullable(PARAMETER_SCHEMAS["min_p"]),
     "seed": PARAMETER_SCHEMAS["seed"],
     "stop": STOP,
     "n": SEQUENCES,

@@ -17,6 +17,7 @@ PARAMETER_NAMES = frozenset(
         "temperature",
         "top_p",
         "top_k",
+        "min_p",  # vLLM's (HF's MinPLogitsWarper); not LightLLM's
         "max_new_tokens",
         "stop_sequences",
         "stop_token_ids",

@@ -60,7 +60,7 @@ class ServerConfig(EngineOptions, VisualOptions):
     generation_config: str = option(
         "auto",
         _SERVING,
-        "default sampling of the OpenAI routes (temperature, top_p, top_k, repetition_penalty, max_tokens), as "
+        "default sampling of the OpenAI routes (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens), as "
         "vLLM's: auto: the checkpoint's generation_config.json; vllm: OpenAI's defaults; or a folder holding a "
         "generation_config.json",
         aliases=("--generation-config",),

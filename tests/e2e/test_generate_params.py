@@ -95,6 +95,16 @@ def test_allowed_token_ids_logit_bias_min_new_tokens(server, tokenizer):
     assert len(ids) == 8 and EOS not in ids[:7] and ids[-1] == EOS and held["finish_reason"] == "stop"
 
 
+def test_min_p_of_one_keeps_only_the_most_likely(server):
+    """vLLM's min_p, on /generate and /v1/completions: at 1 only ids as likely as the most likely stay, so sampling
+    at temperature 1 answers the greedy tokens."""
+    greedy = generate(server, max_new_tokens=6, ignore_eos=True)["generated_text"]
+    assert generate(server, do_sample=True, min_p=1.0, max_new_tokens=6, ignore_eos=True)["generated_text"] == greedy
+    body = {"prompt": PROMPT, "max_tokens": 6, "ignore_eos": True, "temperature": 1.0, "min_p": 1.0, "seed": 3}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy[0], r.text
+
+
 def test_text_options(server, tokenizer):
     forced_eos = {"logit_bias": {str(EOS): 100}, "min_new_tokens": 3, "max_new_tokens": 10}
     plain = generate(server, **forced_eos)

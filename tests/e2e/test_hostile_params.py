@@ -67,6 +67,7 @@ def refused(r: httpx.Response, field: str) -> None:
         ("top_k", 2**63),
         ("repetition_penalty", 5e-324),
         ("top_p", 5e-324),
+        ("min_p", 1e308),
         ("exponential_decay_length_penalty", [0, 1e308]),
         ("stop_token_ids", [2**64]),
         ("allowed_token_ids", [2**40]),
@@ -78,7 +79,9 @@ def test_generate_refuses_what_the_engine_cannot_hold(server, field, value):
     still_serving(server)
 
 
-@pytest.mark.parametrize("field, value", [("top_k", 2**64), ("repetition_penalty", 5e-324), ("top_p", 5e-324)])
+@pytest.mark.parametrize(
+    "field, value", [("top_k", 2**64), ("repetition_penalty", 5e-324), ("top_p", 5e-324), ("min_p", -1)]
+)
 def test_openai_routes_refuse_what_the_engine_cannot_hold(server, field, value):
     refused(chat(server, logprobs=True, top_logprobs=2, **{field: value}), field)
     refused(completion(server, logprobs=2, **{field: value}), field)

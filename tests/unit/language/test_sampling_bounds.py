@@ -24,6 +24,8 @@ INT32_MAX = 2**31 - 1
         ("repetition_penalty", 5e-324),  # 0.0 in float32: logit / penalty is inf
         ("repetition_penalty", 1e-3),
         ("top_p", 5e-324),  # 0.0 in float32: every token would be cut
+        ("min_p", 1.5),
+        ("min_p", -0.1),
         ("stop_token_ids", (INT32_MAX + 1,)),
         ("allowed_token_ids", (2**64,)),
         ("logit_bias", ((2**40, 1.0),)),
@@ -51,6 +53,8 @@ def test_values_the_engine_cannot_hold_are_refused(field, value):
         ("repetition_penalty", 0.01),
         ("repetition_penalty", 10.0),
         ("top_p", 1e-8),
+        ("min_p", 1.0),  # the most likely ids alone
+        ("min_p", 5e-324),  # log(min_p) = -744: no cut in float32
         ("stop_token_ids", (INT32_MAX,)),
         ("allowed_token_ids", (0, INT32_MAX)),
         ("exponential_decay_length_penalty", (0, 1.5)),
