@@ -1,7 +1,8 @@
 """Drawing each sampled row's token: temperature, top-k, top-p, min-p and per-request seeds.
 
 A row whose top-k is at most NARROW_K (HF's default 50, Qwen's recommended 20) draws from its NARROW_K largest
-logits: one `topk` over the vocabulary, then the top-k and top-p cuts and the draw over those few columns. Any other
+logits: one `topk` over the vocabulary, then the min-p, top-k and top-p cuts (vLLM's order) and the draw over those
+few columns. Any other
 row with top-p sorts the whole vocabulary ([B, V]: a sort of 152k logits a row for Qwen's vocabulary). Which way a
 row goes depends on its own parameters only, so a seeded request draws the same tokens whatever batch it runs in.
 
@@ -91,16 +92,17 @@ def draw(logits: torch.Tensor, narrow: DrawRows | None, wide: DrawRows | None) -
 
 def _draw_narrow(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
     values, ids = logits.topk(min(NARROW_K, logits.shape[1]), dim=-1)  # each [R, K], largest first
-    values = cut_sorted(values / g.temperature[:, None], g.top_k, g.top_p)
+    values = values / g.temperature[:, None]
     if g.any_min_p:
         values = _cut_min_p(values, values[:, :1], g.log_min_p)
+    values = cut_sorted(values, g.top_k, g.top_p)
     choice = (values.softmax(dim=-1) / _noise(g, ids)).argmax(dim=-1)  # [R]
     return ids.gather(1, choice[:, None]).squeeze(1)
 
 
 def _draw_wide(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
     scaled = logits / g.temperature[:, None]
-    if g.any_min_p:  # before the cuts, which keep the most likely id: the same ids go either way
+    if g.any_min_p:
         scaled = _cut_min_p(scaled, scaled.amax(dim=-1, keepdim=True), g.log_min_p)
     if g.any_top:
         ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
@@ -110,8 +112,10 @@ def _draw_wide(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
 
 
 def _cut_min_p(scaled: torch.Tensor, top: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
-    """min_p (HF's MinPLogitsWarper, vLLM's): an id whose probability is under min_p times the most likely id's,
-    i.e. whose scaled logit is under the largest [R, 1] plus log(min_p), set to -inf."""
+    """min_p: an id whose probability is under min_p times the most likely id's, i.e. whose scaled logit is under the
+    largest [R, 1] plus log(min_p), set to -inf. In vLLM's order: after the temperature, before top-k and top-p (HF
+    cuts by min_p last; top-p then reads the mass left after min_p's cut, so the two orders can keep different
+    ids)."""
     return scaled.masked_fill(scaled < top + log_min_p[:, None], float("-inf"))
 
 

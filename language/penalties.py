@@ -32,6 +32,8 @@ class Penalties:
 
 
 class PenaltyTables:
+    """The engine's per-request penalty tables (the module docstring), and which request holds which row."""
+
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
         self.in_prompt = torch.zeros((1, vocab_size), dtype=torch.bool, device=device)  # [rows, V]

@@ -1,7 +1,7 @@
 """How sampled rows draw (language/draw.py) on a vocabulary wider than NARROW_K: rows with a small top-k draw from
-their NARROW_K largest logits, the others from the whole vocabulary; both follow the distribution HF's warpers
-(temperature, top-k, top-p, min-p) leave, and a seeded row draws the same tokens whatever batch (and whatever other
-paths) it runs beside."""
+their NARROW_K largest logits, the others from the whole vocabulary; both follow the distribution HF's warpers leave
+in vLLM's order (temperature, min-p, top-k, top-p), and a seeded row draws the same tokens whatever batch (and
+whatever other paths) it runs beside."""
 
 import pytest
 import torch
@@ -39,14 +39,14 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """HF's distribution: temperature, then top-k, top-p and min-p."""
+    """HF's warpers in vLLM's order: temperature, min-p, top-k, top-p."""
     x = TemperatureLogitsWarper(p.temperature)(None, logits.clone())
+    if p.min_p > 0:
+        x = MinPLogitsWarper(p.min_p)(None, x)
     if p.top_k > 0:
         x = TopKLogitsWarper(p.top_k)(None, x)
     if p.top_p < 1.0:
         x = TopPLogitsWarper(p.top_p)(None, x)
-    if p.min_p > 0:
-        x = MinPLogitsWarper(p.min_p)(None, x)
     return x.softmax(dim=-1)[0]
 
 
@@ -57,9 +57,10 @@ def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         SamplingParams(do_sample=True, top_k=50),  # narrow
         SamplingParams(do_sample=True, temperature=0.9, top_p=0.85),  # wide: the whole vocabulary sorted
         SamplingParams(do_sample=True, temperature=1.3),  # wide, no cut
-        SamplingParams(do_sample=True, top_k=50, min_p=0.3),  # narrow, min-p
-        SamplingParams(do_sample=True, temperature=0.8, top_p=0.95, min_p=0.25),  # wide, min-p and top-p
-        SamplingParams(do_sample=True, min_p=0.5),  # wide, min-p alone
+        # min-p, then top-p over the mass min-p leaves: {0.31, 0.22} (HF's order, top-p first, keeps 0.17 too)
+        SamplingParams(do_sample=True, top_k=50, top_p=0.6, min_p=0.5),  # narrow
+        SamplingParams(do_sample=True, top_p=0.6, min_p=0.5),  # wide
+        SamplingParams(do_sample=True, min_p=0.3),  # wide, min-p alone
     ],
 )
 def test_each_path_follows_hfs_distribution(params: SamplingParams) -> None:
