@@ -41,7 +41,11 @@ def sampling_defaults(source: str, model_dir: str | None) -> dict[str, float | i
         if source != "auto":
             raise ValueError(f"--generation_config {source}: no generation_config.json there")
         return {}
-    diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    try:
+        diff = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except (OSError, ValueError) as e:  # not JSON, or values transformers refuses
+        log.warning("%s/generation_config.json is not read for default sampling: %s", folder, e)
+        return {}
     defaults = {name: diff[key] for key, name in _FIELDS.items() if diff.get(key) is not None}
     for name, value in list(defaults.items()):
         try:

@@ -29,6 +29,11 @@ def test_no_file_no_defaults_and_a_named_folder_must_hold_one(tmp_path) -> None:
         sampling_defaults(str(tmp_path / "elsewhere"), None)
 
 
+def test_a_file_that_is_not_json_gives_no_defaults(tmp_path) -> None:
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert sampling_defaults("auto", str(tmp_path)) == {}
+
+
 def test_a_value_the_server_refuses_is_left_out(tmp_path) -> None:
     folder = _folder(tmp_path, do_sample=True, temperature=0.6, repetition_penalty=50.0)
     assert sampling_defaults("auto", folder) == {"temperature": 0.6}
