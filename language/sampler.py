@@ -1,10 +1,10 @@
-"""Batched sampling: penalties, logit bias, allowed-token and min-new-tokens masks, the EOS length boost, grammar
-token masks (structured output), temperature, top-k, top-p, per-request seeds, greedy rows — all as tensor ops over
-the whole batch.
+"""Batched sampling: penalties (language/penalties.py), logit bias, allowed-token and min-new-tokens masks, the EOS
+length boost, grammar token masks (structured output), then each row's draw (language/draw.py: temperature, min-p,
+top-k, top-p, per-request seeds) or greedy argmax — all as tensor ops over the whole batch.
 
 Log-probabilities (the chosen token's, and the top-k alternatives OpenAI's top_logprobs asks for) are the log-softmax
-of the logits the token was chosen from, after penalties, logit bias and masks (grammar masks too) but before
-temperature, top-k and top-p: for a request without penalties, bias or masks that is the log-softmax of the model's
+of the logits the token was chosen from, after penalties, logit bias and masks (grammar masks too) but before the
+draw's temperature and cuts: for a request without penalties, bias or masks that is the log-softmax of the model's
 raw logits, vLLM's default (`logprobs_mode` raw_logprobs). Top-k alternatives are computed only when some row of the
 step asks for them, once for the whole batch (k = the largest any row asks for); each row then reads its own first
 k."""
