@@ -83,6 +83,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     add_spaces_between_special_tokens: bool = True
     print_eos_token: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
     add_special_tokens: bool | None = None
     # Log-probabilities: the `top_logprobs` most likely tokens of each sampled position (OpenAI's top_logprobs), and
     # for the prompt (None: off) each prompt token's own plus that many alternatives (vLLM's prompt_logprobs).
@@ -192,7 +193,8 @@ class SamplingParams:
                 "exponential_decay_length_penalty",
                 f"must be [start_index in [0, {MAX_TOKEN_ID}], decay_factor in [1, {MAX_DECAY_FACTOR:g}]]",
             )
-        for name in ("input_penalty", "skip_special_tokens", "add_spaces_between_special_tokens", "print_eos_token"):
+        flags = ("input_penalty", "skip_special_tokens", "add_spaces_between_special_tokens", "print_eos_token")
+        for name in (*flags, "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParams(name, "must be a boolean")
         if self.add_special_tokens is not None and not isinstance(self.add_special_tokens, bool):

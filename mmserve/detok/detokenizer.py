@@ -56,10 +56,12 @@ class IncrementalDecoder:
 
 class StopMatcher:
     """Finds the earliest stop sequence in the growing text and holds back any tail that could still become one,
-    so that streamed text never shows part of a stop string that is cut later."""
+    so that streamed text never shows part of a stop string that is cut later. include: the text is cut after the
+    stop string instead of before it (nothing held back then: a tail that becomes a stop string stays)."""
 
-    def __init__(self, stop_sequences: tuple[str, ...]):
+    def __init__(self, stop_sequences: tuple[str, ...], include: bool = False):
         self.stops = tuple(s for s in stop_sequences if s)
+        self.include = include
         self._longest = max((len(s) for s in self.stops), default=0)
         self.text = ""  # all text so far (cut at the stop once one is found)
         self.released = 0  # chars of text handed out
@@ -71,7 +73,7 @@ class StopMatcher:
         self.text += piece
         hit = self._find(search_from)
         if hit is not None:
-            self.text = self.text[:hit]
+            self.text = self.text[: hit[1] if self.include else hit[0]]
             self.stopped = True
             return self._release(len(self.text))
         return self._release(len(self.text) - self._held_tail())
@@ -79,12 +81,18 @@ class StopMatcher:
     def finish(self) -> str:
         return self._release(len(self.text))
 
-    def _find(self, start: int) -> int | None:
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+    def _find(self, start: int) -> tuple[int, int] | None:
+        """(start, end) of the earliest stop string from `start` (of the longest where several start there)."""
+        hits = [(i, -len(s)) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        i, minus_len = min(hits)
+        return i, i - minus_len
 
     def _held_tail(self) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        """Length of the longest suffix of text that is a proper prefix of a stop string (none with include)."""
+        if self.include:
+            return 0
         for k in range(min(self._longest - 1, len(self.text) - self.released), 0, -1):
             tail = self.text[-k:]
             if any(s.startswith(tail) for s in self.stops):
@@ -146,7 +154,7 @@ class Detokenizer:
                 kwargs["spaces_between_special_tokens"] = False
         self._states[setup.rid] = _RequestState(
             IncrementalDecoder(self._tokenizer, kwargs),
-            StopMatcher(setup.stop_sequences),
+            StopMatcher(setup.stop_sequences, setup.include_stop),
             setup.prompt_tokens,
             print_eos_token=setup.print_eos_token,
         )

@@ -19,6 +19,7 @@ EXTRA_FIELDS = {
     "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "add_spaces_between_special_tokens",
     "add_special_tokens": "add_special_tokens",
+    "include_stop_str_in_output": "include_stop_str_in_output",
 }
 EXTRA_NAMES = frozenset(EXTRA_FIELDS)
 # vLLM's /tokenize (a prompt, or chat messages) and /detokenize bodies

@@ -57,6 +57,7 @@ PARAMETER_SCHEMAS: dict[str, dict] = {
     "add_special_tokens": nullable(BOOL),
     "add_spaces_between_special_tokens": BOOL,
     "print_eos_token": BOOL,
+    "include_stop_str_in_output": {**BOOL, "description": "vLLM's: the stop string that ended the text stays in it"},
     "image_max_patch_num": {
         **nullable({"type": "integer", "minimum": -1, "maximum": 64}),
         "description": "InternVL's tile cap per image (-1: the checkpoint's max_patches); other families ignore it",

@@ -157,6 +157,7 @@ OPENAI_EXTRA_SCHEMAS: dict[str, dict] = {
     "skip_special_tokens": nullable(BOOL),
     "spaces_between_special_tokens": nullable(BOOL),
     "add_special_tokens": nullable(BOOL),
+    "include_stop_str_in_output": {**nullable(BOOL), "description": "the stop string that ended the text stays in it"},
 }  # fmt: skip
 _LOGPROBS = {
     "chat": {"logprobs": nullable(BOOL),

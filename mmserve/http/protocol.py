@@ -39,6 +39,7 @@ PARAMETER_NAMES = frozenset(
         "add_special_tokens",
         "add_spaces_between_special_tokens",
         "print_eos_token",
+        "include_stop_str_in_output",  # vLLM's; not LightLLM's
         # Accepted and ignored: LightLLM's InternVL knob (no family here tiles images), and its request-group id
         # (LightLLM's own n/best_of bookkeeping; here the HTTP side groups sub-requests itself).
         "image_max_patch_num",

@@ -80,6 +80,7 @@ class DetokSetup:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     print_eos_token: bool = False  # the special token that ended generation (EOS, a stop id) shows in the text
+    include_stop: bool = False  # the stop string that ended the text stays in it (vLLM's include_stop_str_in_output)
 
     @classmethod
     def of(cls, req: TokenizedRequest) -> DetokSetup:
@@ -91,6 +92,7 @@ class DetokSetup:
             p.skip_special_tokens,
             p.add_spaces_between_special_tokens,
             p.print_eos_token,
+            p.include_stop_str_in_output,
         )
 
 

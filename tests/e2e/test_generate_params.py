@@ -105,6 +105,21 @@ def test_min_p_of_one_keeps_only_the_most_likely(server):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy[0], r.text
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(server):
+    """vLLM's include_stop_str_in_output, on /generate and /v1/completions: the text ends after the stop string, not
+    before it."""
+    text = generate(server, max_new_tokens=12, ignore_eos=True)["generated_text"][0]
+    stop = text[5:8]
+    end = text.find(stop)
+    cut = generate(server, max_new_tokens=12, ignore_eos=True, stop_sequences=[stop])["generated_text"][0]
+    kept = generate(server, max_new_tokens=12, ignore_eos=True, stop_sequences=[stop], include_stop_str_in_output=True)
+    assert (cut, kept["generated_text"][0]) == (text[:end], text[: end + len(stop)])
+    body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True, "temperature": 0, "stop": [stop],
+            "include_stop_str_in_output": True}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text[: end + len(stop)], r.text
+
+
 def test_text_options(server, tokenizer):
     forced_eos = {"logit_bias": {str(EOS): 100}, "min_new_tokens": 3, "max_new_tokens": 10}
     plain = generate(server, **forced_eos)

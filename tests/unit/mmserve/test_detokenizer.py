@@ -104,6 +104,17 @@ def test_stop_matcher_earliest_stop_wins():
     assert m.stopped
 
 
+def test_stop_matcher_can_keep_the_stop_string():
+    """vLLM's include_stop_str_in_output: the text ends with the stop string, found across pieces, and nothing is
+    held back meanwhile; where two start at once the longer is the one kept."""
+    m = StopMatcher(("STOP", "ST"), include=True)
+    assert m.add("abc S") == "abc S"
+    assert m.add("xx STO") == "xx ST"
+    assert m.stopped and m.text == "abc Sxx ST"
+    m = StopMatcher(("ST", "STOP"), include=True)
+    assert m.add("abc S") + m.add("TOP and more") == "abc STOP"
+
+
 def test_stop_matcher_without_stops_releases_everything():
     m = StopMatcher(())
     assert m.add("abc") == "abc"
