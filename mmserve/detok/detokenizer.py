@@ -66,6 +66,7 @@ class StopMatcher:
         self.text = ""  # all text so far (cut at the stop once one is found)
         self.released = 0  # chars of text handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def add(self, piece: str) -> str:
         """Append a piece; return the text now safe to release (cut before the stop string once found)."""
@@ -73,6 +74,7 @@ class StopMatcher:
         self.text += piece
         hit = self._find(search_from)
         if hit is not None:
+            self.matched = self.text[hit[0] : hit[1]]
             self.text = self.text[: hit[1] if self.include else hit[0]]
             self.stopped = True
             return self._release(len(self.text))
@@ -114,6 +116,7 @@ class _RequestState:
     prompt_tokens: int
     output_tokens: int = 0
     print_eos_token: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 class Detokenizer:
@@ -157,6 +160,7 @@ class Detokenizer:
             StopMatcher(setup.stop_sequences, setup.include_stop),
             setup.prompt_tokens,
             print_eos_token=setup.print_eos_token,
+            stop_token_ids=frozenset(setup.stop_token_ids),
         )
 
     def _takes_spaces_kwarg(self) -> bool:
@@ -215,6 +219,7 @@ class Detokenizer:
             cached_tokens=out.cached_tokens,
             prompt_logprobs=out.prompt_logprobs,
             scheduled_at=out.scheduled_at,
+            stop_reason=_stop_reason(state, out) if finished else None,
         )
 
     def _top_tokens(self, tops: list[list[tuple[int, float]]]) -> list[tuple[tuple[int, str, float], ...]]:
@@ -222,3 +227,14 @@ class Detokenizer:
         decodes logprob tokens), all of a step's in one batch_decode call."""
         texts = iter(self._tokenizer.batch_decode([[i] for top in tops for i, _ in top], skip_special_tokens=False))
         return [tuple((i, next(texts), lp) for i, lp in top) for top in tops]
+
+
+def _stop_reason(state: _RequestState, out: RequestOutput) -> str | int | None:
+    """vLLM's stop_reason: the stop string the text ended at, else the stop_token_ids id the engine stopped on, else
+    None (EOS, the length, an abort)."""
+    if state.stops.matched is not None:
+        return state.stops.matched
+    last = out.new_token_ids[-1] if out.new_token_ids else None
+    if out.finish_reason == "stop" and last in state.stop_token_ids:
+        return last
+    return None

@@ -199,8 +199,10 @@ class OpenAIServing:
         if chat:
             message, called = chat_message(text, plan)
             return {"index": index, "message": message, "logprobs": lp,
-                    "finish_reason": choice_finish_reason(out.finish_reason, called)}  # fmt: skip
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason}
+                    "finish_reason": choice_finish_reason(out.finish_reason, called),
+                    "stop_reason": out.stop_reason}  # fmt: skip
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}  # fmt: skip
 
     async def _echo(self, prompt: str, scores: PromptLogprobs | None, k: int | None) -> Echo:
         """The prompt to echo; with its scores (echo with logprobs), each prompt token and its k alternatives
@@ -288,19 +290,20 @@ class OpenAIServing:
                                   "total_tokens": prompt_tokens + counted[index]}  # fmt: skip
             return f"data: {json.dumps({**event, **extra}, ensure_ascii=False)}\n\n"
 
-        def choice(index: int, out: TextOutput | Echo | None, finish_reason: str | None = None,
-                   role: bool = False, delta: dict | None = None) -> dict:  # fmt: skip
+        def choice(index: int, out: TextOutput | Echo | None, finish_reason: str | None = None, role: bool = False,
+                   delta: dict | None = None, stop_reason: str | int | None = None) -> dict:  # fmt: skip
             text = out.text if out is not None else ""
             lp = None
             if logprobs and out is not None:
                 entries = out.entries if isinstance(out, Echo) else token_entries(out.tokens)
                 lp = choice_logprobs(entries, chat, k, offsets[index])
                 offsets[index] += sum(len(text) for text, _, _ in entries)
+            end = {"finish_reason": finish_reason, "stop_reason": stop_reason}
             if not chat:
-                return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+                return {"index": index, "text": text, "logprobs": lp, **end}
             if delta is None:
                 delta = {"role": "assistant", "content": ""} if role else {"content": text}
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": lp, **end}
 
         def parsed(index: int, out: TextOutput) -> Iterator[str]:
             """A chat choice's output through its parsers: one chunk per delta, the tokens' logprobs on the first."""
@@ -313,7 +316,8 @@ class OpenAIServing:
             for i, delta in enumerate(deltas):
                 yield chunk([choice(index, out if i == 0 else None, delta=delta)])
             if out.finished:
-                yield chunk([choice(index, None, choice_finish_reason(out.finish_reason, parser.called))])
+                reason = choice_finish_reason(out.finish_reason, parser.called)
+                yield chunk([choice(index, None, reason, stop_reason=out.stop_reason)])
 
         finals: list[TextOutput | None] = [None] * len(streams)
         merged = merge_streams(streams, firsts, disconnected)
@@ -338,7 +342,7 @@ class OpenAIServing:
                     yield chunk([choice(index, out)])
                 if out.finished:
                     finals[index] = out
-                    yield chunk([choice(index, None, out.finish_reason)])
+                    yield chunk([choice(index, None, out.finish_reason, stop_reason=out.stop_reason)])
             if usage:
                 yield chunk([], usage=_usage([finals[p * n : (p + 1) * n] for p in range(len(inputs))]))
             yield "data: [DONE]\n\n"

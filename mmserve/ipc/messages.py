@@ -81,6 +81,7 @@ class DetokSetup:
     spaces_between_special_tokens: bool = True
     print_eos_token: bool = False  # the special token that ended generation (EOS, a stop id) shows in the text
     include_stop: bool = False  # the stop string that ended the text stays in it (vLLM's include_stop_str_in_output)
+    stop_token_ids: tuple[int, ...] = ()  # to name the one that ended generation (TextOutput.stop_reason)
 
     @classmethod
     def of(cls, req: TokenizedRequest) -> DetokSetup:
@@ -93,6 +94,7 @@ class DetokSetup:
             p.add_spaces_between_special_tokens,
             p.print_eos_token,
             p.include_stop_str_in_output,
+            p.stop_token_ids,
         )
 
 
@@ -148,6 +150,8 @@ class TextOutput:
     cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # on the first output (prompt_logprobs asked)
     scheduled_at: float | None = None  # RequestOutput.scheduled_at: when the engine admitted the request
+    # vLLM's: what ended it, on the last output: the stop string, or the stop_token_ids id; None for EOS or length
+    stop_reason: str | int | None = None
 
 
 @dataclass

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 
 import httpx
 import numpy as np
@@ -107,7 +108,7 @@ def test_min_p_of_one_keeps_only_the_most_likely(server):
 
 def test_include_stop_str_in_output_keeps_the_stop_string(server):
     """vLLM's include_stop_str_in_output, on /generate and /v1/completions: the text ends after the stop string, not
-    before it."""
+    before it; the completion's choice names it as its stop_reason, streamed or not."""
     text = generate(server, max_new_tokens=12, ignore_eos=True)["generated_text"][0]
     stop = text[5:8]
     end = text.find(stop)
@@ -118,6 +119,12 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server):
             "include_stop_str_in_output": True}  # fmt: skip
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == text[: end + len(stop)], r.text
+    assert r.json()["choices"][0]["stop_reason"] == stop  # vLLM's: what stopped it
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop" and events[-1]["choices"][0]["stop_reason"] == stop
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "stop": None}, timeout=60).json()
+    assert plain["choices"][0]["finish_reason"] == "length" and plain["choices"][0]["stop_reason"] is None
 
 
 def test_text_options(server, tokenizer):

@@ -150,6 +150,26 @@ def test_detokenizer_stop_sequence_aborts_and_drops_late_tokens(tokenizer):
     assert detok.num_requests == 0
 
 
+def test_the_last_output_names_what_stopped_it(tokenizer):
+    """vLLM's stop_reason: the stop string the text ended at, the stop_token_ids id the engine stopped on, or None
+    (EOS, the length)."""
+    ids = tokenizer.encode("Hello world. The quick brown fox", add_special_tokens=False)
+
+    def last_output(setup: DetokSetup, outputs) -> object:
+        detok = Detokenizer(tokenizer)
+        batch, _ = detok.handle(RouterBatch([setup], outputs))
+        return batch.outputs[-1]
+
+    by_string = last_output(DetokSetup("a", ("quick",), 3), [_out("a", ids)])
+    assert by_string.finished and by_string.stop_reason == "quick"
+    by_id = last_output(DetokSetup("b", (), 3, stop_token_ids=(ids[3],)), [_out("b", ids[:4], True, "stop")])
+    assert by_id.stop_reason == ids[3]
+    by_eos = last_output(DetokSetup("c", (), 3, stop_token_ids=(ids[0],)), [_out("c", ids[:4], True, "stop")])
+    assert by_eos.stop_reason is None  # the engine's stop token was not one of stop_token_ids
+    by_length = last_output(DetokSetup("d", (), 3), [_out("d", ids[:4], True, "length")])
+    assert by_length.stop_reason is None
+
+
 def test_detokenizer_finish_flushes_and_counts(tokenizer):
     detok = Detokenizer(tokenizer)
     ids = tokenizer.encode("北京🙂", add_special_tokens=False)
