@@ -4,6 +4,7 @@ mmserve/launch/cli.py makes the command line of all three."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 
@@ -64,6 +65,13 @@ class ServerConfig(EngineOptions, VisualOptions):
         "vLLM's: auto: the checkpoint's generation_config.json; vllm: OpenAI's defaults; or a folder holding a "
         "generation_config.json",
         aliases=("--generation-config",),
+    )
+    override_generation_config: str | None = option(
+        None,
+        _SERVING,
+        "a JSON object of generation-config fields set over --generation_config's, as vLLM's (e.g. "
+        "'{\"temperature\": 0.5}')",
+        aliases=("--override-generation-config",),
     )
     log_level: str = option(
         "info", _SERVING, "log level of every process", choices=["debug", "info", "warning", "error"]
@@ -167,6 +175,13 @@ class ServerConfig(EngineOptions, VisualOptions):
                 "--visual_dp: data-parallel vision towers are not implemented; the vision tower runs once, in the "
                 "visual process on the first GPU, and its embeddings reach every rank. Use --visual_dp 1"
             )
+        if self.override_generation_config is not None:
+            try:
+                overrides = json.loads(self.override_generation_config)
+            except ValueError as e:
+                raise ValueError(f"--override_generation_config is not JSON: {e}") from None
+            if not isinstance(overrides, dict):
+                raise ValueError("--override_generation_config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
         if self.cache_capacity < 1:
             raise ValueError("--cache_capacity must be >= 1")
         if self.max_image_pixels < 1:

@@ -1,9 +1,11 @@
 """The OpenAI routes take the sampling a checkpoint's generation_config.json recommends for the fields a request
-leaves unset (vLLM's --generation-config auto): here top-k 1 (so an unset temperature still answers greedily) and
-max_new_tokens 5 (the default max_tokens); the fields a request sets win, and /generate keeps LightLLM's defaults."""
+leaves unset (vLLM's --generation-config auto): here top-k 1 (so an unset temperature still answers greedily), and
+max_new_tokens 5 (the default max_tokens) from vLLM's --override-generation-config; the fields a request sets win,
+and /generate keeps LightLLM's defaults."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -20,12 +22,14 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 def server(e2e_model_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("recommends") / "model"
     shutil.copytree(e2e_model_dir, folder)
-    recommended = dict(do_sample=True, temperature=0.9, top_k=1, max_new_tokens=DEFAULT_MAX)
+    recommended = dict(do_sample=True, temperature=0.9, top_k=1)
     GenerationConfig(bos_token_id=1, eos_token_id=2, **recommended).save_pretrained(folder)
+    override = json.dumps({"max_new_tokens": DEFAULT_MAX})  # vLLM's flag: over the file's fields
     template = folder / "chat.jinja"  # this tiny Llama has no chat template of its own
     template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     log = str(tmp_path_factory.mktemp("log") / "server.log")
-    srv = ServerProcess(str(folder), log, "--max_total_token_num", "2048", "--chat_template", str(template))
+    srv = ServerProcess(str(folder), log, "--max_total_token_num", "2048", "--chat_template", str(template),
+                        "--override-generation-config", override)  # fmt: skip
     with serving(srv):
         yield srv
 

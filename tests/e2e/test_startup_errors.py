@@ -1,7 +1,8 @@
 """Start-up as a newcomer meets it: every mistake in the command line (no such model folder, a folder that is not a
 model, a model without its tokenizer, a tokenizer that is the checkpoint's own code without --trust_remote_code, an
-unknown device, a --generation_config folder without the file, a port already taken) ends the server within
-seconds, with a non-zero exit and one clear line instead of tracebacks from several processes."""
+unknown device, a --generation_config folder without the file or overrides that are no JSON object, a port already
+taken) ends the server within seconds, with a non-zero exit and one clear line instead of tracebacks from several
+processes."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def remote_code_tokenizer(tmp_path_factory, e2e_model_dir) -> str:
         ("tpu", "--device"),
         ("not_multimodal", "--enable_multimodal"),
         ("no_generation_config", "--generation_config"),
+        ("generation_overrides_not_an_object", "--override_generation_config"),
     ],
 )
 def test_a_bad_command_line_fails_in_seconds_with_one_line(
@@ -107,6 +109,8 @@ def test_a_bad_command_line_fails_in_seconds_with_one_line(
         args += ["--enable_multimodal"]  # a Llama has no vision tower
     if case == "no_generation_config":
         args += ["--generation_config", not_a_model]
+    if case == "generation_overrides_not_an_object":
+        args += ["--override-generation-config", "[0.5]"]
     assert_one_clear_line(tuple(args), expected)
 
 

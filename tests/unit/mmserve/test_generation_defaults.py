@@ -29,6 +29,16 @@ def test_no_file_no_defaults_and_a_named_folder_must_hold_one(tmp_path) -> None:
         sampling_defaults(str(tmp_path / "elsewhere"), None)
 
 
+def test_overrides_set_fields_over_any_source(tmp_path) -> None:
+    """vLLM's --override-generation-config: generation-config names, over the checkpoint's file or none."""
+    folder = _folder(tmp_path, **QWEN3_VL)
+    overrides = {"temperature": 0.3, "max_new_tokens": 9, "min_p": 0.05}
+    got = sampling_defaults("auto", folder, overrides)
+    assert got == {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 9,
+                   "min_p": 0.05}  # fmt: skip
+    assert sampling_defaults("vllm", folder, {"top_k": 5}) == {"top_k": 5}
+
+
 def test_a_file_that_is_not_json_gives_no_defaults(tmp_path) -> None:
     (tmp_path / "generation_config.json").write_text("{not json")
     assert sampling_defaults("auto", str(tmp_path)) == {}
