@@ -70,7 +70,7 @@ class ServerConfig(EngineOptions, VisualOptions):
         None,
         _SERVING,
         "a JSON object of generation-config fields set over --generation_config's, as vLLM's (e.g. "
-        "'{\"temperature\": 0.5}')",
+        "'{\"temperature\": 0.5}'); omitted: none",
         aliases=("--override-generation-config",),
     )
     log_level: str = option(
