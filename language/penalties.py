@@ -39,8 +39,8 @@ class PenaltyTables:
         self.in_prompt = torch.zeros((1, vocab_size), dtype=torch.bool, device=device)  # [rows, V]
         self.counts = torch.zeros((1, vocab_size), dtype=torch.float32, device=device)  # [rows, V]
         self._free: list[int] = []
-        self._owner: dict[int, Request] = {}  # table row -> its request
-        self._row_of: dict[int, int] = {}  # id(request) -> its table row
+        # id(request) -> (the request, its table row): holding the request keeps its id from being reused
+        self._held: dict[int, tuple[Request, int]] = {}
 
     def batch(self, reqs: list[Request]) -> Penalties:
         """The penalties of a step's rows; a request with penalties gets its table row on its first sample. A request
@@ -57,6 +57,11 @@ class PenaltyTables:
         floats = torch.tensor(values, dtype=torch.float32).T.contiguous().to(self.device, non_blocking=True)  # [3, B]
         return Penalties(ints[:b], ints[b : b + n], ints[b + n :], floats[0], floats[1], floats[2])
 
+    @property
+    def rows_held(self) -> int:
+        """Requests holding a row (each until it finishes)."""
+        return len(self._held)
+
     def count(self, p: Penalties, ids: torch.Tensor) -> None:
         """Add a step's samples ([B] on the device) to their requests' counts."""
         if p.counted.numel():
@@ -67,18 +72,17 @@ class PenaltyTables:
     def release(self, req: Request) -> None:
         """A finished request's row goes back (steps already launched may still add to it: a row is cleared when it
         is next taken, behind them on the stream)."""
-        row = self._row_of.pop(id(req), 0)
-        if row and self._owner.pop(row, None) is req:
-            self._free.append(row)
+        held = self._held.pop(id(req), None)
+        if held is not None:
+            self._free.append(held[1])
 
     def _row(self, r: Request) -> int:
-        row = self._row_of.get(id(r), 0)
-        if row and self._owner.get(row) is r:
-            return row
+        if (held := self._held.get(id(r))) is not None:
+            return held[1]
         if not self._free:
             self._grow()
         row = self._free.pop()
-        self._owner[row], self._row_of[id(r)] = r, row
+        self._held[id(r)] = (r, row)
         prompt = torch.tensor(r.prompt_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         self.in_prompt[row] = False
         self.in_prompt[row, prompt] = True

@@ -193,8 +193,10 @@ class SamplingParams:
                 "exponential_decay_length_penalty",
                 f"must be [start_index in [0, {MAX_TOKEN_ID}], decay_factor in [1, {MAX_DECAY_FACTOR:g}]]",
             )
-        flags = ("input_penalty", "skip_special_tokens", "add_spaces_between_special_tokens", "print_eos_token")
-        for name in (*flags, "include_stop_str_in_output"):
+        for name in (
+            "input_penalty", "skip_special_tokens", "add_spaces_between_special_tokens", "print_eos_token",
+            "include_stop_str_in_output",
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParams(name, "must be a boolean")
         if self.add_special_tokens is not None and not isinstance(self.add_special_tokens, bool):

@@ -12,7 +12,6 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any
 
 from language.sampling_params import MAX_TOP_LOGPROBS, InvalidParams, SamplingParams
@@ -36,19 +35,16 @@ CHAT_NAMES = (
 COMPLETION_NAMES = SAMPLING_NAMES | {"prompt", "echo"}
 
 
-_NONE: Mapping[str, Any] = MappingProxyType({})
-
-
 def check_names(body: dict, allowed: frozenset) -> None:
     for name in body:
         if name not in allowed:
             raise BadRequest(name, "unknown or unsupported field")
 
 
-def sampling_params(body: dict, default_max_tokens: int, defaults: Mapping[str, Any] = _NONE) -> SamplingParams:
+def sampling_params(body: dict, default_max_tokens: int, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """OpenAI's sampling fields -> SamplingParams (validated); n > 1 fans out as /generate's n does. `defaults`: the
     values of fields the body leaves unset (the model's generation config: generation_defaults.py)."""
-    body = {**defaults, **{k: v for k, v in body.items() if v is not None}}
+    body = {**(defaults or {}), **{k: v for k, v in body.items() if v is not None}}
     n = body.get("n")
     max_tokens = body.get(max_tokens_field(body))
     temperature = body.get("temperature")
@@ -68,8 +64,9 @@ def sampling_params(body: dict, default_max_tokens: int, defaults: Mapping[str, 
         "return_details": True,
         "n": 1 if n is None else n,
     }
-    sampled = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
-    for name in (*sampled, "ignore_eos"):
+    for name in (
+        "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"
+    ):  # fmt: skip
         if body.get(name) is not None:
             kwargs[name] = body[name]
     kwargs.update(extra_kwargs(body))
@@ -391,7 +388,7 @@ def _with_tool_constraint(
 
 
 def completion_inputs(
-    body: dict, default_max: int, tokenizer, sampling_defaults: Mapping[str, Any] = _NONE
+    body: dict, default_max: int, tokenizer, sampling_defaults: Mapping[str, Any] | None = None
 ) -> list[GenerateInput]:
     """A completion body -> one GenerateInput per prompt (a token-id prompt carries its ids, and their text for
     echo); max_tokens defaults to 16, as OpenAI's and vLLM's /v1/completions. `echo` with logprobs scores the

@@ -97,7 +97,7 @@ def test_a_penalised_request_launches_before_the_read_back(llm):
     _launched_before_read_back(llm.engine, req)
     beside = llm.generate([_prompt(3), _prompt(1)], [SamplingParams(max_new_tokens=9), penalised])[1].token_ids
     assert req.output_ids == beside and len(set(beside)) < len(beside)  # the penalty below 1 makes it repeat
-    assert not llm.engine.runner.penalties._owner
+    assert llm.engine.runner.penalties.rows_held == 0
 
 
 def test_abort_while_a_step_is_in_flight_frees_exactly_its_slots(llm):
