@@ -6,6 +6,7 @@
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 64 --llm_kv_type fp8kv  # 8-bit KV
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 1,64 --pdl on,off  # PDL against none
     python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 64 --penalties  # Qwen's recommended penalties
+    python benchmarks/decode_bench.py --model_dir /tmp/q2vl7b --batches 64 --top_p  # OpenAI-style top-p sampling
 
 Measures the engine's own step() (CUDA-graph decode + sampling + bookkeeping) in steady state: all requests
 prefilled, every step a pure decode of the whole batch."""
@@ -31,10 +32,13 @@ COPY_BANDWIDTH = 3.0e12  # bytes/s, H100 device-to-device copy (measured; docs/p
 # Qwen's recommended sampling (Qwen3-VL's model card: presence penalty 1.5, top-k 20, top-p 0.8, temperature 0.7; the
 # repetition penalty of Qwen2-VL's generation config): every request goes through the penalties
 PENALTIES = dict(repetition_penalty=1.05, presence_penalty=1.5, do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
+# An OpenAI client's usual sampling: temperature and top-p, no top-k (the nucleus draw over the whole vocabulary)
+TOP_P = dict(do_sample=True, temperature=0.7, top_p=0.9)
+SAMPLING = {"greedy": {}, "penalties": PENALTIES, "top_p": TOP_P}
 
 
-def decode_ms_per_step(core: EngineCore, batch: int, prompt_len: int, steps: int, penalties: bool = False) -> float:
-    params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True, **(PENALTIES if penalties else {}))
+def decode_ms_per_step(core: EngineCore, batch: int, prompt_len: int, steps: int, sampling: str = "greedy") -> float:
+    params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True, **SAMPLING[sampling])
     reqs = [Request(f"b{batch}-{i}", [1 + (i + j) % 1000 for j in range(prompt_len)], params) for i in range(batch)]
     for r in reqs:
         core.add_request(r)
@@ -99,6 +103,7 @@ def main() -> None:
     ap.add_argument("--quant_type", default="none", help="the engine's --quant_type (fp8w8a8: FP8 linears)")
     ap.add_argument("--llm_kv_type", default="None", help="the engine's --llm_kv_type (int8kv, fp8kv: 8-bit KV)")
     ap.add_argument("--penalties", action="store_true", help="every request samples with Qwen's recommended penalties")
+    ap.add_argument("--top_p", action="store_true", help="every request samples at temperature 0.7, top-p 0.9")
     ap.add_argument(
         "--disable_fp8_fused_quant", action="store_true", help="the engine's: each FP8 linear quantizes its own input"
     )
@@ -115,11 +120,16 @@ def main() -> None:
     rows = []
     for pdl in settings:
         rows += bench_engine(args, pdl == "on")
-    sampling = "penalties" if args.penalties else "greedy"
-    print(f"| batch | PDL | ms per step | tokens/s | x roofline |  ({args.quant_type}, {args.llm_kv_type}, {sampling})")
+    setting = f"{args.quant_type}, {args.llm_kv_type}, {sampling(args)}"
+    print(f"| batch | PDL | ms per step | tokens/s | x roofline |  ({setting})")
     print("|---|---|---|---|---|")
     for row in rows:
         print(row)
+
+
+def sampling(args: argparse.Namespace) -> str:
+    assert not (args.penalties and args.top_p), "--penalties or --top_p, not both"
+    return "penalties" if args.penalties else "top_p" if args.top_p else "greedy"
 
 
 def bench_engine(args: argparse.Namespace, pdl: bool) -> list[str]:
@@ -134,7 +144,7 @@ def bench_engine(args: argparse.Namespace, pdl: bool) -> list[str]:
     print(f"weights {weight_bytes / 1e9:.2f} GB -> roofline {floor:.2f} ms per step (weights / 3.0 TB/s)")
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        ms = decode_ms_per_step(core, b, args.prompt_len, args.steps, args.penalties)
+        ms = decode_ms_per_step(core, b, args.prompt_len, args.steps, sampling(args))
         rows.append(f"| {b} | {'on' if pdl else 'off'} | {ms:.2f} | {b * 1e3 / ms:.0f} | {ms / floor:.2f} |")
         print(rows[-1])
     for b in (int(x) for x in args.profile.split(",") if x):

@@ -4,8 +4,9 @@
     python benchmarks/sampler_bench.py --vocab 32064 --batches 64
 
 Each setting is every row of the batch: greedy through the general path (a logit bias keeps it off the argmax fast
-path), temperature alone, OpenAI-style top-p, HF-style top-k 50, Qwen's top-k 20 + top-p 0.8, and the same with
-Qwen's penalties (on tables that already hold 1000 prompt ids a row)."""
+path), temperature alone, OpenAI-style top-p (and with min-p), a top-k too wide for the narrow path, HF-style top-k
+50, Qwen's top-k 20 + top-p 0.8, and the same with Qwen's penalties (on tables that already hold 1000 prompt ids a
+row)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ SETTINGS = {
     "greedy (general path)": dict(logit_bias=((0, 0.5),)),
     "temperature 0.7": dict(do_sample=True, temperature=0.7),
     "top-p 0.9": dict(do_sample=True, temperature=0.7, top_p=0.9),
+    "top-p 0.5, min-p 0.05": dict(do_sample=True, temperature=1.0, top_p=0.5, min_p=0.05),
+    "top-k 2000, top-p 0.9 (sorted)": dict(do_sample=True, temperature=0.7, top_k=2000, top_p=0.9),
     "top-k 50": dict(do_sample=True, top_k=50),
     "top-k 20, top-p 0.8": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8),
     "the same + penalties": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5,

@@ -1,13 +1,17 @@
 """Drawing each sampled row's token: temperature, top-k, top-p, min-p and per-request seeds.
 
-A row whose top-k is at most NARROW_K (HF's default 50, Qwen's recommended 20) draws from its NARROW_K largest
-logits: one `topk` over the vocabulary, then the min-p, top-k and top-p cuts (vLLM's order) and the draw over those
-few columns. Any other
-row with top-p sorts the whole vocabulary ([B, V]: a sort of 152k logits a row for Qwen's vocabulary). Which way a
-row goes depends on its own parameters only, so a seeded request draws the same tokens whatever batch it runs in.
+Rows go one of three ways, by their own parameters only, so a seeded request draws the same tokens whatever batch
+it runs in:
+- narrow: a top-k of at most NARROW_K (HF's default 50, Qwen's recommended 20) draws from the row's NARROW_K largest
+  logits: one `topk` over the vocabulary, then the min-p, top-k and top-p cuts (vLLM's order) and the draw over those
+  few columns;
+- nucleus: no top-k (the common OpenAI request: temperature and top-p) draws over the whole vocabulary without
+  sorting it (kernels.nucleus_draw: rejection against the min-p and top-p cuts);
+- sorted: a top-k above NARROW_K and below the vocabulary's size sorts the row ([B, V]) and cuts it.
 
 The draw is an exponential race: argmax(p / E) with E ~ Exp(1) per column draws from p without a cumulative-sum
-search; a seeded row's E comes from a counter-based hash of (seed, step, token id)."""
+search; a seeded row's E comes from a counter-based hash of (seed, step, token id), and so does every nucleus row's
+(an unseeded one with a fresh seed each step)."""
 
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from language import kernels
+from language.kernels.reference import seeded_uniform
 from language.request import Request
 
 NARROW_K = 1024
-_MASK32 = 0xFFFFFFFF
+_SEED_BITS = 62  # an unseeded row's fresh seed per step
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,7 @@ class DrawRows:
     rows: torch.Tensor  # int64 [R]: their rows of the batch
     top_k: torch.Tensor  # int64 [R] (the vocabulary's size where off)
     seeded: torch.Tensor  # bool [R]
-    seed: torch.Tensor  # int64 [R]
+    seed: torch.Tensor  # int64 [R]: the request's, or a fresh one this step
     step: torch.Tensor  # int64 [R]: output tokens sampled before this one (varies the seeded noise per step)
     temperature: torch.Tensor  # float32 [R]
     top_p: torch.Tensor  # float32 [R]
@@ -46,9 +52,10 @@ class DrawRows:
             return None
         ps = [reqs[i].params for i in rows]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+        fresh = torch.randint(0, 2**_SEED_BITS, (len(rows),)).tolist()
+        seeds = [p.seed if p.seed is not None else f for p, f in zip(ps, fresh, strict=True)]
         ints = torch.tensor(
-            [rows, top_k, [p.seed is not None for p in ps], [p.seed or 0 for p in ps], [steps[i] for i in rows]],
-            dtype=torch.int64,
+            [rows, top_k, [p.seed is not None for p in ps], seeds, [steps[i] for i in rows]], dtype=torch.int64
         ).to(device, non_blocking=True)  # [5, R]: one copy
         log_min_p = [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in ps]
         floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps], log_min_p], dtype=torch.float32)
@@ -61,30 +68,44 @@ class DrawRows:
         )  # fmt: skip
 
 
-def plan_draws(
-    reqs: list[Request], steps: list[int], vocab_size: int, device: torch.device
-) -> tuple[DrawRows | None, DrawRows | None]:
-    """(narrow, wide): the sampled (not greedy) rows that draw from their NARROW_K largest logits, and the rest."""
+@dataclass(frozen=True)
+class DrawPlan:
+    """A step's sampled (not greedy) rows by the way they draw; None where no row goes that way."""
+
+    narrow: DrawRows | None = None
+    nucleus: DrawRows | None = None
+    sorted: DrawRows | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.narrow is None and self.nucleus is None and self.sorted is None
+
+
+def plan_draws(reqs: list[Request], steps: list[int], vocab_size: int, device: torch.device) -> DrawPlan:
     narrow_limit = min(NARROW_K, vocab_size)
-    narrow, wide = [], []
+    narrow, nucleus, by_sort = [], [], []
     for i, r in enumerate(reqs):
         p = r.params
-        if not p.greedy:
-            (narrow if 0 < p.top_k <= narrow_limit or vocab_size <= narrow_limit else wide).append(i)
-    return (
-        DrawRows.build(narrow, reqs, steps, vocab_size, device),
-        DrawRows.build(wide, reqs, steps, vocab_size, device),
-    )
+        if p.greedy:
+            continue
+        if 0 < p.top_k <= narrow_limit or vocab_size <= narrow_limit:
+            narrow.append(i)
+        elif p.top_k <= 0 or p.top_k >= vocab_size:
+            nucleus.append(i)
+        else:
+            by_sort.append(i)
+    return DrawPlan(*(DrawRows.build(group, reqs, steps, vocab_size, device) for group in (narrow, nucleus, by_sort)))
 
 
-def draw(logits: torch.Tensor, narrow: DrawRows | None, wide: DrawRows | None) -> torch.Tensor:
+def draw(logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
     """logits: [B, V] float32 (penalised, biased and masked) -> [B] int64: greedy rows' argmax, the others drawn."""
     batch = logits.shape[0]
-    for g, how in ((narrow, _draw_narrow), (wide, _draw_wide)):
+    ways = ((plan.narrow, _draw_narrow), (plan.nucleus, _draw_nucleus), (plan.sorted, _draw_sorted))
+    for g, how in ways:
         if g is not None and g.rows.shape[0] == batch:  # every row (rows are in order): no gather, no scatter
             return how(logits, g)
     ids = logits.argmax(dim=-1)  # the greedy rows' (the drawn rows' are replaced)
-    for g, how in ((narrow, _draw_narrow), (wide, _draw_wide)):
+    for g, how in ways:
         if g is not None:
             ids[g.rows] = how(logits.index_select(0, g.rows), g)
     return ids
@@ -100,13 +121,16 @@ def _draw_narrow(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
     return ids.gather(1, choice[:, None]).squeeze(1)
 
 
-def _draw_wide(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
+def _draw_nucleus(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
+    return kernels.nucleus_draw(logits, g.temperature, g.top_p, g.log_min_p, g.seed, g.step)
+
+
+def _draw_sorted(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
     scaled = logits / g.temperature[:, None]
     if g.any_min_p:
         scaled = _cut_min_p(scaled, scaled.amax(dim=-1, keepdim=True), g.log_min_p)
-    if g.any_top:
-        ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
-        scaled = torch.empty_like(scaled).scatter_(1, order, cut_sorted(ordered, g.top_k, g.top_p))
+    ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
+    scaled = torch.empty_like(scaled).scatter_(1, order, cut_sorted(ordered, g.top_k, g.top_p))
     ids = torch.arange(scaled.shape[1], device=scaled.device)[None, :]  # [1, V]
     return (scaled.softmax(dim=-1) / _noise(g, ids)).argmax(dim=-1)
 
@@ -134,16 +158,5 @@ def _noise(g: DrawRows, ids: torch.Tensor) -> torch.Tensor:
     shape = (g.rows.shape[0], ids.shape[1])
     noise = torch.empty(shape, device=ids.device).exponential_()
     if g.any_seeded:
-        noise = torch.where(g.seeded[:, None], -torch.log(_seeded_uniform(g.seed, g.step, ids)), noise)
+        noise = torch.where(g.seeded[:, None], -torch.log(seeded_uniform(g.seed, g.step, ids)), noise)
     return noise
-
-
-def _seeded_uniform(seed: torch.Tensor, step: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Counter-based uniform noise in (0, 1) from (seed, step, token id): [R, n]. 32-bit mixing kept inside int64 so
-    nothing overflows."""
-    x = (seed[:, None] ^ (seed[:, None] >> 32)) & _MASK32
-    x = (x * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + ids * 0xC2B2AE3D) & _MASK32
-    for mul in (0x7FEB352D, 0x846CA68B):
-        x = ((x ^ (x >> 16)) * mul) & _MASK32
-    x = x ^ (x >> 16)
-    return (x.float() + 0.5) / 4294967296.0

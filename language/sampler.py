@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from language import kernels
-from language.draw import DrawRows, draw, plan_draws
+from language.draw import DrawPlan, draw, plan_draws
 from language.penalties import Penalties, PenaltyTables, apply_penalties
 from language.request import Request
 
@@ -32,9 +32,7 @@ _MAX_LOG_BOOST = math.log(_MAX_BOOST)
 class SamplingBatch:
     """A step's sampling, per row, on the logits' device."""
 
-    # The sampled rows, split by how they draw (language/draw.py); None: no row goes that way
-    narrow: DrawRows | None
-    wide: DrawRows | None
+    draws: DrawPlan  # the sampled rows, by how they draw (language/draw.py)
     penalties: Penalties | None
     penalty_tables: PenaltyTables | None  # where the penalties' rows live; sampling counts its samples there
     processors: LogitProcessors | None = None
@@ -58,10 +56,8 @@ class SamplingBatch:
         if any(p.has_penalties for p in ps):
             penalty_tables = penalty_tables or PenaltyTables(vocab_size, device)
             penalties = penalty_tables.batch(reqs)
-        narrow, wide = plan_draws(reqs, [_sampled_before(r) for r in reqs], vocab_size, device)
         return cls(
-            narrow=narrow,
-            wide=wide,
+            draws=plan_draws(reqs, [_sampled_before(r) for r in reqs], vocab_size, device),
             penalties=penalties,
             penalty_tables=penalty_tables,
             processors=(
@@ -234,7 +230,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> Samples:
         logits = sb.processors.apply(logits)
     if sb.token_mask is not None:
         logits = apply_token_bitmask(logits, *sb.token_mask)
-    next_ids = draw(logits, sb.narrow, sb.wide)
+    next_ids = draw(logits, sb.draws)
     if sb.penalties is not None:
         sb.penalty_tables.count(sb.penalties, next_ids)
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]: one kernel (logsumexp takes five and a [B, V] temporary)

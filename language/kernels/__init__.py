@@ -21,6 +21,7 @@ from language.kernels.greedy_sample import greedy_sample as _greedy_sample_trito
 from language.kernels.head_rms_norm import qk_rms_norm as _qk_rms_norm_triton
 from language.kernels.kv_store import store_kv as _store_kv_triton
 from language.kernels.launch_utils import HALF_DTYPES
+from language.kernels.nucleus_draw import nucleus_draw as _nucleus_draw_triton
 from language.kernels.penalties import penalize as _penalize_triton
 from language.kernels.prefill_attention import prefill_attention as _prefill_attention_triton
 from language.kernels.rms_norm import add_rms_norm as _add_rms_norm_triton
@@ -111,6 +112,8 @@ splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embedd
 greedy_sample = _dispatch(_greedy_sample_triton, reference.greedy_sample_ref)
 # Repetition, frequency and presence penalties from the engine's per-request tables, in one pass.
 penalize = _dispatch(_penalize_triton, reference.penalize_ref)
+# A top-p / min-p draw over the whole vocabulary, without sorting it.
+nucleus_draw = _dispatch(_nucleus_draw_triton, reference.nucleus_draw_ref)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -166,6 +169,7 @@ __all__ = [
     "greedy_sample",
     "linear",
     "mrope_cos_sin",
+    "nucleus_draw",
     "penalize",
     "prefill_attention",
     "qk_rms_norm",

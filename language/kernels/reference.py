@@ -353,3 +353,57 @@ def penalize_ref(
     rep = repetition[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - frequency[:, None] * row_counts - presence[:, None] * came_out.float()
+
+
+_MASK32 = 0xFFFFFFFF
+NUCLEUS_MAX_ROUNDS = 32  # nucleus_draw's rejection rounds before it takes the most likely id (see its kernel)
+
+
+def seeded_uniform(seed: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, round_: int = 0) -> torch.Tensor:
+    """Counter-based uniform noise in (0, 1) from (seed, step, token id, round): seed and step [R], ids [R, n] or
+    [1, n] -> [R, n] fp32. A 32-bit mix kept inside int64 (products wrap; only the low 32 bits are kept), then its
+    top 24 bits, so that the fp32 value is exact and below 1 (the full 32 bits round up to 1.0 near the top, and an
+    Exp(1) draw of -log(1) = 0 would win any race)."""
+    x = (seed[:, None] ^ (seed[:, None] >> 32)) & _MASK32
+    x = (x * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + ids * 0xC2B2AE3D + round_ * 0x27D4EB2F) & _MASK32
+    for mul in (0x7FEB352D, 0x846CA68B):
+        x = ((x ^ (x >> 16)) * mul) & _MASK32
+    x = x ^ (x >> 16)
+    return ((x >> 8).float() + 0.5) / 16777216.0
+
+
+def nucleus_draw_ref(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    log_min_p: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+) -> torch.Tensor:
+    """logits [R, V] fp32 -> [R] int64: each row's draw from softmax(logits / temperature) cut by min-p (ids whose
+    scaled logit is under the largest plus log_min_p) and then top-p (the ids whose mass of strictly likelier ids,
+    among those min-p keeps, is under top_p), by rejection: an exponential race over the ids above a floor (seeded
+    noise of each round), kept if the winner is inside both cuts, else the floor rises to the winner's logit (every
+    id at or below it is outside the nucleus too) and the next round races. After NUCLEUS_MAX_ROUNDS rounds, the
+    most likely id. All [R] fp32 but seed and step (int64)."""
+    scaled = logits / temperature[:, None]  # [R, V]
+    top = scaled.amax(dim=-1, keepdim=True)  # [R, 1]
+    floor = top + log_min_p[:, None]
+    kept_mass = torch.where(scaled >= floor, (scaled - top).exp(), 0.0).sum(dim=-1)  # [R]
+    ids = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+    low = torch.full_like(top, float("-inf"))  # [R, 1]: the race's floor (exclusive)
+    choice = scaled.argmax(dim=-1)
+    done = torch.zeros_like(choice, dtype=torch.bool)
+    for round_ in range(NUCLEUS_MAX_ROUNDS):
+        noise = -torch.log(seeded_uniform(seed, step, ids, round_))  # Exp(1) [R, V]
+        key = torch.where(scaled > low, scaled - torch.log(noise), float("-inf"))
+        winner = key.argmax(dim=-1, keepdim=True)  # [R, 1]
+        at = scaled.gather(1, winner)  # [R, 1]
+        above = torch.where(scaled > at, (scaled - top).exp(), 0.0).sum(dim=-1)
+        inside = (at >= floor).squeeze(1) & ((top_p >= 1.0) | (above < top_p * kept_mass))
+        choice = torch.where(inside & ~done, winner.squeeze(1), choice)
+        done = done | inside
+        if bool(done.all()):
+            break
+        low = torch.where(done[:, None], low, at)
+    return choice

@@ -86,7 +86,7 @@ def test_min_new_tokens_with_ignore_eos_only_masks_stop_ids():
 
 def test_plain_greedy_batch_has_no_processors():
     sb = SamplingBatch.build([_req(SamplingParams())], V, torch.device("cpu"), EOS)
-    assert sb.processors is None and sb.narrow is None and sb.wide is None  # every row takes its argmax
+    assert sb.processors is None and sb.draws.empty  # every row takes its argmax
 
 
 def test_exponential_decay_length_penalty_matches_hf():
