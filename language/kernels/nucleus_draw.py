@@ -32,7 +32,7 @@ def _race_key(scaled, cols, seed_mix, step, round_):
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
     x = ((x ^ (x >> 16)) * 0x846CA68B) & _MASK32
     x = x ^ (x >> 16)
-    u = ((x >> 8).to(tl.float32) + 0.5) / 16777216.0
+    u = ((x >> 9).to(tl.float32) + 0.5) / 8388608.0
     return scaled - tl.log(-tl.log(u))
 
 

@@ -362,14 +362,19 @@ NUCLEUS_MAX_ROUNDS = 32  # nucleus_draw's rejection rounds before it takes the m
 def seeded_uniform(seed: torch.Tensor, step: torch.Tensor, ids: torch.Tensor, round_: int = 0) -> torch.Tensor:
     """Counter-based uniform noise in (0, 1) from (seed, step, token id, round): seed and step [R], ids [R, n] or
     [1, n] -> [R, n] fp32. A 32-bit mix kept inside int64 (products wrap; only the low 32 bits are kept), then its
-    top 24 bits, so that the fp32 value is exact and below 1 (the full 32 bits round up to 1.0 near the top, and an
+    top 23 bits, so that the fp32 value is exact and below 1 (the full 32 bits round up to 1.0 near the top, and an
     Exp(1) draw of -log(1) = 0 would win any race)."""
     x = (seed[:, None] ^ (seed[:, None] >> 32)) & _MASK32
     x = (x * 0x9E3779B1 + step[:, None] * 0x85EBCA77 + ids * 0xC2B2AE3D + round_ * 0x27D4EB2F) & _MASK32
     for mul in (0x7FEB352D, 0x846CA68B):
         x = ((x ^ (x >> 16)) * mul) & _MASK32
-    x = x ^ (x >> 16)
-    return ((x >> 8).float() + 0.5) / 16777216.0
+    return unit_interval(x ^ (x >> 16))
+
+
+def unit_interval(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 in [0, 2^32)) -> fp32 in (0, 1): the top 23 bits plus a half, exact in fp32 (with 24
+    bits the largest rounds up to 1)."""
+    return ((x >> 9).float() + 0.5) / 8388608.0
 
 
 def nucleus_draw_ref(

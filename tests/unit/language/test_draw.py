@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from language.draw import NARROW_K
+from language.kernels.reference import unit_interval
 from language.request import Request
 from language.sampler import SamplingBatch, sample
 from language.sampling_params import SamplingParams
@@ -98,3 +99,10 @@ def test_a_seeded_row_draws_the_same_beside_any_rows() -> None:
     for params in (narrow, nucleus):  # different seeds draw different tokens
         draws = {_sample(logits.clone(), [dataclasses.replace(params, seed=s)]).item() for s in range(30)}
         assert len(draws) > 3
+
+
+def test_seeded_noise_stays_inside_the_unit_interval() -> None:
+    """A hash near 2^32 once rounded to u = 1.0 in fp32: an Exp(1) draw of 0 then won the race for its id whatever
+    its probability (about one seeded draw in 200 over a 152k vocabulary)."""
+    u = unit_interval(torch.tensor([0, 1, 2**31, 2**32 - 129, 2**32 - 1]))
+    assert (u > 0).all() and (u < 1).all() and (-torch.log(u) > 0).all()
