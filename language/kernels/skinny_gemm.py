@@ -34,7 +34,7 @@ from language.kernels.launch_utils import (
 from language.kernels.skinny_launches import SkinnyConfig, block_m_for, default_config, launch_for, sm_count
 
 _REDUCE_BLOCK = 512  # outputs per program of the split-K reduction
-FP8_PROMOTE_K = 0  # FP8 products the tensor cores sum before each fp32 add (0: none): _partial_product
+FP8_PROMOTE_K = 128  # FP8 products the tensor cores sum before each fp32 add (0: none): _partial_product
 
 
 @triton.jit
@@ -47,14 +47,16 @@ def _partial_product(
 
     FP8 on sm_90 (PROMOTE_K, `max_num_imprecise_acc`): left unset, Triton lets the FP8 tensor cores (wgmma) sum the
     whole reduction in their reduced-precision accumulator (~14 mantissa bits), percents off the reference where a
-    sum cancels. At 0 (FP8_PROMOTE_K), Triton gives up the FP8 tensor cores: it widens both operands to fp16
-    (exactly) and runs fp16 MMAs (mma.sync) with fp32 sums, so the result is the reference's to fp32 rounding. At
-    32, each wgmma's 32 products are summed in the tensor core and then added to an fp32 accumulator (vLLM's CUTLASS
-    and DeepGEMM add every 128): on an H100 the 28 layers' linears took 3.41 against 3.69 ms at 64 rows, within 3 %
-    at 16 and 32 rows, and fp32 outputs moved up to 1.5 % off the reference (benchmarks/fp8_gemm_bench.py --promote
-    0,32; docs/performance.md), so 0 is kept. wgmma needs 64 rows on the A side (the padded M, or BLOCK_N when
-    SWAP_AB); narrower tiles take the fp16 path either way. bf16/fp16 products accumulate in fp32 either way (Triton
-    ignores the argument)."""
+    sum cancels. At 128 (FP8_PROMOTE_K; a step's columns where fewer), the tensor cores sum 128 products at a time
+    and each such partial sum is added to an fp32 accumulator, as DeepGEMM and vLLM's block-FP8 kernels do: each
+    partial carries the reduced precision, so an output is within ~2^-13 of the sum of its products' magnitudes
+    from the reference. At 0, Triton gives up the FP8 tensor cores: it widens both operands to fp16 (exactly) and
+    runs fp16 MMAs (mma.sync) with fp32 sums, the reference's result to fp32 rounding, but the weights then stream
+    below bandwidth: on an H100 the 28 layers' linears took 3.29 ms at 64 rows with 128 against 3.64-3.73 ms with
+    0, 3.03 against 3.17 ms at 32, level at 8 and 16 (benchmarks/fp8_gemm_bench.py --promote 0,128;
+    docs/performance.md). wgmma needs 64 rows on the A side (the padded M, or BLOCK_N when SWAP_AB); narrower
+    tiles take the fp16 path either way. bf16/fp16 products accumulate in fp32 either way (Triton ignores the
+    argument)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # the swapped product's (dead code otherwise)
     for k0 in range(k_start, k_stop, BLOCK_K):
@@ -223,7 +225,8 @@ def launch_skinny(
         x.stride(0), xs.stride(0), weight.stride(0), ws.stride(0), out.stride(0),
         SCALED=scaled, SPLIT_K=split_k, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
         SWAP_AB=config.swap_ab, DOT_FP32=dot_in_fp32(x.dtype), BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        PROMOTE_K=FP8_PROMOTE_K, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
+        PROMOTE_K=min(FP8_PROMOTE_K, block_k),  # Triton's bound: at most a step's columns
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     if split_k > 1:
         _split_k_reduce_kernel[(m, cdiv(num_out, _REDUCE_BLOCK))](

@@ -2,11 +2,12 @@
 where we have them, a first guess from the shapes' arithmetic elsewhere, and, for bf16/fp16 weights, whether it
 beats cuBLAS at all.
 
-The measured table comes from benchmarks/bf16_gemm_bench.py and fp8_gemm_bench.py (NVIDIA H100 80GB HBM3, 132 SMs,
-tree of 926cb60, 2026-11-26 01:47 UTC; docs/performance.md): the Qwen2-VL-7B decoder's four linears and its LM head
-at M = 8, 16, 32 and 64 rows, each M standing for the rows up to it. FP8: our kernel beat the quantizer + cuBLASLt's
-row-wise `_scaled_mm` at every shape and M (3.33-4.13 ms against 4.70-4.84 ms for the 28 layers' linears), so
-unmeasured FP8 shapes take `default_config`. bf16: cuBLAS streams the narrow qkv and o projections faster at most M
+The measured table comes from benchmarks/bf16_gemm_bench.py (NVIDIA H100 80GB HBM3, 132 SMs, tree of 926cb60,
+2026-11-26 01:47 UTC) and fp8_gemm_bench.py (the same GPU, with FP8_PROMOTE_K 128, 2026-11-27 05:33 UTC;
+docs/performance.md): the Qwen2-VL-7B decoder's four linears and its LM head at M = 8, 16, 32 and 64 rows, each M
+standing for the rows up to it. FP8: our kernel beat the quantizer + cuBLASLt's row-wise `_scaled_mm` at every shape
+and M (2.88-3.29 ms against 4.20-4.36 ms for the 28 layers' linears), so unmeasured FP8 shapes take
+`default_config`. bf16: cuBLAS streams the narrow qkv and o projections faster at most M
 (0.83-0.97x), and our kernel wins on the wide ones by 2-11 %; an unmeasured bf16 shape keeps cuBLAS, since the first
 guess lost to it on half the measured cells."""
 
@@ -52,10 +53,10 @@ _MEASURED: dict[tuple[int, int, int], tuple[SkinnyConfig | None, ...]] = {
     (2, 3584, 18944): (_c(32, 128, 3, 4), _c(32, 128, 3, 4, True), _c(32, 128, 3, 4), _c(32, 64, 3, 5)),
     (2, 152064, 3584): (_c(64, 128, 1, 4, True), _c(64, 128, 1, 4, True), _c(64, 128, 1, 3, True), _c(64, 128, 1, 3)),
     # FP8 (per-channel): qkv, o, gate_up, down
-    (1, 4608, 3584): (_c(64, 256, 3, 3), _c(64, 256, 3, 3), _c(64, 256, 3, 4), _c(64, 128, 4, 3, True)),
-    (1, 3584, 3584): (_c(32, 128, 3, 4), _c(32, 128, 3, 5), _c(32, 256, 6, 4), _c(64, 256, 6, 4)),
-    (1, 37888, 3584): (_c(64, 256, 1, 4), _c(64, 256, 1, 4), _c(64, 256, 1, 4), _c(32, 128, 1, 4)),
-    (1, 3584, 18944): (_c(32, 256, 3, 4), _c(32, 256, 3, 3), _c(64, 128, 5, 4, True), _c(64, 128, 5, 4, True)),
+    (1, 4608, 3584): (_c(64, 128, 4, 4, True), _c(64, 128, 4, 4, True), _c(64, 256, 3, 4, True), _c(32, 128, 2, 5)),
+    (1, 3584, 3584): (_c(64, 128, 5, 4, True), _c(64, 128, 5, 4, True), _c(64, 256, 3, 4, True), _c(32, 128, 3, 5)),
+    (1, 37888, 3584): (_c(64, 256, 1, 4), _c(64, 256, 1, 4), _c(64, 256, 1, 3, True), _c(64, 128, 1, 4, True)),
+    (1, 3584, 18944): (_c(32, 256, 3, 4), _c(32, 256, 3, 4, True), _c(64, 128, 5, 4, True), _c(64, 128, 5, 4)),
 }
 
 

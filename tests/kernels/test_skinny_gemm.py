@@ -81,7 +81,7 @@ def test_launch_for_takes_the_measured_table_then_the_first_guess():
     assert launch_for(16, 3584, 3584, itemsize=2) == launch_for(9, 3584, 3584, itemsize=2)  # one bucket: 9-16 rows
     assert launch_for(16, 3584, 3584, itemsize=2) is not None and launch_for(17, 3584, 3584, itemsize=2) is None
     assert launch_for(64, 3584, 18944, itemsize=2) == SkinnyConfig(32, 64, 3, 4, 5)
-    assert launch_for(64, 3584, 18944, itemsize=1) == SkinnyConfig(64, 128, 5, 4, 4, swap_ab=True)
+    assert launch_for(64, 3584, 18944, itemsize=1) == SkinnyConfig(64, 128, 5, 4, 4)
     assert launch_for(8, 512, 256, itemsize=2) is None
     assert launch_for(8, 512, 256, itemsize=1) == default_config(8, 512, 256, itemsize=1)
     assert launch_for(65, 3584, 18944, itemsize=1) is None
