@@ -24,7 +24,7 @@ SETTINGS = {
     "temperature 0.7": dict(do_sample=True, temperature=0.7),
     "top-p 0.9": dict(do_sample=True, temperature=0.7, top_p=0.9),
     "top-p 0.5, min-p 0.05": dict(do_sample=True, temperature=1.0, top_p=0.5, min_p=0.05),
-    "top-k 2000, top-p 0.9 (sorted)": dict(do_sample=True, temperature=0.7, top_k=2000, top_p=0.9),
+    "top-k 2000, top-p 0.9": dict(do_sample=True, temperature=0.7, top_k=2000, top_p=0.9),
     "top-k 50": dict(do_sample=True, top_k=50),
     "top-k 20, top-p 0.8": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8),
     "the same + penalties": dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5,

@@ -7,7 +7,8 @@ it runs in:
   few columns;
 - nucleus: no top-k (the common OpenAI request: temperature and top-p) draws over the whole vocabulary without
   sorting it (kernels.nucleus_draw: rejection against the min-p and top-p cuts);
-- sorted: a top-k above NARROW_K and below the vocabulary's size sorts the row ([B, V]) and cuts it.
+- wide top-k: a top-k above NARROW_K and below the vocabulary's size draws as the narrow rows do, from the largest
+  logits up to the group's largest top-k.
 
 The draw is an exponential race: argmax(p / E) with E ~ Exp(1) per column draws from p without a cumulative-sum
 search; a seeded row's E comes from a counter-based hash of (seed, step, token id), and so does every nucleus row's
@@ -15,6 +16,7 @@ search; a seeded row's E comes from a counter-based hash of (seed, step, token i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -74,16 +76,17 @@ class DrawPlan:
 
     narrow: DrawRows | None = None
     nucleus: DrawRows | None = None
-    sorted: DrawRows | None = None
+    wide_top_k: DrawRows | None = None
+    wide_columns: int = 0  # the largest top-k of the wide_top_k rows
 
     @property
     def empty(self) -> bool:
-        return self.narrow is None and self.nucleus is None and self.sorted is None
+        return self.narrow is None and self.nucleus is None and self.wide_top_k is None
 
 
 def plan_draws(reqs: list[Request], steps: list[int], vocab_size: int, device: torch.device) -> DrawPlan:
     narrow_limit = min(NARROW_K, vocab_size)
-    narrow, nucleus, by_sort = [], [], []
+    narrow, nucleus, wide = [], [], []
     for i, r in enumerate(reqs):
         p = r.params
         if p.greedy:
@@ -93,14 +96,19 @@ def plan_draws(reqs: list[Request], steps: list[int], vocab_size: int, device: t
         elif p.top_k <= 0 or p.top_k >= vocab_size:
             nucleus.append(i)
         else:
-            by_sort.append(i)
-    return DrawPlan(*(DrawRows.build(group, reqs, steps, vocab_size, device) for group in (narrow, nucleus, by_sort)))
+            wide.append(i)
+    groups = (DrawRows.build(group, reqs, steps, vocab_size, device) for group in (narrow, nucleus, wide))
+    return DrawPlan(*groups, wide_columns=max((reqs[i].params.top_k for i in wide), default=0))
 
 
 def draw(logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
     """logits: [B, V] float32 (penalised, biased and masked) -> [B] int64: greedy rows' argmax, the others drawn."""
     batch = logits.shape[0]
-    ways = ((plan.narrow, _draw_narrow), (plan.nucleus, _draw_nucleus), (plan.sorted, _draw_sorted))
+    ways = (
+        (plan.narrow, functools.partial(_draw_top, columns=NARROW_K)),
+        (plan.nucleus, _draw_nucleus),
+        (plan.wide_top_k, functools.partial(_draw_top, columns=plan.wide_columns)),
+    )
     for g, how in ways:
         if g is not None and g.rows.shape[0] == batch:  # every row (rows are in order): no gather, no scatter
             return how(logits, g)
@@ -111,8 +119,10 @@ def draw(logits: torch.Tensor, plan: DrawPlan) -> torch.Tensor:
     return ids
 
 
-def _draw_narrow(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
-    values, ids = logits.topk(min(NARROW_K, logits.shape[1]), dim=-1)  # each [R, K], largest first
+def _draw_top(logits: torch.Tensor, g: DrawRows, columns: int) -> torch.Tensor:
+    """From each row's `columns` largest logits (at least its top-k; a seeded row's noise is keyed by token id, so
+    the draw does not depend on how many columns its group took, ties at its k-th logit aside)."""
+    values, ids = logits.topk(min(columns, logits.shape[1]), dim=-1)  # each [R, K], largest first
     values = values / g.temperature[:, None]
     if g.any_min_p:
         values = _cut_min_p(values, values[:, :1], g.log_min_p)
@@ -123,16 +133,6 @@ def _draw_narrow(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
 
 def _draw_nucleus(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
     return kernels.nucleus_draw(logits, g.temperature, g.top_p, g.log_min_p, g.seed, g.step)
-
-
-def _draw_sorted(logits: torch.Tensor, g: DrawRows) -> torch.Tensor:
-    scaled = logits / g.temperature[:, None]
-    if g.any_min_p:
-        scaled = _cut_min_p(scaled, scaled.amax(dim=-1, keepdim=True), g.log_min_p)
-    ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
-    scaled = torch.empty_like(scaled).scatter_(1, order, cut_sorted(ordered, g.top_k, g.top_p))
-    ids = torch.arange(scaled.shape[1], device=scaled.device)[None, :]  # [1, V]
-    return (scaled.softmax(dim=-1) / _noise(g, ids)).argmax(dim=-1)
 
 
 def _cut_min_p(scaled: torch.Tensor, top: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """How sampled rows draw (language/draw.py) on a vocabulary wider than NARROW_K: rows with a small top-k draw from
 their NARROW_K largest logits, rows without a top-k from the whole vocabulary by rejection (nucleus), rows with a
-top-k above NARROW_K from the sorted vocabulary; each follows the distribution HF's warpers leave in vLLM's order
-(temperature, min-p, top-k, top-p), and a seeded row draws the same tokens whatever batch (and whatever other paths)
-it runs beside."""
+top-k above NARROW_K from their group's largest top-k logits; each follows the distribution HF's warpers leave in
+vLLM's order (temperature, min-p, top-k, top-p), and a seeded row draws the same tokens whatever batch (and whatever
+other paths) it runs beside."""
 
 import dataclasses
 
@@ -62,12 +62,12 @@ def _expected(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         SamplingParams(do_sample=True, temperature=0.9, top_p=0.85),  # nucleus
         SamplingParams(do_sample=True, temperature=0.9, top_p=0.05),  # nucleus: a first draw is rarely inside
         SamplingParams(do_sample=True, temperature=1.3),  # nucleus, no cut
-        SamplingParams(do_sample=True, temperature=0.9, top_k=NARROW_K + 100, top_p=0.85),  # sorted
+        SamplingParams(do_sample=True, temperature=0.9, top_k=NARROW_K + 100, top_p=0.85),  # wide top-k
         # min-p, then top-p over the mass min-p leaves: {0.31, 0.22} (HF's order, top-p first, keeps 0.17 too)
         SamplingParams(do_sample=True, top_k=50, top_p=0.6, min_p=0.5),  # narrow
         SamplingParams(do_sample=True, top_p=0.6, min_p=0.5),  # nucleus
         SamplingParams(do_sample=True, min_p=0.3),  # nucleus, min-p alone
-        SamplingParams(do_sample=True, top_k=NARROW_K + 100, top_p=0.6, min_p=0.5),  # sorted
+        SamplingParams(do_sample=True, top_k=NARROW_K + 100, top_p=0.6, min_p=0.5),  # wide top-k
     ],
 )
 def test_each_path_follows_hfs_distribution(params: SamplingParams) -> None:
@@ -85,14 +85,14 @@ def test_a_seeded_row_draws_the_same_beside_any_rows() -> None:
     logits = torch.randn(1, V) * 2
     narrow = SamplingParams(do_sample=True, top_k=20, seed=7)
     nucleus = SamplingParams(do_sample=True, top_p=0.95, seed=7)
-    by_sort = SamplingParams(do_sample=True, top_k=NARROW_K + 1, top_p=0.95, seed=7)
+    wide_k = SamplingParams(do_sample=True, top_k=NARROW_K + 1, top_p=0.95, seed=7)
     others = [
         SamplingParams(),
         SamplingParams(do_sample=True, top_k=40),
         SamplingParams(do_sample=True, top_p=0.5),
         SamplingParams(do_sample=True, top_k=NARROW_K + 9),
     ]
-    for seeded in (narrow, nucleus, by_sort):
+    for seeded in (narrow, nucleus, wide_k):
         alone = _sample(logits.clone(), [seeded]).item()
         beside = _sample(torch.cat([torch.randn(len(others), V), logits]), [*others, seeded])[-1].item()
         assert alone == beside
