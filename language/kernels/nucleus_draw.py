@@ -106,7 +106,8 @@ def _nucleus_draw_kernel(
                 above_lane += tl.where(scaled > at, weight, 0.0)
                 kept_lane += tl.where(scaled >= floor, weight, 0.0)
             kept_mass = tl.sum(kept_lane, 0)  # the same sum each round: summing it again costs less than a branch
-            done = ((at >= floor) & (tl.sum(above_lane, 0) < top_p * kept_mass)).to(tl.int32)
+            above = tl.sum(above_lane, 0)  # 0 for the most likely ids, which are always inside (HF keeps the first)
+            done = ((at >= floor) & ((above < top_p * kept_mass) | (above == 0.0))).to(tl.int32)
         round_ += 1
         if (done == 0) & (round_ < MAX_ROUNDS):  # race again over the ids above the winner
             best_key = tl.full([BLOCK], float("-inf"), tl.float32)

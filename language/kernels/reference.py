@@ -387,10 +387,10 @@ def nucleus_draw_ref(
 ) -> torch.Tensor:
     """logits [R, V] fp32 -> [R] int64: each row's draw from softmax(logits / temperature) cut by min-p (ids whose
     scaled logit is under the largest plus log_min_p) and then top-p (the ids whose mass of strictly likelier ids,
-    among those min-p keeps, is under top_p), by rejection: an exponential race over the ids above a floor (seeded
-    noise of each round), kept if the winner is inside both cuts, else the floor rises to the winner's logit (every
-    id at or below it is outside the nucleus too) and the next round races. After NUCLEUS_MAX_ROUNDS rounds, the
-    most likely id. All [R] fp32 but seed and step (int64)."""
+    among those min-p keeps, is under top_p; the most likely ids always), by rejection: an exponential race over
+    the ids above a floor (seeded noise of each round), kept if the winner is inside both cuts, else the floor rises
+    to the winner's logit (every id at or below it is outside the nucleus too) and the next round races. After
+    NUCLEUS_MAX_ROUNDS rounds, the most likely id. All [R] fp32 but seed and step (int64)."""
     scaled = logits / temperature[:, None]  # [R, V]
     top = scaled.amax(dim=-1, keepdim=True)  # [R, 1]
     floor = top + log_min_p[:, None]
@@ -405,7 +405,7 @@ def nucleus_draw_ref(
         winner = key.argmax(dim=-1, keepdim=True)  # [R, 1]
         at = scaled.gather(1, winner)  # [R, 1]
         above = torch.where(scaled > at, (scaled - top).exp(), 0.0).sum(dim=-1)
-        inside = (at >= floor).squeeze(1) & ((top_p >= 1.0) | (above < top_p * kept_mass))
+        inside = (at >= floor).squeeze(1) & ((top_p >= 1.0) | (above < top_p * kept_mass) | (above == 0.0))
         choice = torch.where(inside & ~done, winner.squeeze(1), choice)
         done = done | inside
         if bool(done.all()):

@@ -287,16 +287,17 @@ def test_router_never_over_admits(server, llm, tokenizer):
     assert server.metrics()["mmserve_kv_tokens_used"] == 0
 
 
-def test_seeded_sampling_is_reproducible(server):
+@pytest.mark.parametrize("top_k", [{"top_k": 50}, {}], ids=["top-k", "nucleus"])  # each way a row draws
+def test_seeded_sampling_is_reproducible(server, top_k):
     params = {
         "do_sample": True,
         "temperature": 1.5,
-        "top_k": 50,
         "top_p": 0.95,
         "seed": 7,
         "max_new_tokens": 16,
         "ignore_eos": True,
         "return_details": True,
+        **top_k,
     }
     first, again = generate(server, PROMPTS[0], **params), generate(server, PROMPTS[0], **params)
     greedy = generate(server, PROMPTS[0], max_new_tokens=16, ignore_eos=True, return_details=True)

@@ -82,3 +82,14 @@ def test_the_reference_draws_each_nucleus_by_its_probabilities() -> None:
         probs = probs / probs.sum()
         freq = torch.bincount(ids, minlength=vocab).float() / draws
         assert (freq - probs).abs().max() < 0.012, (temperature, top_p, min_p)
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_id_at_once() -> None:
+    """top_p whose product with the mass rounds to 0 (a denormal, flushed on the GPU): the most likely id is inside
+    all the same, as HF keeps the first, found by the rounds that follow a winner outside (none runs to the cap)."""
+    logits, temperature, _, log_min_p, seed, step = _rows(6, 700, seed=5)
+    top_p = torch.full((6,), 1e-45)
+    params = [t.to(DEVICE) for t in (temperature, top_p, log_min_p, seed, step)]
+    ours = nucleus_draw(logits.to(DEVICE), *params)
+    assert torch.equal(ours.cpu(), (logits / temperature[:, None]).argmax(dim=-1))
+    assert torch.equal(ours, nucleus_draw_ref(logits.to(DEVICE), *params))
