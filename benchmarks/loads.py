@@ -201,6 +201,10 @@ def chat_messages(family: str, turns: list[tuple[str, bytes | None]], answers: l
     return tuple(out)
 
 
+# How the requests sample (serve_bench --sampling): greedy, or an OpenAI client's usual temperature and top-p
+SAMPLING: dict[str, dict] = {"greedy": {}, "top_p": {"temperature": 0.7, "top_p": 0.9}}
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     prompt: str
@@ -216,11 +220,13 @@ class RequestSpec:
     def new_tokens(self, default: int) -> int:
         return default if self.max_new_tokens is None else self.max_new_tokens
 
-    def body(self, max_new_tokens: int, json_schema: dict | None = None) -> bytes:
-        """LightLLM's /generate_stream JSON: greedy (the default), EOS ignored, the images as base64;
-        `max_new_tokens` unless the request has its own; with `json_schema`, the output follows it (LightLLM's
-        guided_json)."""
+    def body(self, max_new_tokens: int, json_schema: dict | None = None, sampling: str = "greedy") -> bytes:
+        """LightLLM's /generate_stream JSON: greedy (the default) or sampled as SAMPLING[sampling] says, EOS
+        ignored, the images as base64; `max_new_tokens` unless the request has its own; with `json_schema`, the
+        output follows it (LightLLM's guided_json)."""
         params = {"max_new_tokens": self.new_tokens(max_new_tokens), "ignore_eos": True}
+        if SAMPLING[sampling]:
+            params.update(do_sample=True, **SAMPLING[sampling])
         if json_schema is not None:
             params["guided_json"] = json_schema
         data: dict = {"inputs": self.prompt, "parameters": params}
@@ -229,17 +235,20 @@ class RequestSpec:
             data["multimodal_params"] = {"images": items}
         return json.dumps(data).encode()
 
-    def openai_body(self, max_new_tokens: int, model: str | None, json_schema: dict | None = None) -> bytes:
+    def openai_body(
+        self, max_new_tokens: int, model: str | None, json_schema: dict | None = None, sampling: str = "greedy"
+    ) -> bytes:
         """The OpenAI /v1/chat/completions JSON of the same work: the messages (images as data: URLs), greedy
-        (temperature 0), EOS ignored (`ignore_eos`, an extra field vLLM and mmserve take), streamed with usage
-        (`include_usage` for the final count; `continuous_usage_stats`, vLLM's, for each chunk's count so far);
-        with `json_schema`, OpenAI's response_format json_schema."""
+        (temperature 0) or sampled as SAMPLING[sampling] says, EOS ignored (`ignore_eos`, an extra field vLLM and
+        mmserve take), streamed with usage (`include_usage` for the final count; `continuous_usage_stats`, vLLM's,
+        for each chunk's count so far); with `json_schema`, OpenAI's response_format json_schema."""
         if not self.messages:
             raise ValueError("this request has no chat messages for the OpenAI API")
         data: dict = {
             "messages": [m.openai() for m in self.messages],
             "max_tokens": self.new_tokens(max_new_tokens),
             "temperature": 0,
+            **SAMPLING[sampling],
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},

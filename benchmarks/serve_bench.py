@@ -55,6 +55,7 @@ from benchmarks.chat_loads import Conversation, chat_conversations  # noqa: E402
 from benchmarks.json_schema_load import load_schema  # noqa: E402
 from benchmarks.loads import (  # noqa: E402
     FAMILIES,
+    SAMPLING,
     Load,
     RequestSpec,
     arrival_times,
@@ -68,11 +69,11 @@ from benchmarks.proc_cpu import cpu_delta, session_cpu  # noqa: E402
 
 def encode(spec: RequestSpec, max_new_tokens: int, args: argparse.Namespace) -> bytes:
     """The request's body in the API under test (`args.api`; the OpenAI one names `args.model_name`), its output
-    constrained to `args.json_schema` if given."""
+    constrained to `args.json_schema` if given, sampled as `args.sampling` says."""
     schema = load_schema(args.json_schema)
     if args.api == "openai":
-        return spec.openai_body(max_new_tokens, args.model_name, schema)
-    return spec.body(max_new_tokens, schema)
+        return spec.openai_body(max_new_tokens, args.model_name, schema, args.sampling)
+    return spec.body(max_new_tokens, schema, args.sampling)
 
 
 async def run_chats(
@@ -285,6 +286,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="PATH of a JSON schema, builtin or builtin_maxlength (benchmarks/json_schema_load.py): every request's "
         "output follows it (guided_json)",
+    )
+    ap.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLING),
+        default="greedy",
+        help="how every request samples: greedy, or top_p (temperature 0.7, top-p 0.9, no top-k)",
     )
     ap.add_argument(
         "--image_round",

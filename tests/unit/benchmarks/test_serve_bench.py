@@ -356,3 +356,17 @@ def test_json_schema_option_constrains_every_body(tmp_path) -> None:
     assert constrained == plain  # the same load otherwise
     # mmserve's /generate takes it: the schema compiles (xgrammar) and becomes the request's constraint
     assert parse_parameters(constrained["parameters"] | {"guided_json": OBJECTS_SCHEMA}).structured.kind == "json"
+
+
+def test_sampling_option_samples_every_body() -> None:
+    """--sampling top_p: temperature 0.7 and top-p 0.9 without a top-k on both APIs, which mmserve's /generate
+    parses into a sampled request (the nucleus draw); greedy by default."""
+    assert parse_args([]).sampling == "greedy" and parse_args(["--sampling", "top_p"]).sampling == "top_p"
+    (spec,), _ = requests_for(select_loads("text_x64", 1, 1, None)[0], "qwen2_vl")
+    greedy, sampled = json.loads(spec.body(16)), json.loads(spec.body(16, sampling="top_p"))
+    assert parse_parameters(greedy["parameters"]).greedy
+    params = parse_parameters(sampled["parameters"])
+    assert not params.greedy and (params.temperature, params.top_p, params.top_k) == (0.7, 0.9, -1)
+    chat = json.loads(spec.openai_body(16, None, sampling="top_p"))
+    assert (chat["temperature"], chat["top_p"]) == (0.7, 0.9) and "top_k" not in chat
+    assert json.loads(spec.openai_body(16, None))["temperature"] == 0
