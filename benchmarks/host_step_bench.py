@@ -43,7 +43,11 @@ def _measure(core: EngineCore, batch: int, chunk_tokens: int) -> tuple[float, ..
     repeats = 20
     t_sched = _time(lambda: sched.schedule(lambda n: True), repeats)
     staged_steps = []
-    t_stage = _time(lambda: staged_steps.append(stage(sched.schedule(lambda n: True), core.kv, 1)), repeats) - t_sched
+
+    def stage_one() -> None:
+        staged_steps.append(stage(sched.schedule(lambda n: True), core.kv, 1, core.prefix))
+
+    t_stage = _time(stage_one, repeats) - t_sched
     staged = staged_steps[-1]
     t_pack = _time(lambda: runner._batch(*runner._pack(staged), None), repeats)
     n = staged.num_seqs
@@ -55,6 +59,7 @@ def _measure(core: EngineCore, batch: int, chunk_tokens: int) -> tuple[float, ..
             None,
             n,
             0,
+            widths=(n, 0, 0, 0),
         )  # fmt: skip
         for _ in range(repeats)
     ]
