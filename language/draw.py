@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from language import kernels
-from language.kernels.reference import seeded_uniform
+from language.kernels.sampling_reference import seeded_uniform
 from language.request import Request
 
 NARROW_K = 1024

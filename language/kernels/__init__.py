@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from language.kernels import reference
+from language.kernels import reference, sampling_reference
 from language.kernels.decode_attention import decode_attention as _decode_attention_triton
 from language.kernels.embed_splice import splice_embeddings as _splice_embeddings_triton
 from language.kernels.fp8_quant import InputForm, MeasuredRows, QuantizedRows
@@ -109,11 +109,11 @@ prefill_attention = _dispatch(_prefill_attention_triton, reference.prefill_atten
 decode_attention = _dispatch(_decode_attention_triton, reference.decode_attention_ref)
 splice_embeddings = _dispatch(_splice_embeddings_triton, reference.splice_embeddings_ref)
 # The argmax and its log-probability, read from the LM head's logits in their own dtype.
-greedy_sample = _dispatch(_greedy_sample_triton, reference.greedy_sample_ref)
+greedy_sample = _dispatch(_greedy_sample_triton, sampling_reference.greedy_sample_ref)
 # Repetition, frequency and presence penalties from the engine's per-request tables, in one pass.
-penalize = _dispatch(_penalize_triton, reference.penalize_ref)
+penalize = _dispatch(_penalize_triton, sampling_reference.penalize_ref)
 # A top-p / min-p draw over the whole vocabulary, without sorting it.
-nucleus_draw = _dispatch(_nucleus_draw_triton, reference.nucleus_draw_ref)
+nucleus_draw = _dispatch(_nucleus_draw_triton, sampling_reference.nucleus_draw_ref)
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

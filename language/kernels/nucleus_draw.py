@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from language.kernels.launch_utils import check_device, check_dtype, check_inner_contiguous, check_shape
-from language.kernels.reference import NUCLEUS_MAX_ROUNDS
+from language.kernels.sampling_reference import NUCLEUS_MAX_ROUNDS
 
 BLOCK = 4096  # columns a program reads at a time
 _MASK32 = tl.constexpr(0xFFFFFFFF)
@@ -27,7 +27,7 @@ _MASK32 = tl.constexpr(0xFFFFFFFF)
 
 @triton.jit
 def _race_key(scaled, cols, seed_mix, step, round_):
-    """scaled - log(E) with E = -log(u), u from reference.seeded_uniform's hash of (seed, step, column, round)."""
+    """scaled - log(E) with E = -log(u), u from seeded_uniform's hash of (seed, step, column, round)."""
     x = (seed_mix * 0x9E3779B1 + step * 0x85EBCA77 + cols.to(tl.int64) * 0xC2B2AE3D + round_ * 0x27D4EB2F) & _MASK32
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
     x = ((x ^ (x >> 16)) * 0x846CA68B) & _MASK32

@@ -10,7 +10,7 @@ import torch
 from kernel_cases import DEVICE, strided_view
 
 from language.kernels.greedy_sample import MIN_CHUNK, chunk_size, greedy_sample
-from language.kernels.reference import greedy_sample_ref
+from language.kernels.sampling_reference import greedy_sample_ref
 
 LOGPROB_TOL = {"atol": 1e-5, "rtol": 1e-5}
 dtypes = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=str)

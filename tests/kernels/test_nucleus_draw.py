@@ -11,7 +11,7 @@ import torch
 from kernel_cases import DEVICE, strided_view
 
 from language.kernels.nucleus_draw import BLOCK, nucleus_draw
-from language.kernels.reference import nucleus_draw_ref
+from language.kernels.sampling_reference import nucleus_draw_ref
 
 
 def _rows(num_rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:

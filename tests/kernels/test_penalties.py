@@ -9,7 +9,7 @@ import torch
 from kernel_cases import DEVICE, strided_view
 
 from language.kernels.penalties import BLOCK, penalize
-from language.kernels.reference import penalize_ref
+from language.kernels.sampling_reference import penalize_ref
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 300), (5, BLOCK + 77), (9, 2 * BLOCK)])

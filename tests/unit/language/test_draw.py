@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from language.draw import NARROW_K
-from language.kernels.reference import unit_interval
+from language.kernels.sampling_reference import unit_interval
 from language.request import Request
 from language.sampler import SamplingBatch, sample
 from language.sampling_params import SamplingParams
