@@ -1,5 +1,5 @@
-"""Plain-torch references for every kernel: the definition of what each Triton kernel computes, and the path the
-engine takes when there is no GPU."""
+"""Plain-torch references for the layers' kernels (the sampling kernels' are in sampling_reference.py): the
+definition of what each Triton kernel computes, and the path the engine takes when there is no GPU."""
 
 from __future__ import annotations
 
