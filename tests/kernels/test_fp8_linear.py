@@ -1,8 +1,8 @@
 """The FP8 kernels against the torch reference of the same quantized arithmetic (language/quant/fp8.py): the GEMV,
 the block-scaled GEMM and the few-row GEMM take the same quantized operands, so they differ from it only by the
-order of the fp32 sums; the activation quantizer equals the reference: the same scales and the same e4m3 values;
-the GEMV that quantizes its row itself equals the quantizer then the GEMV, bit for bit, in every launch
-configuration."""
+order of the fp32 sums (and, for the few-row GEMM on a GPU, by the tensor cores' partial sums); the activation
+quantizer equals the reference: the same scales and the same e4m3 values; the GEMV that quantizes its row itself
+equals the quantizer then the GEMV, bit for bit, in every launch configuration."""
 
 import pytest
 import torch
