@@ -175,13 +175,7 @@ class ServerConfig(EngineOptions, VisualOptions):
                 "--visual_dp: data-parallel vision towers are not implemented; the vision tower runs once, in the "
                 "visual process on the first GPU, and its embeddings reach every rank. Use --visual_dp 1"
             )
-        if self.override_generation_config is not None:
-            try:
-                overrides = json.loads(self.override_generation_config)
-            except ValueError as e:
-                raise ValueError(f"--override_generation_config is not JSON: {e}") from None
-            if not isinstance(overrides, dict):
-                raise ValueError("--override_generation_config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+        self.generation_overrides()  # refused here, at start, in one line
         if self.cache_capacity < 1:
             raise ValueError("--cache_capacity must be >= 1")
         if self.max_image_pixels < 1:
@@ -205,6 +199,18 @@ class ServerConfig(EngineOptions, VisualOptions):
             raise ValueError("--visual_max_restarts must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("--port must be in 1..65535")
+
+    def generation_overrides(self) -> dict:
+        """--override_generation_config's JSON object ({} when omitted); ValueError, in one line, for anything else."""
+        if self.override_generation_config is None:
+            return {}
+        try:
+            overrides = json.loads(self.override_generation_config)
+        except ValueError as e:
+            raise ValueError(f"--override_generation_config is not JSON: {e}") from None
+        if not isinstance(overrides, dict):
+            raise ValueError("--override_generation_config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+        return overrides
 
     @property
     def ranks_per_node(self) -> int:

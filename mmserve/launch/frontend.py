@@ -4,7 +4,6 @@ and uvicorn. `mmserve.api_server` starts the children first and calls `run_front
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 
@@ -82,9 +81,7 @@ def run_frontend(
         config.model_dir,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser,
-        sampling_defaults=sampling_defaults(
-            config.generation_config, config.model_dir, json.loads(config.override_generation_config or "{}")
-        ),
+        sampling_defaults=sampling_defaults(config.generation_config, config.model_dir, config.generation_overrides()),
     )
     app = build_app(client, openai, timeouts)
     warm_first_use(app)
