@@ -17,7 +17,11 @@ the server). Per burst of at least --min_requests requests, the median, 10th and
 - first token: from the burst's first start to the request's first token leaving the router
 
 and, over the burst's window, the router's host time per prompt step (from the previous step's read-back to the
-launch returning), which the device waits through.
+launch returning), which the device waits through. Then the burst's phases, on the same clock from its first start:
+when the first tower batch and the first step began (what ran before: the intake); the prompt phase, until the
+last step with prompt tokens was read back (its steps and tokens); the decode tail after it, until the burst's last
+step (its steps and their median spacing, launch to launch); and the tower's batches (images, and the sum of their
+tower times). A load's floor is these phases at the device's rates.
 
     python benchmarks/ttft_stages.py SERVER_LOG --single
 
@@ -37,6 +41,7 @@ import argparse
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python benchmarks/ttft_stages.py` from anywhere
@@ -108,6 +113,64 @@ def prompt_step_host_gaps(steps: list[tuple[float, float, int]], since: float, u
     return gaps
 
 
+@dataclass(frozen=True)
+class BurstPhases:
+    """Where a burst's time went, in seconds from its first HTTP start (see the module's docstring)."""
+
+    first_tower: float | None  # None: no tower batch (text, or every image cached)
+    first_step: float
+    prompt_end: float  # the last prompt step's read-back
+    prompt_steps: int
+    prompt_tokens: int
+    tail_end: float  # the burst's last step's read-back
+    tail_steps: int
+    tail_step_p50: float | None  # median launch-to-launch spacing of the tail's steps (None: fewer than 2)
+    tower_images: int
+    tower_batches: int
+    tower_busy: float  # sum of the batches' tower times (start to embeddings in host memory)
+
+
+def burst_phases(
+    t0: float, until: float, steps: list[tuple[float, float, int]], towers: list[dict[str, float]]
+) -> BurstPhases | None:
+    """The phases of the burst that started at t0, from the steps launched and tower batches started in [t0, until)
+    (until: the next burst's start); None if no step ran."""
+    own = [s for s in steps if t0 <= s[0] < until]
+    if not own:
+        return None
+    prompt = [s for s in own if s[2]]
+    prompt_end = prompt[-1][1] if prompt else own[0][0]
+    tail = [s for s in own if s[0] >= prompt_end]
+    spacing = [b[0] - a[0] for a, b in zip(tail, tail[1:], strict=False)]
+    batches = [t for t in towers if t0 <= t["start"] < until]
+    return BurstPhases(
+        first_tower=min(t["start"] for t in batches) - t0 if batches else None,
+        first_step=own[0][0] - t0,
+        prompt_end=prompt_end - t0,
+        prompt_steps=len(prompt),
+        prompt_tokens=sum(s[2] for s in prompt),
+        tail_end=own[-1][1] - t0,
+        tail_steps=len(tail),
+        tail_step_p50=statistics.median(spacing) if spacing else None,
+        tower_images=int(sum(t.get("images", 0) for t in batches)),
+        tower_batches=len(batches),
+        tower_busy=sum(t["encoded"] - t["start"] for t in batches),
+    )
+
+
+def describe_phases(p: BurstPhases) -> str:
+    tower = "no tower batch" if p.first_tower is None else f"first tower batch at {p.first_tower * 1e3:.0f} ms"
+    tail = "" if p.tail_step_p50 is None else f", median step {p.tail_step_p50 * 1e3:.2f} ms"
+    towers = ""
+    if p.tower_batches:
+        towers = f"; towers: {p.tower_images} images in {p.tower_batches} batches, {p.tower_busy:.3f} s"
+    return (
+        f"{tower}, first step at {p.first_step * 1e3:.0f} ms; prompts until {p.prompt_end:.3f} s ({p.prompt_steps} "
+        f"steps, {p.prompt_tokens} tokens); decode tail until {p.tail_end:.3f} s ({p.tail_steps} steps{tail})"
+        f"{towers}"
+    )
+
+
 def tower_batches(lines) -> list[dict[str, float]]:
     """The visual process's batches: start, encoded, done, first_arrived (s), decode_ms and preprocess_ms."""
     out = []
@@ -115,7 +178,7 @@ def tower_batches(lines) -> list[dict[str, float]]:
         f = debug_fields(line)
         if f is not None and "tower batch:" in line:
             out.append({k: float(f[k]) for k in ("start", "encoded", "done", "first_arrived", "decode_ms",
-                                                  "preprocess_ms") if k in f})  # fmt: skip
+                                                  "preprocess_ms", "images") if k in f})  # fmt: skip
     return out
 
 
@@ -171,10 +234,13 @@ def main() -> None:
     if args.single:
         print_single(reqs, tower_batches(lines))
         return
-    for burst in bursts(reqs):
+    towers = tower_batches(lines)
+    all_bursts = bursts(reqs)
+    for i, burst in enumerate(all_bursts):
         if len(burst) < args.min_requests:
             continue
         t0, t1 = burst[0]["http_start"], max(r["first_token_at"] for r in burst)
+        until = all_bursts[i + 1][0]["http_start"] if i + 1 < len(all_bursts) else float("inf")
         print(f"burst at {t0:.3f}: {len(burst)} requests")
         for name, values in burst_stages(burst).items():
             if values:
@@ -182,6 +248,9 @@ def main() -> None:
         gaps = prompt_step_host_gaps(steps, t0, t1)
         if gaps:
             print(f"  {'step host':13s} {_quantiles(gaps)}  ({len(gaps)} prompt steps)")
+        phases = burst_phases(t0, until, steps, towers)
+        if phases is not None:
+            print(f"  {'phases':13s} {describe_phases(phases)}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.ttft_stages import (
+    burst_phases,
     burst_stages,
     bursts,
+    describe_phases,
     prompt_step_host_gaps,
     requests_and_steps,
     single_request_stages,
@@ -68,3 +70,36 @@ def test_stages_of_a_lone_request() -> None:
     expected = [0.008, 0.0238, 0.002, 0.009, 0.005, 0.0122, 0.02, 0.005, 0.015, 0.04, 0.14]
     assert list(stages.values()) == pytest.approx(expected, abs=1e-6)
     assert single_request_stages(reqs["c"], []).keys() == {"read+parse", "load+hash", "router", "server total"}
+
+
+def test_phases_of_a_burst() -> None:
+    """Burst a/b (first start 100.0, the next burst at 105.0): one tower batch, a prompt step, a decode step, a
+    second prompt step read back at 100.44, then a tail of three decode steps; the lone request's step (at 105.2)
+    and tower batch belong to the next burst."""
+    tower = (
+        "2026-11-23 09:05:21,300 visual DEBUG tower batch: start=100.050 encoded=100.110 done=100.115 images=2 "
+        "tokens=288 patches=1152 first_arrived=100.03 decode_ms=9.0 preprocess_ms=5.0"
+    )
+    later_tower = tower.replace("start=100.050 encoded=100.110", "start=105.050 encoded=105.070")
+    tail = [
+        f"2026-11-23 09:05:21,6{i}0 router DEBUG step timing: launched={t} collected={t + 0.005:.3f} prefill_tokens=0 "
+        "decode=2"
+        for i, t in enumerate((100.445, 100.452, 100.461))
+    ]
+    lone_step = (
+        "2026-11-23 09:05:26,200 router DEBUG step timing: launched=105.2 collected=105.21 prefill_tokens=9 decode=0"
+    )
+    reqs, steps = requests_and_steps([*LINES, *tail, lone_step])
+    first, lone = bursts(reqs)
+    towers = tower_batches([tower, later_tower])
+    p = burst_phases(first[0]["http_start"], lone[0]["http_start"], steps, towers)
+    assert p.first_tower == pytest.approx(0.05) and p.first_step == pytest.approx(0.21)
+    assert p.prompt_end == pytest.approx(0.44) and (p.prompt_steps, p.prompt_tokens) == (2, 498)
+    assert p.tail_end == pytest.approx(0.466) and p.tail_steps == 3
+    assert p.tail_step_p50 == pytest.approx(0.008)  # spacings 7 and 9 ms
+    assert (p.tower_images, p.tower_batches) == (2, 1) and p.tower_busy == pytest.approx(0.06)
+    assert "first tower batch at 50 ms" in describe_phases(p)
+    q = burst_phases(lone[0]["http_start"], float("inf"), steps, [])
+    assert q.first_tower is None and q.tail_steps == 0 and q.tail_step_p50 is None
+    assert "no tower batch" in describe_phases(q)
+    assert burst_phases(200.0, 300.0, steps, towers) is None
