@@ -18,10 +18,10 @@ the server). Per burst of at least --min_requests requests, the median, 10th and
 
 and, over the burst's window, the router's host time per prompt step (from the previous step's read-back to the
 launch returning), which the device waits through. Then the burst's phases, on the same clock from its first start:
-when the first tower batch and the first step began (what ran before: the intake); the prompt phase, until the
-last step with prompt tokens was read back (its steps and tokens); the decode tail after it, until the burst's last
-step (its steps and their median spacing, launch to launch); and the tower's batches (images, and the sum of their
-tower times). A load's floor is these phases at the device's rates.
+when the first tower batch began and the first step's launch returned (what ran before: the intake); the prompt
+phase, until the last step with prompt tokens was read back (its steps and tokens); the decode tail after it, until
+the burst's last step (its steps and their median spacing, launch to launch); and the tower's batches (images, and
+the sum of their tower times). A load's floor is these phases at the device's rates.
 
     python benchmarks/ttft_stages.py SERVER_LOG --single
 
@@ -118,7 +118,7 @@ class BurstPhases:
     """Where a burst's time went, in seconds from its first HTTP start (see the module's docstring)."""
 
     first_tower: float | None  # None: no tower batch (text, or every image cached)
-    first_step: float
+    first_step: float  # the first step's launch returning
     prompt_end: float  # the last prompt step's read-back
     prompt_steps: int
     prompt_tokens: int
@@ -172,7 +172,7 @@ def describe_phases(p: BurstPhases) -> str:
 
 
 def tower_batches(lines) -> list[dict[str, float]]:
-    """The visual process's batches: start, encoded, done, first_arrived (s), decode_ms and preprocess_ms."""
+    """The visual process's batches: start, encoded, done, first_arrived (s), decode_ms, preprocess_ms and images."""
     out = []
     for line in lines:
         f = debug_fields(line)
