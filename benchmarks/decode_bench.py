@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from benchmarks.loads import SAMPLING as REQUEST_SAMPLING
 from language.config import EngineConfig
 from language.engine import EngineCore
 from language.request import Request
@@ -32,8 +33,9 @@ COPY_BANDWIDTH = 3.0e12  # bytes/s, H100 device-to-device copy (measured; docs/p
 # Qwen's recommended sampling (Qwen3-VL's model card: presence penalty 1.5, top-k 20, top-p 0.8, temperature 0.7; the
 # repetition penalty of Qwen2-VL's generation config): every request goes through the penalties
 PENALTIES = dict(repetition_penalty=1.05, presence_penalty=1.5, do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
-# An OpenAI client's usual sampling: temperature and top-p, no top-k (the nucleus draw over the whole vocabulary)
-TOP_P = dict(do_sample=True, temperature=0.7, top_p=0.9)
+# An OpenAI client's usual sampling, serve_bench's --sampling top_p: temperature and top-p, no top-k (the nucleus
+# draw over the whole vocabulary)
+TOP_P = dict(do_sample=True, **REQUEST_SAMPLING["top_p"])
 SAMPLING = {"greedy": {}, "penalties": PENALTIES, "top_p": TOP_P}
 
 
